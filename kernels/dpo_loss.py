@@ -1,0 +1,127 @@
+"""The DPO family of preference losses on policy and reference log-probs.
+
+`dpo_loss` takes per-sequence log-probs `[B]`, or per-token log-probs `[B, T]` with 0/1
+masks that select the scored (response) tokens. It is differentiable in the policy
+log-probs; the reference log-probs are treated as constants by the loss formulas but
+are not wrapped in `stop_gradient` (the caller decides what is frozen).
+"""
+
+import jax
+import jax.numpy as jnp
+
+from kernels import reference
+
+LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
+IMPLS = ("auto", "xla", "reference")
+
+
+def _check_args(args, chosen_mask, rejected_mask, beta, loss_type, label_smoothing,
+                reference_free, impl):
+  if loss_type not in LOSS_TYPES:
+    raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {LOSS_TYPES}")
+  if impl not in IMPLS:
+    raise ValueError(f"unknown dpo_loss impl {impl!r}; choose one of {IMPLS}")
+  if not beta > 0:
+    raise ValueError(f"beta must be positive, got {beta}")
+  if loss_type == "robust" and not 0 <= label_smoothing < 0.5:
+    raise ValueError(f"robust DPO needs 0 <= label_smoothing < 0.5, got {label_smoothing}")
+  if not 0 <= label_smoothing <= 1:
+    raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+  names = ("policy_chosen_logps", "policy_rejected_logps", "ref_chosen_logps",
+           "ref_rejected_logps")
+  for name, x in zip(names, args):
+    if x is None and not (reference_free and name.startswith("ref")):
+      raise ValueError(f"{name} is None; only the reference log-probs may be None, "
+                       "and only with reference_free=True")
+  shape = jnp.shape(args[0])
+  for name, x in zip(names, args):
+    if x is not None and jnp.shape(x) != shape:
+      raise ValueError(f"{name} has shape {jnp.shape(x)}, expected {shape} "
+                       f"(the shape of policy_chosen_logps)")
+  per_token = len(shape) == 2
+  if len(shape) not in (1, 2):
+    raise ValueError(f"log-probs must be [B] or [B, T], got shape {shape}")
+  for name, m in (("chosen_mask", chosen_mask), ("rejected_mask", rejected_mask)):
+    if per_token and m is None:
+      raise ValueError(f"per-token log-probs {shape} need {name}")
+    if not per_token and m is not None:
+      raise ValueError(f"{name} given with per-sequence log-probs {shape}; masks are for [B, T]")
+    if m is not None and jnp.shape(m) != shape:
+      raise ValueError(f"{name} has shape {jnp.shape(m)}, expected {shape}")
+
+
+def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps,
+             ref_rejected_logps, *, chosen_mask=None, rejected_mask=None, beta=0.1,
+             loss_type="sigmoid", label_smoothing=0.0, reference_free=False, impl="auto"):
+  """Mean preference loss over the batch, and batch-mean metrics.
+
+  Args:
+    policy_chosen_logps, policy_rejected_logps: `[B]` sequence log-probs, or `[B, T]`
+      token log-probs; any float dtype, computed in float32.
+    ref_chosen_logps, ref_rejected_logps: same shape, from the frozen reference; may be
+      None when `reference_free=True` (they are then zero).
+    chosen_mask, rejected_mask: `[B, T]` 0/1 masks for per-token inputs, else None.
+    beta: the KL-penalty temperature.
+    loss_type: "sigmoid" (DPO; conservative DPO with `label_smoothing`), "ipo" (on
+      length-averaged log-probs), "hinge" (SLiC), "robust" (rDPO, unbiased under
+      `label_smoothing` = label-flip rate).
+    impl: "auto" and "xla" use the fused jnp version; "reference" the naive oracle.
+
+  Returns:
+    `(loss, metrics)`: a float32 scalar and the batch means `rewards/chosen`,
+    `rewards/rejected`, `rewards/accuracies` (chosen reward strictly greater),
+    `rewards/margins`, `logps/chosen`, `logps/rejected`. Rewards are
+    `beta * (policy - reference)` on the same (for ipo, length-averaged) log-probs the
+    loss sees.
+  """
+  args = (policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps)
+  _check_args(args, chosen_mask, rejected_mask, beta, loss_type, label_smoothing,
+              reference_free, impl)
+  if impl == "reference":
+    return reference.dpo_loss_reference(
+        *args, chosen_mask=chosen_mask, rejected_mask=rejected_mask, beta=beta,
+        loss_type=loss_type, label_smoothing=label_smoothing, reference_free=reference_free)
+
+  average = loss_type == "ipo"
+
+  def reduce(logps, mask):
+    logps = logps.astype(jnp.float32)
+    if mask is None:
+      return logps
+    mask = mask.astype(jnp.float32)
+    total = jnp.sum(logps * mask, axis=-1)
+    # A row with an empty mask would divide by zero; the data pipeline drops such
+    # pairs, and the max keeps a stray one finite instead of NaN.
+    return total / jnp.maximum(jnp.sum(mask, axis=-1), 1.0) if average else total
+
+  policy_c = reduce(policy_chosen_logps, chosen_mask)
+  policy_r = reduce(policy_rejected_logps, rejected_mask)
+  if reference_free:
+    ref_c = ref_r = jnp.zeros_like(policy_c)
+  else:
+    ref_c = reduce(ref_chosen_logps, chosen_mask)
+    ref_r = reduce(ref_rejected_logps, rejected_mask)
+
+  chosen_rewards = beta * (policy_c - ref_c)
+  rejected_rewards = beta * (policy_r - ref_r)
+  logits = chosen_rewards - rejected_rewards  # beta * h
+  eps = label_smoothing
+  if loss_type == "sigmoid":
+    losses = -(1 - eps) * jax.nn.log_sigmoid(logits) - eps * jax.nn.log_sigmoid(-logits)
+  elif loss_type == "robust":
+    losses = ((1 - eps) * -jax.nn.log_sigmoid(logits)
+              + eps * jax.nn.log_sigmoid(-logits)) / (1 - 2 * eps)
+  elif loss_type == "hinge":
+    losses = jax.nn.relu(1.0 - logits)
+  else:  # ipo: (h - 1/(2 beta))^2 with h the unscaled log-ratio difference.
+    losses = (logits / beta - 1.0 / (2.0 * beta)) ** 2
+
+  metrics = {
+      "rewards/chosen": chosen_rewards.mean(),
+      "rewards/rejected": rejected_rewards.mean(),
+      "rewards/accuracies": (chosen_rewards > rejected_rewards).astype(jnp.float32).mean(),
+      "rewards/margins": logits.mean(),
+      "logps/chosen": policy_c.mean(),
+      "logps/rejected": policy_r.mean(),
+  }
+  return losses.mean(), metrics

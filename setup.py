@@ -1,0 +1,20 @@
+from setuptools import setup
+
+setup(
+    name="tunix-core",
+    version="0.1.0",
+    description="Pallas TPU kernels, shard_map gradient sync and a compact DPO trainer for JAX",
+    packages=["kernels", "tunix_core"],
+    py_modules=["trainer"],
+    python_requires=">=3.11",
+    install_requires=[
+        "jax>=0.10.2,<0.13",
+        "jaxlib>=0.10.2,<0.13",
+        "optax>=0.2.6,<0.3",
+        "orbax-checkpoint>=0.11,<0.13",
+        "numpy>=1.26,<3",
+        "absl-py>=2.1,<3",
+        "chex>=0.1.88,<0.2",
+    ],
+    extras_require={"test": ["pytest>=8,<10"]},
+)

@@ -1,0 +1,1 @@
+"""Mesh-level pieces of the DPO trainer: model, data, training loop."""
