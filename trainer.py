@@ -64,9 +64,9 @@ flags.DEFINE_bool("reference_free", _DEF["reference_free"], "Drop the reference 
 flags.DEFINE_bool("precompute_ref_logps", _DEF["precompute_ref_logps"], "Run the reference "
                   "once over the data before training (cached on disk) instead of in every step.")
 flags.DEFINE_string("logprob_impl", _DEF["logprob_impl"], "kernels.fused_logprobs impl: "
-                    "auto, xla, reference, pallas or interpret.")
-flags.DEFINE_string("loss_impl", _DEF["loss_impl"], "kernels.dpo_loss impl: auto, xla or "
-                    "reference.")
+                    "auto (pallas on TPU, else xla), xla, pallas, interpret or reference.")
+flags.DEFINE_string("loss_impl", _DEF["loss_impl"], "kernels.dpo_loss impl: auto (pallas on "
+                    "TPU, else xla), xla, pallas, interpret or reference.")
 
 flags.mark_flags_as_required(["output_dir", "train_data"])
 

@@ -9,10 +9,12 @@ are not wrapped in `stop_gradient` (the caller decides what is frozen).
 import jax
 import jax.numpy as jnp
 
+from kernels import dpo_loss_pallas
+from kernels import common
 from kernels import reference
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
-IMPLS = ("auto", "xla", "reference")
+IMPLS = ("auto", "xla", "reference", "pallas", "interpret")
 
 
 def _check_args(args, chosen_mask, rejected_mask, beta, loss_type, label_smoothing,
@@ -65,7 +67,9 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps,
     loss_type: "sigmoid" (DPO; conservative DPO with `label_smoothing`), "ipo" (on
       length-averaged log-probs), "hinge" (SLiC), "robust" (rDPO, unbiased under
       `label_smoothing` = label-flip rate).
-    impl: "auto" and "xla" use the fused jnp version; "reference" the naive oracle.
+    impl: "xla" (fused jnp), "pallas" (one-pass Mosaic TPU kernel), "interpret" (that
+      kernel in TPU interpret mode), "reference" (naive oracle), "auto" (pallas on TPU,
+      else xla). With the kernels the metrics carry no gradient.
 
   Returns:
     `(loss, metrics)`: a float32 scalar and the batch means `rewards/chosen`,
@@ -81,6 +85,15 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps,
     return reference.dpo_loss_reference(
         *args, chosen_mask=chosen_mask, rejected_mask=rejected_mask, beta=beta,
         loss_type=loss_type, label_smoothing=label_smoothing, reference_free=reference_free)
+  if impl == "auto":
+    impl = "pallas" if jax.default_backend() == "tpu" else "xla"
+  if impl == "pallas":
+    return _pallas_loss(args, chosen_mask, rejected_mask, beta, loss_type, label_smoothing,
+                        reference_free, interpret=False)
+  if impl == "interpret":
+    return common.call_interpret(lambda params: _pallas_loss(
+        args, chosen_mask, rejected_mask, beta, loss_type, label_smoothing, reference_free,
+        interpret=params))
 
   average = loss_type == "ipo"
 
@@ -125,3 +138,32 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps,
       "logps/rejected": policy_r.mean(),
   }
   return losses.mean(), metrics
+
+
+def _pallas_loss(args, chosen_mask, rejected_mask, beta, loss_type, label_smoothing,
+                 reference_free, interpret):
+  """`dpo_loss` through `dpo_loss_pallas`: pads to TPU tiles, then batch means."""
+  pc = args[0]
+  if reference_free:
+    args = (args[0], args[1], jnp.zeros_like(pc), jnp.zeros_like(pc))
+  if pc.ndim == 1:  # per-sequence values are one-token sequences with a full mask
+    args = tuple(x[:, None] for x in args)
+    chosen_mask = rejected_mask = jnp.ones(args[0].shape, jnp.float32)
+  B, T = args[0].shape
+  block_t = min(dpo_loss_pallas.BlockSizes().block_t, -(-T // 128) * 128)
+  bs = dpo_loss_pallas.BlockSizes(block_t=block_t)
+  pad = ((0, -B % 8), (0, -T % block_t))
+  padded = [jnp.pad(x.astype(jnp.float32), pad) for x in (*args, chosen_mask, rejected_mask)]
+  rows, table = dpo_loss_pallas.dpo_rows(*padded, float(beta), loss_type,
+                                         float(label_smoothing), B, bs, interpret)
+  t = jax.lax.stop_gradient(table[:B])
+  chosen, rejected = t[:, dpo_loss_pallas.CHOSEN_REWARD], t[:, dpo_loss_pallas.REJECTED_REWARD]
+  metrics = {
+      "rewards/chosen": chosen.mean(),
+      "rewards/rejected": rejected.mean(),
+      "rewards/accuracies": (chosen > rejected).astype(jnp.float32).mean(),
+      "rewards/margins": (chosen - rejected).mean(),
+      "logps/chosen": t[:, dpo_loss_pallas.POLICY_CHOSEN].mean(),
+      "logps/rejected": t[:, dpo_loss_pallas.POLICY_REJECTED].mean(),
+  }
+  return rows[:B].sum() / B, metrics

@@ -8,7 +8,8 @@ implementation. The `[N, V]` logits are only ever built by `impl="reference"`.
 import jax
 import jax.numpy as jnp
 import numpy as np
-
+from kernels import common
+from kernels import logprobs_pallas
 from kernels import logprobs_xla
 from kernels import reference
 
@@ -34,8 +35,12 @@ def fused_logprobs(hidden, weight, targets, *, impl="auto", block_sizes=None,
     hidden: `[..., D]` bf16 or f32; differentiable.
     weight: `[D, V]`; differentiable.
     targets: `[...]` int32 ids in `[0, V)`, or `ignore_index`.
-    impl: "xla" (chunked `lax.scan`), "reference" (naive oracle), "auto" (xla for now).
-    block_sizes: for "xla", an int vocabulary chunk (default 4096).
+    impl: "pallas" (Mosaic TPU kernels), "interpret" (the same kernels in TPU interpret
+      mode, for CPU tests), "xla" (chunked `lax.scan`), "reference" (naive oracle),
+      "auto" (pallas on TPU, else xla).
+    block_sizes: for "pallas"/"interpret", a `logprobs_pallas.BlockSizes` (default
+      256 x 512); for "xla", the largest vocabulary chunk, an int (default 4096; see
+      `pick_chunk`).
     ignore_index: target value whose position returns 0 and gets zero gradient.
 
   Returns:
@@ -55,16 +60,53 @@ def fused_logprobs(hidden, weight, targets, *, impl="auto", block_sizes=None,
 
   if impl == "reference":
     return reference.logprobs_reference(hidden, weight, targets, ignore_index=ignore_index)
-  if impl in ("pallas", "interpret"):
-    raise NotImplementedError(f"fused_logprobs impl={impl!r} is not built yet; use 'xla'")
+  if impl == "auto":
+    impl = "pallas" if jax.default_backend() == "tpu" else "xla"
 
-  chunk = DEFAULT_XLA_CHUNK if block_sizes is None else int(block_sizes)
-  chunk = max(1, min(chunk, weight.shape[1]))
   hidden_NxD = hidden.reshape(-1, hidden.shape[-1])
   targets_N = targets.reshape(-1).astype(jnp.int32)
   ignored_N = targets_N == ignore_index
   # Ignored rows compute a harmless log-prob of id 0; zeroing them through `where`
   # also zeroes their cotangent, so they contribute nothing to either gradient.
-  logp_N = logprobs_xla.logprobs_xla(hidden_NxD, weight, jnp.where(ignored_N, 0, targets_N),
-                                     chunk)
+  safe_N = jnp.where(ignored_N, 0, targets_N)
+  if impl == "xla":
+    chunk = pick_chunk(weight.shape[1], DEFAULT_XLA_CHUNK if block_sizes is None
+                       else int(block_sizes))
+    logp_N = logprobs_xla.logprobs_xla(hidden_NxD, weight, safe_N, chunk)
+  elif impl == "pallas":
+    logp_N = _pallas(hidden_NxD, weight, safe_N, block_sizes, interpret=False)
+  else:
+    logp_N = common.call_interpret(
+        lambda params: _pallas(hidden_NxD, weight, safe_N, block_sizes, interpret=params))
   return jnp.where(ignored_N, 0.0, logp_N).reshape(targets.shape)
+
+
+def pick_chunk(vocab_size: int, max_chunk: int) -> int:
+  """The vocabulary chunk of the xla path: the largest divisor of V in
+  `[max_chunk / 2, max_chunk]` when there is one (no overlap masking needed; 4008 for
+  V = 128256, 4000 for 32000 or 256000), else `max_chunk`, and never more than V."""
+  if max_chunk < 1:
+    raise ValueError(f"the xla chunk must be positive, got {max_chunk}")
+  if max_chunk >= vocab_size:
+    return vocab_size
+  for chunk in range(max_chunk, max_chunk // 2 - 1, -1):
+    if vocab_size % chunk == 0:
+      return chunk
+  return max_chunk
+
+
+def _pallas(hidden_NxD, weight_DxV, targets_N, block_sizes, interpret):
+  """Pads N and V to block multiples, runs the Pallas kernels, drops the padding."""
+  bs = logprobs_pallas.BlockSizes() if block_sizes is None else block_sizes
+  if not isinstance(bs, logprobs_pallas.BlockSizes):
+    raise TypeError(f"block_sizes for the Pallas kernels must be a BlockSizes, got {bs!r}")
+  bs.validate(hidden_NxD.dtype)
+  N, V = hidden_NxD.shape[0], weight_DxV.shape[1]
+  pad_n, pad_v = -N % bs.block_n, -V % bs.block_v
+  if pad_n:  # padded rows are all-zero hiddens with target 0; sliced off below
+    hidden_NxD = jnp.pad(hidden_NxD, ((0, pad_n), (0, 0)))
+    targets_N = jnp.pad(targets_N, (0, pad_n))
+  if pad_v:  # padded columns are masked out of the log-sum-exp inside the kernels
+    weight_DxV = jnp.pad(weight_DxV, ((0, 0), (0, pad_v)))
+  logp = logprobs_pallas.logprobs_pallas(hidden_NxD, weight_DxV, targets_N, bs, V, interpret)
+  return logp[:N]

@@ -1,8 +1,13 @@
 """Fused linear + log-softmax + gather as a `lax.scan` over vocabulary chunks (CPU/GPU path).
 
-Forward keeps a running max, running sum of exponentials and the target logit per row
-while it walks `[D, C]` slices of the weight, so only one `[N, C]` logit tile exists at a
-time. Backward recomputes each tile and turns it into `softmax - onehot` on the fly.
+Forward keeps a running max, a running sum of exponentials and the target logit per
+row while it walks `[D, C]` slices of the weight, so only one `[N, C]` logit tile exists
+at a time. Backward recomputes each tile, turns it into `g * (onehot - softmax)` on the
+fly and writes each `d_weight` slice in place, in the weight's dtype.
+
+When C does not divide V, the last chunk starts at `V - C` and overlaps its
+predecessor; the overlap is masked wherever a column would otherwise count twice, so
+the weight is never padded or copied.
 """
 
 import functools
@@ -10,52 +15,52 @@ import functools
 import jax
 import jax.numpy as jnp
 
-_NEG_INF = -jnp.inf
+from kernels.common import cotangent_for
+from kernels.common import vary_like
 
 
-def _chunks(weight_DxV, chunk):
-  """Pads V to a multiple of `chunk`; returns the padded weight and the chunk count."""
+def _tile(hidden_NxD, weight_DxV, targets_N, c, chunk):
+  """Chunk `c`: float32 logits `[N, C]`, its first column, its weight slice `[D, C]`, the
+  one-hot of the targets in it, and a `[C]` mask that is False on columns an earlier
+  chunk already covered (None when chunks tile V exactly)."""
   V = weight_DxV.shape[1]
-  num_chunks = -(-V // chunk)
-  pad = num_chunks * chunk - V
-  if pad:
-    weight_DxV = jnp.pad(weight_DxV, ((0, 0), (0, pad)))
-  return weight_DxV, num_chunks
-
-
-def _tile(hidden_NxD, weight_DxVp, c, chunk, V):
-  """Float32 logits of vocabulary chunk `c`, padded columns set to -inf; and their ids."""
-  w_DxC = jax.lax.dynamic_slice_in_dim(weight_DxVp, c * chunk, chunk, axis=1)
+  start = jnp.minimum(c * chunk, V - chunk)
+  w_DxC = jax.lax.dynamic_slice_in_dim(weight_DxV, start, chunk, axis=1)
   logits_NxC = jnp.dot(hidden_NxD, w_DxC, preferred_element_type=jnp.float32)
-  cols_C = c * chunk + jnp.arange(chunk)
-  return jnp.where(cols_C < V, logits_NxC, _NEG_INF), cols_C, w_DxC
+  cols_C = start + jnp.arange(chunk)
+  onehot_NxC = cols_C[None] == targets_N[:, None]
+  fresh_C = None if V % chunk == 0 else cols_C >= c * chunk
+  return logits_NxC, start, w_DxC, onehot_NxC, fresh_C
 
 
 def _forward(hidden_NxD, weight_DxV, targets_N, chunk):
   N, V = hidden_NxD.shape[0], weight_DxV.shape[1]
-  weight_DxVp, num_chunks = _chunks(weight_DxV, chunk)
 
   def body(carry, c):
     m_N, s_N, t_N = carry
-    logits_NxC, cols_C, _ = _tile(hidden_NxD, weight_DxVp, c, chunk, V)
+    logits_NxC, _, _, onehot_NxC, fresh_C = _tile(hidden_NxD, weight_DxV, targets_N, c, chunk)
+    if fresh_C is not None:
+      logits_NxC = jnp.where(fresh_C[None], logits_NxC, -jnp.inf)
+      onehot_NxC = onehot_NxC & fresh_C[None]
     m_new = jnp.maximum(m_N, logits_NxC.max(axis=1))
     s_N = s_N * jnp.exp(m_N - m_new) + jnp.exp(logits_NxC - m_new[:, None]).sum(axis=1)
-    t_N = t_N + jnp.where(cols_C[None] == targets_N[:, None], logits_NxC, 0.0).sum(axis=1)
+    t_N = t_N + jnp.where(onehot_NxC, logits_NxC, 0.0).sum(axis=1)
     return (m_new, s_N, t_N), None
 
-  init = (jnp.full((N,), _NEG_INF, jnp.float32), jnp.zeros((N,), jnp.float32),
+  init = (jnp.full((N,), -jnp.inf, jnp.float32), jnp.zeros((N,), jnp.float32),
           jnp.zeros((N,), jnp.float32))
-  (m_N, s_N, t_N), _ = jax.lax.scan(body, init, jnp.arange(num_chunks))
+  init = tuple(vary_like(x, hidden_NxD, weight_DxV, targets_N) for x in init)
+  (m_N, s_N, t_N), _ = jax.lax.scan(body, init, jnp.arange(-(-V // chunk)))
   lse_N = m_N + jnp.log(s_N)
   return t_N - lse_N, lse_N
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def logprobs_xla(hidden_NxD, weight_DxV, targets_N, chunk):
-  """`log_softmax(hidden @ weight)[targets]`, float32 `[N]`; targets must be in range.
+  """`log_softmax(hidden @ weight)[targets]`, float32 `[N]`; `chunk <= V` columns per step.
 
-  Rows to ignore are the caller's business: pass any valid id and zero their
-  cotangent (as `kernels.fused_logprobs` does).
+  Targets must be in range. Rows to ignore are the caller's business: pass any valid
+  id and zero their cotangent (as `kernels.fused_logprobs` does).
   """
   return _forward(hidden_NxD, weight_DxV, targets_N, chunk)[0]
 
@@ -67,24 +72,32 @@ def _fwd(hidden_NxD, weight_DxV, targets_N, chunk):
 
 def _bwd(chunk, res, g_N):
   hidden_NxD, weight_DxV, targets_N, lse_N = res
-  V = weight_DxV.shape[1]
-  weight_DxVp, num_chunks = _chunks(weight_DxV, chunk)
   g_N = g_N.astype(jnp.float32)
+  dtype = hidden_NxD.dtype
 
-  def body(dh_NxD, c):
-    logits_NxC, cols_C, w_DxC = _tile(hidden_NxD, weight_DxVp, c, chunk, V)
-    p_NxC = jnp.exp(logits_NxC - lse_N[:, None])  # padded columns: exp(-inf) = 0
-    onehot_NxC = (cols_C[None] == targets_N[:, None]).astype(jnp.float32)
+  def body(carry, c):
+    dh_NxD, dw_DxV = carry
+    logits_NxC, start, w_DxC, onehot_NxC, fresh_C = _tile(hidden_NxD, weight_DxV, targets_N,
+                                                          c, chunk)
     # d logp / d logits = onehot - softmax, scaled by the incoming cotangent.
-    dlogits_NxC = (g_N[:, None] * (onehot_NxC - p_NxC)).astype(hidden_NxD.dtype)
-    dh_NxD = dh_NxD + jnp.dot(dlogits_NxC, w_DxC.T, preferred_element_type=jnp.float32)
+    p_NxC = jnp.exp(logits_NxC - lse_N[:, None])
+    dlogits_NxC = (g_N[:, None] * (onehot_NxC - p_NxC)).astype(dtype)
+    # d_weight columns are independent, so an overlapped column is just rewritten with
+    # the same value; d_hidden sums over columns, so the overlap is masked there.
     dw_DxC = jnp.dot(hidden_NxD.T, dlogits_NxC, preferred_element_type=jnp.float32)
-    return dh_NxD, dw_DxC.astype(weight_DxV.dtype)
+    dw_DxV = jax.lax.dynamic_update_slice_in_dim(dw_DxV, dw_DxC.astype(dw_DxV.dtype), start,
+                                                 axis=1)
+    if fresh_C is not None:
+      dlogits_NxC = jnp.where(fresh_C[None], dlogits_NxC, 0)
+    dh_NxD = dh_NxD + jnp.dot(dlogits_NxC, w_DxC.T, preferred_element_type=jnp.float32)
+    return (dh_NxD, dw_DxV), None
 
-  dh_NxD, dw_KxDxC = jax.lax.scan(body, jnp.zeros(hidden_NxD.shape, jnp.float32),
-                                  jnp.arange(num_chunks))
-  dw_DxVp = jnp.moveaxis(dw_KxDxC, 0, 1).reshape(weight_DxV.shape[0], -1)
-  return dh_NxD.astype(hidden_NxD.dtype), dw_DxVp[:, :V], None
+  init = tuple(vary_like(x, hidden_NxD, weight_DxV, targets_N, g_N) for x in (
+      jnp.zeros(hidden_NxD.shape, jnp.float32), jnp.zeros_like(weight_DxV)))
+  (dh_NxD, dw_DxV), _ = jax.lax.scan(body, init,
+                                     jnp.arange(-(-weight_DxV.shape[1] // chunk)))
+  return (cotangent_for(dh_NxD.astype(dtype), hidden_NxD), cotangent_for(dw_DxV, weight_DxV),
+          None)
 
 
 logprobs_xla.defvjp(_fwd, _bwd)

@@ -152,9 +152,10 @@ def dpo_objective(params, ref_logps, batch, cfg: TrainConfig, mcfg: model_lib.Mo
 class Trainer:
   """Builds the jitted step functions for one config on one mesh."""
 
-  def __init__(self, cfg: TrainConfig, mesh: Mesh):
+  def __init__(self, cfg: TrainConfig, mesh: Mesh,
+               model_config: model_lib.ModelConfig | None = None):
     self.cfg, self.mesh = cfg, mesh
-    self.mcfg = cfg.model_config()
+    self.mcfg = model_config or cfg.model_config()
     self.tx, self.schedule = make_optimizer(cfg)
     self.replicated = NamedSharding(mesh, P())
     self.rows = NamedSharding(mesh, P("data"))

@@ -1,0 +1,168 @@
+"""Pallas TPU kernel for the DPO loss family on per-token log-probs `[B, T]`.
+
+One pass over the sequence axis (grid of `T / block_t` steps, "arbitrary") accumulates
+the masked per-row sums of the four log-prob inputs and the two mask lengths in
+lane-replicated `[B, 128]` VMEM scratch; the last step turns them into each row's loss,
+rewards and the derivative of the loss with respect to its per-sequence log-prob, all
+packed into the lanes of one `[B, 128]` output. The backward kernel ("parallel" over
+sequence blocks) broadcasts those per-row derivatives back onto the masked tokens.
+
+Inputs must already be padded: `B % 8 == 0`, `T % block_t == 0`, padded positions
+masked out; rows at or past `num_rows` are padding and get zero loss and gradient.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels.common import cotangent_for
+from kernels.common import out_struct
+
+LANES = 128
+# Lanes of the per-row output table.
+LOSS, CHOSEN_REWARD, REJECTED_REWARD, POLICY_CHOSEN, POLICY_REJECTED, D_CHOSEN, D_REJECTED = \
+    range(7)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """`block_t` sequence positions per grid step (a multiple of 128); rows are not split."""
+
+  block_t: int = 512
+
+  def validate(self) -> None:
+    if self.block_t <= 0 or self.block_t % LANES:
+      raise ValueError(f"BlockSizes.block_t={self.block_t} must be a positive multiple of "
+                       f"{LANES}")
+
+
+def _log_sigmoid(x):
+  return jnp.minimum(x, 0.0) - jnp.log(1.0 + jnp.exp(-jnp.abs(x)))
+
+
+def _row_loss(z, beta, loss_type, eps):
+  """Loss of each row and its derivative in `h = z / beta` (z = chosen - rejected reward)."""
+  sig = jax.nn.sigmoid
+  if loss_type == "sigmoid":
+    loss = -(1 - eps) * _log_sigmoid(z) - eps * _log_sigmoid(-z)
+    dz = -(1 - eps) * sig(-z) + eps * sig(z)
+  elif loss_type == "robust":
+    loss = (-(1 - eps) * _log_sigmoid(z) + eps * _log_sigmoid(-z)) / (1 - 2 * eps)
+    dz = (-(1 - eps) * sig(-z) - eps * sig(z)) / (1 - 2 * eps)
+  elif loss_type == "hinge":
+    loss = jnp.maximum(1.0 - z, 0.0)
+    dz = jnp.where(1.0 - z > 0, -1.0, 0.0)
+  else:  # ipo
+    h = z / beta
+    return (h - 1 / (2 * beta)) ** 2, 2 * (h - 1 / (2 * beta))
+  return loss, beta * dz
+
+
+def _fwd_kernel(pc_ref, pr_ref, rc_ref, rr_ref, cm_ref, rm_ref, out_ref, *sums, beta,
+                loss_type, eps, num_rows):
+  t = pl.program_id(0)
+
+  @pl.when(t == 0)
+  def _init():
+    for s in sums:
+      s[...] = jnp.zeros(s.shape, jnp.float32)
+
+  cm, rm = cm_ref[...], rm_ref[...]
+  for s, x in zip(sums, (pc_ref[...] * cm, pr_ref[...] * rm, rc_ref[...] * cm,
+                         rr_ref[...] * rm, cm, rm)):
+    s[...] += jnp.sum(x, axis=1, keepdims=True)
+
+  @pl.when(t == pl.num_programs(0) - 1)
+  def _finalize():
+    pc, pr, rc, rr, len_c, len_r = (s[...] for s in sums)  # each [B, 128], lane-replicated
+    if loss_type == "ipo":  # length-averaged log-probs
+      len_c, len_r = jnp.maximum(len_c, 1.0), jnp.maximum(len_r, 1.0)
+      pc, rc, pr, rr = pc / len_c, rc / len_c, pr / len_r, rr / len_r
+    else:
+      len_c = len_r = 1.0
+    chosen_reward, rejected_reward = beta * (pc - rc), beta * (pr - rr)
+    loss, dh = _row_loss(chosen_reward - rejected_reward, beta, loss_type, eps)
+    rows = jax.lax.broadcasted_iota(jnp.int32, out_ref.shape, 0)
+    valid = rows < num_rows
+    lanes = jax.lax.broadcasted_iota(jnp.int32, out_ref.shape, 1)
+    table = jnp.zeros(out_ref.shape, jnp.float32)
+    for lane, value in ((LOSS, loss), (CHOSEN_REWARD, chosen_reward),
+                        (REJECTED_REWARD, rejected_reward), (POLICY_CHOSEN, pc),
+                        (POLICY_REJECTED, pr), (D_CHOSEN, dh / len_c),
+                        (D_REJECTED, -dh / len_r)):
+      table = jnp.where(lanes == lane, value, table)
+    out_ref[...] = jnp.where(valid, table, 0.0)
+
+
+def _bwd_kernel(coef_ref, cm_ref, rm_ref, dpc_ref, dpr_ref):
+  coef = coef_ref[...]
+  dpc_ref[...] = coef[:, 0:1] * cm_ref[...]
+  dpr_ref[...] = coef[:, 1:2] * rm_ref[...]
+
+
+def _forward(pc, pr, rc, rr, cm, rm, beta, loss_type, eps, num_rows, bs, interpret):
+  B, T = pc.shape
+  block = pl.BlockSpec((B, bs.block_t), lambda t: (0, t))
+  return pl.pallas_call(
+      functools.partial(_fwd_kernel, beta=beta, loss_type=loss_type, eps=eps,
+                        num_rows=num_rows),
+      grid=(T // bs.block_t,),
+      in_specs=[block] * 6,
+      out_specs=pl.BlockSpec((B, LANES), lambda t: (0, 0)),
+      out_shape=out_struct((B, LANES), jnp.float32, pc, pr, rc, rr, cm, rm),
+      scratch_shapes=[pltpu.VMEM((B, LANES), jnp.float32)] * 6,
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+      interpret=interpret,
+  )(pc, pr, rc, rr, cm, rm)
+
+
+def _backward(coef, cm, rm, bs, interpret):
+  B, T = cm.shape
+  block = pl.BlockSpec((B, bs.block_t), lambda t: (0, t))
+  return pl.pallas_call(
+      _bwd_kernel,
+      grid=(T // bs.block_t,),
+      in_specs=[pl.BlockSpec((B, LANES), lambda t: (0, 0)), block, block],
+      out_specs=[block, block],
+      out_shape=[out_struct((B, T), jnp.float32, coef, cm, rm)] * 2,
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+      interpret=interpret,
+  )(coef, cm, rm)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
+def dpo_rows(pc, pr, rc, rr, cm, rm, beta, loss_type, eps, num_rows, block_sizes,
+             interpret):
+  """Per-row loss `[B]` (differentiable in all four log-prob inputs) and the per-row
+  table `[B, 128]` whose lanes are indexed by the constants above (not differentiable).
+
+  All inputs float32 `[B, T]`; masks 0/1.
+  """
+  table = _forward(pc, pr, rc, rr, cm, rm, beta, loss_type, eps, num_rows, block_sizes,
+                   interpret)
+  return table[:, LOSS], table
+
+
+def _rows_fwd(pc, pr, rc, rr, cm, rm, beta, loss_type, eps, num_rows, block_sizes,
+              interpret):
+  table = _forward(pc, pr, rc, rr, cm, rm, beta, loss_type, eps, num_rows, block_sizes,
+                   interpret)
+  return (table[:, LOSS], table), (table, cm, rm, (pc, pr, rc, rr))
+
+
+def _rows_bwd(beta, loss_type, eps, num_rows, block_sizes, interpret, res, cts):
+  table, cm, rm, primals = res
+  g_rows = cts[0]  # the table's cotangent is dropped: metrics are not differentiable
+  coef = jnp.zeros_like(table)
+  coef = coef.at[:, 0].set(g_rows * table[:, D_CHOSEN]).at[:, 1].set(
+      g_rows * table[:, D_REJECTED])
+  dpc, dpr = _backward(coef, cm, rm, block_sizes, interpret)
+  grads = (dpc, dpr, -dpc, -dpr)
+  return (*(cotangent_for(g, p) for g, p in zip(grads, primals)), None, None)
+
+
+dpo_rows.defvjp(_rows_fwd, _rows_bwd)

@@ -1,0 +1,98 @@
+"""The Pallas log-prob kernels, run in TPU interpret mode on small grids."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import kernels
+from kernels.logprobs_pallas import BlockSizes
+from oracles import make_inputs, rel_error, numpy_grads, numpy_logprobs
+
+SMALL_F32 = BlockSizes(block_n=8, block_v=128)
+SMALL_BF16 = BlockSizes(block_n=16, block_v=128)
+
+
+def _check(h, w, t, g, bs, tol):
+  f = lambda h, w: kernels.fused_logprobs(h, w, t, impl="interpret", block_sizes=bs)
+  out, vjp = jax.vjp(f, h, w)
+  dh, dw = vjp(g)
+  h32, w32, t_np = np.asarray(h, np.float32), np.asarray(w, np.float32), np.asarray(t)
+  want = numpy_logprobs(h32, w32, t_np)[0]
+  want_dh, want_dw = numpy_grads(h32, w32, t_np, np.asarray(g))
+  assert out.dtype == jnp.float32 and dh.dtype == h.dtype and dw.dtype == w.dtype
+  assert rel_error(out, want) <= tol, rel_error(out, want)
+  assert rel_error(dh, want_dh) <= tol, rel_error(dh, want_dh)
+  assert rel_error(dw, want_dw) <= tol, rel_error(dw, want_dw)
+  np.testing.assert_array_equal(np.asarray(out)[t_np == -100], 0.0)
+  return out
+
+
+@pytest.mark.parametrize("dtype,bs,tol", [(jnp.float32, SMALL_F32, 1e-5),
+                                          (jnp.bfloat16, SMALL_BF16, 2e-2)])
+def test_against_float64_unaligned_sizes(dtype, bs, tol):
+  # N=13 and V=300 are not block multiples: 2 x 3 grid after padding.
+  h, w, t, g = make_inputs(13 if dtype == jnp.float32 else 20, 32, 300, dtype)
+  _check(h, w, t, g, bs, tol)
+
+
+def test_large_logits_all_ignored_rows_and_vocab_of_one():
+  h, w, t, g = make_inputs(16, 32, 200, jnp.float32, scale=4e3)  # logits ~ 1e3
+  t = t.at[:8].set(-100)  # the whole first token block is ignored
+  out = _check(h, w, t, g, SMALL_F32, 1e-5)
+  assert np.isfinite(np.asarray(out)).all()
+  h, w, t, g = make_inputs(8, 16, 1, jnp.float32)
+  t = jnp.where(t == -100, -100, 0)
+  out = _check(h, w, t, g, SMALL_F32, 1e-5)
+  np.testing.assert_array_equal(np.asarray(out), 0.0)  # log_softmax over one class
+
+
+def test_matches_xla_under_jit_with_leading_axes():
+  h, w, t, _ = make_inputs(16, 32, 256, jnp.float32)
+  h, t = h.reshape(2, 8, 32), t.reshape(2, 8)
+
+  @jax.jit
+  def both(h, w):
+    loss = lambda impl, bs: jnp.sum(kernels.fused_logprobs(h, w, t, impl=impl, block_sizes=bs))
+    return (jax.value_and_grad(lambda w: loss("interpret", SMALL_F32))(w),
+            jax.value_and_grad(lambda w: loss("xla", 128))(w))
+
+  (a, ga), (b, gb) = both(h, w)
+  np.testing.assert_allclose(float(a), float(b), rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(ga), np.asarray(gb), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl,bs", [("interpret", SMALL_F32), ("xla", 64)])
+def test_per_device_inside_shard_map(impl, bs):
+  # Hidden states and targets split over 2 devices, the LM head replicated: the head's
+  # gradient must come back summed over devices, as for any replicated input.
+  mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+  h, w, t, g = make_inputs(16, 32, 128, jnp.float32)
+
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("data"), P(), P("data"), P("data")),
+                     out_specs=(P("data"), P("data"), P()))
+  def per_device(h, w, t, g):
+    f = lambda h, w: kernels.fused_logprobs(h, w, t, impl=impl, block_sizes=bs)
+    out, vjp = jax.vjp(f, h, w)
+    return (out, *vjp(g))
+
+  out, dh, dw = jax.jit(per_device)(h, w, t, g)
+  h64, w64, t64 = np.asarray(h), np.asarray(w), np.asarray(t)
+  want_dh, want_dw = numpy_grads(h64, w64, t64, np.asarray(g))
+  assert rel_error(out, numpy_logprobs(h64, w64, t64)[0]) <= 1e-5
+  assert rel_error(dh, want_dh) <= 1e-5
+  assert rel_error(dw, want_dw) <= 1e-5
+
+
+def test_bad_block_sizes():
+  h, w, t, _ = make_inputs(8, 16, 128, jnp.float32)
+  with pytest.raises(ValueError, match="block_v=100 must be a positive multiple of 128"):
+    kernels.fused_logprobs(h, w, t, impl="interpret", block_sizes=BlockSizes(8, 100))
+  with pytest.raises(ValueError, match="block_n=8 must be a positive multiple of 16"):
+    kernels.fused_logprobs(h.astype(jnp.bfloat16), w.astype(jnp.bfloat16), t,
+                           impl="interpret", block_sizes=BlockSizes(8, 128))
+  with pytest.raises(TypeError, match="must be a BlockSizes"):
+    kernels.fused_logprobs(h, w, t, impl="interpret", block_sizes=128)
