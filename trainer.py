@@ -7,9 +7,11 @@ with one error line before anything is compiled.
 import dataclasses
 import sys
 
+import jax
 from absl import app
 from absl import flags
 
+from tunix_core import checkpoint
 from tunix_core import data as data_lib
 from tunix_core import train as train_lib
 
@@ -26,12 +28,34 @@ flags.DEFINE_integer("seed", _DEF["seed"], "Seed for params init and data shuffl
 flags.DEFINE_integer("log_every", _DEF["log_every"], "Log a metrics row every N steps.")
 flags.DEFINE_integer("eval_every", _DEF["eval_every"], "Evaluate on --eval_data every N "
                      "steps and after the last step; 0 disables evaluation.")
-flags.DEFINE_integer("save_every", _DEF["save_every"], "Checkpoint every N steps (0: never). "
-                     "Reserved: checkpointing is not built yet, a non-zero value is an error.")
-flags.DEFINE_integer("keep", _DEF["keep"], "Most recent checkpoints to keep (reserved).")
+flags.DEFINE_integer("save_every", _DEF["save_every"], "Save an asynchronous checkpoint "
+                     "every N steps and after the last step (0: only on SIGTERM/SIGINT).")
+flags.DEFINE_integer("keep", _DEF["keep"], "Most recent checkpoints to keep.")
+flags.DEFINE_integer("keep_period", _DEF["keep_period"], "Also keep every checkpoint whose "
+                     "step is a multiple of N, permanently (0: none).")
 flags.DEFINE_enum("resume", _DEF["resume"], ["auto", "never", "required"],
-                  "auto: resume from the latest checkpoint if any; never; required: fail "
-                  "without one (reserved until checkpointing lands).")
+                  "auto: resume from the latest complete checkpoint if any, else start "
+                  "fresh; never: start fresh, and refuse a directory that has checkpoints; "
+                  "required: fail without a usable checkpoint.")
+flags.DEFINE_bool("verify_checkpoint", _DEF["verify_checkpoint"], "On resume, recompute "
+                  "every restored array's fingerprint and compare with the saved one.")
+# Multi-process (JAX's multi-controller runtime, as on TPU pods).
+flags.DEFINE_string("coordinator_address", None, "host:port of process 0's coordinator; "
+                    "with --num_processes and --process_id calls jax.distributed.initialize.")
+flags.DEFINE_integer("num_processes", None, "Number of processes in the job.")
+flags.DEFINE_integer("process_id", None, "This process's index, 0 .. num_processes-1.")
+# Gradient sync.
+flags.DEFINE_float("bucket_mb", _DEF["bucket_mb"], "Gradient bucket size in MiB for the "
+                   "bucketed reduce-scatter / all-gather.")
+flags.DEFINE_enum("sync_impl", _DEF["sync_impl"], ["xla", "ring"], "xla: one psum_scatter and "
+                  "all_gather per bucket; ring: hand-written ppermute ring.")
+flags.DEFINE_enum("grad_sync_dtype", _DEF["grad_sync_dtype"], ["float32", "bfloat16"],
+                  "Dtype of gradients on the wire; sums accumulate in float32.")
+flags.DEFINE_integer("grad_accum_steps", _DEF["grad_accum_steps"], "Micro-batches per step; "
+                     "gradients are synced once per step.")
+flags.DEFINE_integer("check_replicas_every", _DEF["check_replicas_every"], "Besides after "
+                     "step 1, check every N steps that all replicas hold identical params "
+                     "(0: only after step 1).")
 # Data.
 flags.DEFINE_string("train_data", None, "Training pairs, JSONL with prompt/chosen/rejected.")
 flags.DEFINE_string("eval_data", _DEF["eval_data"], "Evaluation pairs, same format.")
@@ -47,7 +71,8 @@ flags.DEFINE_enum("compute_dtype", _DEF["compute_dtype"], ["float32", "bfloat16"
 flags.DEFINE_enum("remat", _DEF["remat"], ["none", "full", "dots", "dots_no_batch"],
                   "Rematerialisation policy of each layer in the backward pass.")
 # Optimizer.
-flags.DEFINE_string("optimizer", _DEF["optimizer"], "adamw or rmsprop (the DPO paper's).")
+flags.DEFINE_string("optimizer", _DEF["optimizer"], "adamw, rmsprop (the DPO paper's) or "
+                    "sgd.")
 flags.DEFINE_float("learning_rate", _DEF["learning_rate"], "Peak learning rate.")
 flags.DEFINE_integer("warmup_steps", _DEF["warmup_steps"], "Linear warmup steps from 0.")
 flags.DEFINE_float("weight_decay", _DEF["weight_decay"], "AdamW decoupled weight decay "
@@ -76,16 +101,34 @@ def config_from_flags() -> train_lib.TrainConfig:
   return train_lib.TrainConfig(**values)
 
 
+# Exit status of a run stopped by SIGTERM/SIGINT after its checkpoint was committed.
+PREEMPTED_EXIT_CODE = 42
+
+
+def init_distributed() -> None:
+  """Joins the multi-process job named by the flags (a no-op without them)."""
+  f = flags.FLAGS
+  if f.coordinator_address is None:
+    return
+  if f.num_processes is None or f.process_id is None:
+    sys.exit("trainer.py: error: --coordinator_address needs --num_processes and --process_id")
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=f.coordinator_address,
+                             num_processes=f.num_processes, process_id=f.process_id)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   cfg = config_from_flags()
-  if cfg.save_every:
-    sys.exit("trainer.py: error: --save_every: checkpointing is not built yet; leave it at 0")
+  init_distributed()
   try:
     train_lib.train(cfg)
-  except (train_lib.ConfigError, data_lib.DataError) as e:
+  except (train_lib.ConfigError, data_lib.DataError, checkpoint.CheckpointError) as e:
     sys.exit(f"trainer.py: error: {e}")
+  except train_lib.Preempted as e:
+    print(f"trainer.py: {e}; exiting with status {PREEMPTED_EXIT_CODE}", file=sys.stderr)
+    sys.exit(PREEMPTED_EXIT_CODE)
 
 
 if __name__ == "__main__":

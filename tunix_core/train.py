@@ -6,22 +6,28 @@ gradient all-reduce.
 """
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
 import os
-import sys
+import signal
+import threading
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import kernels
+from tunix_core import checkpoint
+from tunix_core import collectives
 from tunix_core import data as data_lib
 from tunix_core import model as model_lib
+from tunix_core import zero
 
 
 class ConfigError(ValueError):
@@ -56,11 +62,18 @@ class TrainConfig:
   precompute_ref_logps: bool = False
   logprob_impl: str = "auto"
   loss_impl: str = "auto"
+  bucket_mb: float = 25.0
+  sync_impl: str = "xla"
+  grad_sync_dtype: str = "float32"
+  grad_accum_steps: int = 1
+  check_replicas_every: int = 0
   log_every: int = 10
   eval_every: int = 0
   save_every: int = 0
   keep: int = 3
+  keep_period: int = 0
   resume: str = "auto"
+  verify_checkpoint: bool = False
 
   def validate(self, num_devices: int) -> None:
     """Raises ConfigError with one line naming the offending setting."""
@@ -84,6 +97,17 @@ class TrainConfig:
     need(self.batch_size > 0, f"--batch_size must be positive, got {self.batch_size}")
     need(self.batch_size % num_devices == 0,
          f"--batch_size={self.batch_size} is not divisible by the {num_devices} devices")
+    need(self.grad_accum_steps > 0, f"--grad_accum_steps must be positive, got "
+         f"{self.grad_accum_steps}")
+    need(self.batch_size % (num_devices * self.grad_accum_steps) == 0,
+         f"--batch_size={self.batch_size} does not split into {self.grad_accum_steps} "
+         f"micro-batches on each of {num_devices} devices")
+    need(self.sync_impl in collectives.IMPLS,
+         f"--sync_impl={self.sync_impl!r}; choose one of {collectives.IMPLS}")
+    need(self.grad_sync_dtype in SYNC_DTYPES,
+         f"--grad_sync_dtype={self.grad_sync_dtype!r}; choose one of {sorted(SYNC_DTYPES)}")
+    need(self.bucket_mb > 0, f"--bucket_mb must be positive, got {self.bucket_mb}")
+    need(self.check_replicas_every >= 0, "--check_replicas_every must be >= 0")
     need(0 < self.max_prompt_length < self.max_length,
          f"--max_prompt_length={self.max_prompt_length} must be positive and less than "
          f"--max_length={self.max_length}")
@@ -103,14 +127,13 @@ class TrainConfig:
     return model_lib.preset(self.model, compute_dtype=self.compute_dtype, remat=self.remat)
 
 
-OPTIMIZERS = {"adamw", "rmsprop"}
+OPTIMIZERS = {"adamw", "rmsprop", "sgd"}
+SYNC_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
 
 
 def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """Linear warmup to `learning_rate`, then constant; optional global-norm clipping.
-
-  Weight decay (adamw) skips the norm scales.
-  """
+  """Linear warmup to `learning_rate`, then constant. Weight decay (adamw) skips the
+  norm scales. Clipping is not in here: `ShardedOptimizer` clips by the global norm."""
   if cfg.warmup_steps > 0:
     schedule = optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps)
   else:
@@ -120,10 +143,10 @@ def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, opta
       return jax.tree_util.tree_map_with_path(
           lambda path, _: not str(path[-1].key).endswith("norm"), params)
     tx = optax.adamw(schedule, weight_decay=cfg.weight_decay, mask=decay_mask)
-  else:
+  elif cfg.optimizer == "rmsprop":
     tx = optax.rmsprop(schedule)
-  if cfg.max_grad_norm > 0:
-    tx = optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), tx)
+  else:
+    tx = optax.sgd(schedule)
   return tx, schedule
 
 
@@ -149,55 +172,165 @@ def dpo_objective(params, ref_logps, batch, cfg: TrainConfig, mcfg: model_lib.Mo
       reference_free=cfg.reference_free, impl=cfg.loss_impl)
 
 
+def _rows(pairs_batch: dict) -> dict:
+  """`[2, b, T]` (chosen, rejected) arrays -> `[2b, T]`, chosen rows first."""
+  return {k: v.reshape((-1,) + v.shape[2:]) for k, v in pairs_batch.items()}
+
+
 class Trainer:
-  """Builds the jitted step functions for one config on one mesh."""
+  """The jitted, `shard_map`ped step functions for one config on a mesh axis "data".
+
+  Params are replicated; each device runs the model on its own pairs, then
+  `ShardedOptimizer` reduce-scatters the gradients in buckets, updates its 1/N of the
+  params and optimizer state, and all-gathers the params. Optimizer-state leaves carry
+  a leading `[N]` axis sharded over "data" (the local state of each device).
+
+  Batches go to devices as `[2, B, T]` (chosen, rejected) split on B, so each device
+  holds both rows of each of its pairs.
+  """
 
   def __init__(self, cfg: TrainConfig, mesh: Mesh,
                model_config: model_lib.ModelConfig | None = None):
     self.cfg, self.mesh = cfg, mesh
     self.mcfg = model_config or cfg.model_config()
+    self.num_devices = mesh.shape["data"]
     self.tx, self.schedule = make_optimizer(cfg)
+    shapes = jax.eval_shape(lambda: model_lib.init_params(jax.random.PRNGKey(0), self.mcfg))
+    self.plan = collectives.BucketPlan.create(shapes, self.num_devices,
+                                              int(cfg.bucket_mb * 2**20))
+    self.opt = zero.ShardedOptimizer(
+        self.tx, self.plan, "data", max_grad_norm=cfg.max_grad_norm or None,
+        impl=cfg.sync_impl, comm_dtype=SYNC_DTYPES[cfg.grad_sync_dtype])
     self.replicated = NamedSharding(mesh, P())
-    self.rows = NamedSharding(mesh, P("data"))
-    self.train_step = jax.jit(self._train_step, donate_argnums=(0,))
-    self.eval_step = jax.jit(self._eval_step)
-    self.ref_logps = jax.jit(self._ref_logps)
+    self.pairs = NamedSharding(mesh, P(None, "data"))
+    state_specs = {"params": P(), "opt_state": P("data"), "step": P()}
+    smap = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
+    self.train_step = jax.jit(
+        smap(self._train_step, in_specs=(state_specs, P(), P(None, "data")),
+             out_specs=(state_specs, P())), donate_argnums=(0,))
+    self.eval_step = jax.jit(smap(self._eval_step, in_specs=(P(), P(), P(None, "data")),
+                                  out_specs=P()))
+    self.ref_logps = jax.jit(smap(self._ref_logps, in_specs=(P(), P(None, "data")),
+                                  out_specs=P(None, "data")))
+    self._init_opt = jax.jit(smap(
+        lambda params: jax.tree.map(lambda x: x[None], self.opt.init(params)),
+        in_specs=P(), out_specs=P("data")))
+    self._checksums = jax.jit(smap(self._checksum, in_specs=P(), out_specs=P("data")))
 
   def init_state(self, key: jax.Array) -> dict:
-    def init(key):
-      params = model_lib.init_params(key, self.mcfg)
-      return {"params": params, "opt_state": self.tx.init(params),
-              "step": jnp.zeros((), jnp.int32)}
-    return jax.jit(init, out_shardings=self.replicated)(key)
+    params = jax.jit(lambda k: model_lib.init_params(k, self.mcfg),
+                     out_shardings=self.replicated)(key)
+    return {"params": params, "opt_state": self._init_opt(params),
+            "step": jax.device_put(jnp.zeros((), jnp.int32), self.replicated)}
 
   def _ref_logps(self, ref_params, batch):
-    return jax.lax.stop_gradient(
-        sequence_logps(ref_params, batch, self.mcfg, self.cfg.logprob_impl))
+    logps = sequence_logps(ref_params, _rows(batch), self.mcfg, self.cfg.logprob_impl)
+    return jax.lax.stop_gradient(logps).reshape(batch["targets"].shape)
 
   def _resolve_ref(self, ref_params, batch):
+    """Reference log-probs `[2b, T]` for a local `[2, b, T]` batch."""
     if self.cfg.reference_free:
       return None
     if "ref_logps" in batch:
-      return batch["ref_logps"]
-    return self._ref_logps(ref_params, batch)
+      return _rows(batch)["ref_logps"]
+    return _rows({"x": self._ref_logps(ref_params, batch)})["x"]
 
   def _train_step(self, state, ref_params, batch):
-    ref_logps = self._resolve_ref(ref_params, batch)
-    grad_fn = jax.value_and_grad(dpo_objective, has_aux=True)
-    (loss, metrics), grads = grad_fn(state["params"], ref_logps, batch, self.cfg, self.mcfg)
-    updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
-    metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads),
-                   learning_rate=self.schedule(state["step"]))
-    return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+    k = self.cfg.grad_accum_steps
+    micro = jax.tree.map(lambda x: x.reshape((x.shape[0], k, -1) + x.shape[2:]).swapaxes(0, 1),
+                         batch)  # [k, 2, b/k, T]
+
+    def micro_step(mb):
+      ref = self._resolve_ref(ref_params, mb)
+      (loss, metrics), grads = jax.value_and_grad(dpo_objective, has_aux=True)(
+          state["params"], ref, _rows(mb), self.cfg, self.mcfg)
+      return grads, dict(metrics, loss=loss)
+
+    def accumulate(carry, mb):
+      return jax.tree.map(jnp.add, carry, micro_step(mb)), None
+
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                         jax.eval_shape(micro_step, jax.tree.map(lambda x: x[0], micro)))
+    (grads, metrics), _ = jax.lax.scan(accumulate, zeros, micro)
+    # Local means over micro-batches; the sync averages over devices, once per step.
+    grads, metrics = jax.tree.map(lambda x: x / k, (grads, metrics))
+    opt_state = jax.tree.map(lambda x: x[0], state["opt_state"])
+    params, opt_state, grad_norm = self.opt.update(grads, opt_state, state["params"],
+                                                   return_grad_norm=True)
+    metrics = jax.lax.pmean(metrics, "data")
+    metrics = dict(metrics, grad_norm=grad_norm, learning_rate=self.schedule(state["step"]))
+    new_state = {"params": params, "opt_state": jax.tree.map(lambda x: x[None], opt_state),
+                 "step": state["step"] + 1}
+    return new_state, metrics
 
   def _eval_step(self, params, ref_params, batch):
-    loss, metrics = dpo_objective(params, self._resolve_ref(ref_params, batch), batch,
+    loss, metrics = dpo_objective(params, self._resolve_ref(ref_params, batch), _rows(batch),
                                   self.cfg, self.mcfg)
-    return dict(metrics, loss=loss)
+    return jax.lax.pmean(dict(metrics, loss=loss), "data")
+
+  @staticmethod
+  def _checksum(params):
+    """This device's params as one uint32: the wrapping sum of their bit patterns."""
+    total = jnp.zeros((), jnp.uint32)
+    for x in jax.tree.leaves(params):
+      bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+      total = total + jnp.sum(bits, dtype=jnp.uint32)
+    return total[None]
+
+  def abstract_state(self, num_shards: int) -> dict:
+    """Shapes and target shardings of `{"params", "opt_state"}` as saved by a run on
+    `num_shards` devices, placed on this trainer's mesh."""
+    params = jax.eval_shape(lambda: model_lib.init_params(jax.random.PRNGKey(0), self.mcfg))
+    plan = collectives.BucketPlan.create(params, num_shards, self.plan.bucket_bytes)
+    local = jax.eval_shape(lambda p: self.tx.init(plan.local_pieces(p, 0)), params)
+    # Each saved device's state lands on this mesh split over "data" when the counts
+    # divide, else replicated (it is re-cut below either way).
+    spec = P("data") if num_shards % self.num_devices == 0 else P()
+    opt = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        (num_shards,) + x.shape, x.dtype, sharding=NamedSharding(self.mesh, spec)), local)
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                         sharding=self.replicated), params)
+    return {"params": params, "opt_state": opt}, plan
+
+  def restore_state(self, ckpt: checkpoint.Checkpointer, step: int, num_shards: int) -> dict:
+    """The train state at `step`, saved on `num_shards` devices, on this mesh."""
+    abstract, plan = self.abstract_state(num_shards)
+    try:
+      restored = ckpt.restore(step, abstract)
+    except (ValueError, TypeError) as e:
+      raise ConfigError(f"checkpoint step {step} does not fit this model: {e}") from None
+    opt_state = restored["opt_state"]
+    if num_shards != self.num_devices:
+      opt_state = jax.jit(functools.partial(checkpoint.relayout_opt_state, plan_old=plan,
+                                            plan_new=self.plan),
+                          out_shardings=NamedSharding(self.mesh, P("data")))(opt_state)
+    return {"params": restored["params"], "opt_state": opt_state,
+            "step": jax.device_put(jnp.asarray(step, jnp.int32), self.replicated)}
+
+  def check_replicas(self, params) -> None:
+    """Raises if any device's copy of the replicated params differs from the others."""
+    sums = _to_host(self._checksums(params))
+    if (sums != sums[0]).any():
+      raise RuntimeError(f"replicas diverged: per-device param checksums {sums.tolist()}")
 
   def put_batch(self, batch: dict) -> dict:
-    return {k: jax.device_put(v, self.rows) for k, v in batch.items()}
+    """Host `[2B, T]` arrays of the global batch -> device `[2, B, T]`, pairs split over
+    "data". Each process hands over only the pairs of its own devices."""
+    out = {}
+    n, p = jax.process_count(), jax.process_index()
+    for k, v in batch.items():
+      pairs = v.reshape((2, -1) + v.shape[1:])
+      B = pairs.shape[1]
+      local = pairs[:, p * B // n:(p + 1) * B // n]
+      out[k] = jax.make_array_from_process_local_data(self.pairs, local, pairs.shape)
+    return out
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+  """The global value of `x` as NumPy, also when other processes hold some shards."""
+  if x.is_fully_addressable:
+    return np.asarray(jax.device_get(x))
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def _data_hash(dataset: data_lib.PreferenceDataset, ref_params) -> str:
@@ -226,10 +359,9 @@ def precompute_ref_logps(trainer: Trainer, ref_params, dataset: data_lib.Prefere
   for start in range(0, n, B):
     idx = np.arange(start, start + B) % n  # wrap the last batch; extra rows are discarded
     batch = trainer.put_batch(data_lib.take_pairs(dataset, idx))
-    logps = np.asarray(jax.device_get(trainer.ref_logps(ref_params, batch)))
+    logps = _to_host(trainer.ref_logps(ref_params, batch))  # [2, B, T]
     keep = min(B, n - start)
-    out[start:start + keep, 0] = logps[:keep]
-    out[start:start + keep, 1] = logps[B:B + keep]
+    out[start:start + keep] = logps[:, :keep].swapaxes(0, 1)
   os.makedirs(cache_dir, exist_ok=True)
   tmp = path + ".tmp.npy"
   np.save(tmp, out)
@@ -250,11 +382,20 @@ def _fmt_duration(seconds: float) -> str:
 
 
 class MetricsWriter:
-  """Writes one JSON object per row to `{output_dir}/metrics.jsonl` (a fresh file per run)."""
+  """Appends one JSON object per row to `{output_dir}/metrics.jsonl`.
 
-  def __init__(self, output_dir: str):
+  A fresh run (`resume_step=0`) starts the file anew; a resumed run keeps the rows up
+  to its checkpoint step and drops later ones, which the resumed run writes again.
+  """
+
+  def __init__(self, output_dir: str, resume_step: int = 0):
     self.path = os.path.join(output_dir, "metrics.jsonl")
+    kept = []
+    if resume_step and os.path.exists(self.path):
+      with open(self.path, encoding="utf-8") as f:
+        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
     self._file = open(self.path, "w", encoding="utf-8")
+    self._file.writelines(kept)
 
   def write(self, row: dict) -> None:
     self._file.write(json.dumps(row) + "\n")
@@ -278,17 +419,105 @@ def evaluate(trainer: Trainer, params, ref_params, dataset, ref_table) -> dict:
   return {f"eval/{k}": v / count for k, v in totals.items()}
 
 
-def train(cfg: TrainConfig, log=print) -> dict:
-  """Runs DPO training; returns the last logged train metrics and last eval metrics."""
-  devices = jax.devices()
+class Preempted(Exception):
+  """Raised after a SIGTERM/SIGINT: `step` was saved and committed."""
+
+  def __init__(self, step: int):
+    super().__init__(f"preempted: saved step {step}")
+    self.step = step
+
+
+class _StopSignal:
+  """Turns SIGTERM/SIGINT into a flag the loop polls between steps (single process).
+
+  With several processes JAX's preemption sync point decides instead, so that every
+  process stops after the same step.
+  """
+
+  def __init__(self):
+    self.received = None
+    self._previous = {}
+
+  def __enter__(self):
+    if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+      for sig in (signal.SIGTERM, signal.SIGINT):
+        self._previous[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    del frame
+    self.received = signum
+
+  def should_stop(self, step: int) -> bool:
+    if jax.process_count() > 1:
+      return multihost_utils.reached_preemption_sync_point(step)
+    return self.received is not None
+
+  def __exit__(self, *exc):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+
+
+def _restore(trainer: Trainer, ckpt: checkpoint.Checkpointer, cfg: TrainConfig, log):
+  """(state, meta) of the checkpoint to resume from, or (None, None) for a fresh start."""
+  existing = ckpt.steps()
+  if cfg.resume == "never":
+    if existing:
+      raise ConfigError(f"--resume=never but {ckpt.directory} already holds checkpoints "
+                        f"(steps {existing}); use --resume=auto or another --output_dir")
+    return None, None
+  step, meta = checkpoint.find_restorable(ckpt, required=cfg.resume == "required")
+  if step is None:
+    if cfg.resume == "required":
+      raise checkpoint.CheckpointError(f"--resume=required but {ckpt.directory} holds no "
+                                       "complete checkpoint")
+    return None, None
+  mismatch = (checkpoint.config_mismatch(meta["model_config"],
+                                         dataclasses.asdict(trainer.mcfg),
+                                         [f.name for f in dataclasses.fields(trainer.mcfg)])
+              or checkpoint.config_mismatch(meta["config"], dataclasses.asdict(cfg),
+                                            RESUME_FIELDS))
+  if mismatch:
+    raise ConfigError(f"cannot resume from step {step}: {mismatch}")
+  state = trainer.restore_state(ckpt, step, meta["num_shards"])
+  if cfg.verify_checkpoint:
+    got = checkpoint.fingerprints({k: state[k] for k in ("params", "opt_state")}) \
+        if meta["num_shards"] == trainer.num_devices else \
+        checkpoint.fingerprints({"params": state["params"]})
+    want = {k: v for k, v in meta["fingerprints"].items() if k in got}
+    bad = [k for k in got if got[k] != want.get(k)]
+    if bad:
+      raise checkpoint.CheckpointError(f"checkpoint step {step} fails verification: "
+                                       f"{len(bad)} arrays differ, e.g. {bad[0]}")
+    log(f"checkpoint step {step}: {len(got)} array fingerprints verified")
+  log(f"resumed from step {step} ({ckpt.directory}), data position {meta['data_state']}")
+  return state, meta
+
+
+# Settings that must not change across a resume (the model's own fields are checked
+# separately): they decide the data order or the meaning of the optimizer state.
+RESUME_FIELDS = ("max_length", "max_prompt_length", "seed", "batch_size", "optimizer",
+                 "train_data")
+
+
+def train(cfg: TrainConfig, log=print, devices=None) -> dict:
+  """Runs DPO training on `devices` (default: all), resuming from and writing
+  checkpoints in `{output_dir}/checkpoints`; returns the last logged train metrics, the
+  last eval metrics and the final state. Raises `Preempted` after saving on SIGTERM."""
+  devices = devices or jax.devices()
   cfg.validate(len(devices))
   mesh = Mesh(np.array(devices), ("data",))
-  os.makedirs(cfg.output_dir, exist_ok=True)
+  primary = jax.process_index() == 0
+  log = log if primary else (lambda *_: None)
+  try:
+    os.makedirs(cfg.output_dir, exist_ok=True)
+  except OSError as e:
+    raise ConfigError(f"--output_dir={cfg.output_dir!r} cannot be created: {e}") from None
   tok = data_lib.ByteTokenizer()
   mcfg = cfg.model_config()
   if tok.vocab_size > mcfg.vocab_size:
     raise ConfigError(f"tokenizer vocabulary ({tok.vocab_size}) exceeds the model's "
-                     f"({mcfg.vocab_size})")
+                      f"({mcfg.vocab_size})")
 
   train_set = data_lib.load_dataset(cfg.train_data, tok, cfg.max_length,
                                     cfg.max_prompt_length, cfg.skip_bad_lines)
@@ -301,13 +530,19 @@ def train(cfg: TrainConfig, log=print) -> dict:
     raise ConfigError(f"--eval_data has {len(eval_set)} pairs, fewer than --batch_size")
 
   trainer = Trainer(cfg, mesh)
-  state = trainer.init_state(jax.random.PRNGKey(cfg.seed))
-  # The reference is the frozen initial policy: its own buffers, so donating the train
-  # state never invalidates it.
-  ref_params = jax.tree.map(jnp.copy, state["params"])
+  key = jax.random.PRNGKey(cfg.seed)
+  ckpt = checkpoint.Checkpointer(os.path.join(cfg.output_dir, "checkpoints"), keep=cfg.keep,
+                                 keep_period=cfg.keep_period or None)
+  state, meta = _restore(trainer, ckpt, cfg, log)
+  start = 0 if state is None else meta["step"]
+  # The reference is the frozen initial policy, rebuilt from the seed on a resume; its
+  # own buffers, so donating the train state never invalidates it.
+  ref_params = trainer.init_state(key)["params"]
+  if state is None:
+    state = trainer.init_state(key)
   num_params = sum(x.size for x in jax.tree.leaves(state["params"]))
   log(f"model: {cfg.model} ({num_params:,} params) on {len(devices)} "
-      f"{devices[0].platform} device(s)")
+      f"{devices[0].platform} device(s) in {jax.process_count()} process(es)")
 
   train_ref = eval_ref = None
   if cfg.precompute_ref_logps:
@@ -318,8 +553,9 @@ def train(cfg: TrainConfig, log=print) -> dict:
     ref_params = None  # the step never runs the reference forward
     log(f"reference log-probs precomputed (cache: {cache_dir})")
 
-  it = data_lib.BatchIterator(train_set, cfg.batch_size, cfg.seed)
-  writer = MetricsWriter(cfg.output_dir)
+  it = data_lib.BatchIterator(train_set, cfg.batch_size, cfg.seed,
+                              state=meta["data_state"] if meta else None)
+  writer = MetricsWriter(cfg.output_dir, resume_step=start) if primary else None
   last, last_eval = {}, {}
   t_start = t_last = time.perf_counter()
   total_tokens = tokens_at_last = 0
@@ -332,37 +568,66 @@ def train(cfg: TrainConfig, log=print) -> dict:
     now = time.perf_counter()
     row = {"step": step, **m, "tokens_per_sec": (tokens - tokens_at_last) / (now - t_last)}
     tokens_at_last, t_last = tokens, now
-    writer.write(row)
-    eta = (now - t_start) / step * (cfg.steps - step)
+    if writer:
+      writer.write(row)
+    eta = (now - t_start) / (step - start) * (cfg.steps - step)
     log(f"step {step}/{cfg.steps} | loss {m['loss']:.4f} | acc {m['rewards/accuracies']:.3f} "
         f"| margin {m['rewards/margins']:.3f} | {row['tokens_per_sec']:,.0f} tok/s "
         f"| ETA {_fmt_duration(eta)}")
     last = row
 
+  def save(step):
+    to_save = {"params": state["params"], "opt_state": state["opt_state"]}
+    prints = checkpoint.fingerprints(to_save)
+    ckpt.save(step, to_save, {
+        "step": step, "data_state": it.get_state(), "num_shards": trainer.num_devices,
+        "rng_key": np.asarray(jax.random.key_data(key)).tolist(),
+        "config": dataclasses.asdict(cfg), "model_config": dataclasses.asdict(mcfg),
+        "fingerprints": prints})
+    digest = hashlib.sha256(json.dumps(prints, sort_keys=True).encode()).hexdigest()[:16]
+    log(f"checkpoint step {step}: saving asynchronously (content digest {digest})")
+
   try:
-    for step in range(1, cfg.steps + 1):
-      idx = it.next_indices()
-      batch = with_ref(data_lib.take_pairs(train_set, idx), train_ref, idx)
-      total_tokens += int(batch["attention_mask"].sum())
-      state, metrics = trainer.train_step(state, ref_params, trainer.put_batch(batch))
-      # Read the previous step's metrics only now, with this step already queued, so
-      # the host never makes the device wait.
-      if pending is not None:
-        report(*pending)
-      pending = (step, metrics, total_tokens) if step % cfg.log_every == 0 or step == cfg.steps else None
-      if eval_set is not None and cfg.eval_every and (step % cfg.eval_every == 0
-                                                      or step == cfg.steps):
+    with _StopSignal() as stop:
+      for step in range(start + 1, cfg.steps + 1):
+        idx = it.next_indices()
+        batch = with_ref(data_lib.take_pairs(train_set, idx), train_ref, idx)
+        total_tokens += int(batch["attention_mask"].sum())
+        state, metrics = trainer.train_step(state, ref_params, trainer.put_batch(batch))
+        if step == start + 1 or cfg.check_replicas_every and step % cfg.check_replicas_every == 0:
+          trainer.check_replicas(state["params"])
+        # Read the previous step's metrics only now, with this step already queued, so
+        # the host never makes the device wait.
         if pending is not None:
           report(*pending)
-          pending = None
-        last_eval = evaluate(trainer, state["params"], ref_params, eval_set, eval_ref)
-        writer.write({"step": step, **last_eval})
-        log(f"eval @ {step} | loss {last_eval['eval/loss']:.4f} | "
-            f"acc {last_eval['eval/rewards/accuracies']:.3f} | "
-            f"margin {last_eval['eval/rewards/margins']:.3f}")
-    if pending is not None:
-      report(*pending)
+        logged = step % cfg.log_every == 0 or step == cfg.steps
+        pending = (step, metrics, total_tokens) if logged else None
+        if eval_set is not None and cfg.eval_every and (step % cfg.eval_every == 0
+                                                        or step == cfg.steps):
+          if pending is not None:
+            report(*pending)
+            pending = None
+          last_eval = evaluate(trainer, state["params"], ref_params, eval_set, eval_ref)
+          if writer:
+            writer.write({"step": step, **last_eval})
+          log(f"eval @ {step} | loss {last_eval['eval/loss']:.4f} | "
+              f"acc {last_eval['eval/rewards/accuracies']:.3f} | "
+              f"margin {last_eval['eval/rewards/margins']:.3f}")
+        if stop.should_stop(step):
+          if pending is not None:
+            report(*pending)
+          save(step)
+          ckpt.wait()
+          log(f"stop signal: step {step} saved and committed")
+          raise Preempted(step)
+        if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
+          save(step)
+      if pending is not None:
+        report(*pending)
+    ckpt.wait()
   finally:
-    writer.close()
-  log(f"done: {cfg.steps} steps in {_fmt_duration(time.perf_counter() - t_start)}")
+    ckpt.close()
+    if writer:
+      writer.close()
+  log(f"done: steps {start + 1}-{cfg.steps} in {_fmt_duration(time.perf_counter() - t_start)}")
   return {"train": last, "eval": last_eval, "state": state}

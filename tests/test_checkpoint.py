@@ -1,0 +1,213 @@
+"""Checkpointing: exact resume, preemption, crashes mid-save, topology change, errors."""
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import chex
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from tunix_core import checkpoint
+from tunix_core import data as data_lib
+from tunix_core import train
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(REPO, "data", "train.jsonl")
+QUIET = dict(log=lambda *_: None)
+
+
+def _config(out, **kw):
+  base = dict(output_dir=str(out), train_data=TRAIN, max_length=40, max_prompt_length=20,
+              batch_size=8, steps=6, log_every=1, learning_rate=2e-3, bucket_mb=0.25)
+  return train.TrainConfig(**{**base, **kw})
+
+
+def _rows(out):
+  with open(os.path.join(out, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def _losses(out):
+  return {r["step"]: r["loss"] for r in _rows(out) if "loss" in r}
+
+
+def _flags(cfg):
+  return [f"--{k}={v}" for k, v in dataclasses.asdict(cfg).items() if v != ""]
+
+
+def _spawn(cfg, devices=8, extra=()):
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+             JAX_PLATFORMS="cpu")
+  return subprocess.Popen([sys.executable, os.path.join(REPO, "trainer.py"), *_flags(cfg),
+                           *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+
+
+def _wait_for_rows(out, n, proc, timeout=300):
+  path = os.path.join(out, "metrics.jsonl")
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    if os.path.exists(path) and len(open(path).readlines()) >= n:
+      return
+    time.sleep(0.2)
+  raise TimeoutError(f"{path} never reached {n} rows")
+
+
+def test_resume_is_exact(tmp_path):
+  straight = train.train(_config(tmp_path / "a"), **QUIET)
+  train.train(_config(tmp_path / "b", steps=3, save_every=3), **QUIET)
+  resumed = train.train(_config(tmp_path / "b", save_every=3), **QUIET)
+  assert _losses(tmp_path / "a") == _losses(tmp_path / "b")  # bit-identical, every step
+  for x, y in zip(jax.tree.leaves(straight["state"]), jax.tree.leaves(resumed["state"])):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_sigterm_saves_the_reached_step_and_resume_continues(tmp_path):
+  out = tmp_path / "run"
+  proc = _spawn(_config(out, steps=500))
+  _wait_for_rows(out, 3, proc)
+  proc.send_signal(signal.SIGTERM)
+  _, err = proc.communicate(timeout=300)
+  assert proc.returncode == 42, err[-3000:]
+  ckpt = checkpoint.Checkpointer(str(out / "checkpoints"))
+  (reached,) = ckpt.steps()
+  meta = ckpt.read_meta(reached)
+  ckpt.close()
+  assert reached >= 3 and meta["step"] == reached
+  # The iterator position is exactly `reached` batches in: nothing skipped or repeated.
+  ds = data_lib.load_dataset(TRAIN, data_lib.ByteTokenizer(), 40, 20)
+  it = data_lib.BatchIterator(ds, 8, 0)
+  for _ in range(reached):
+    it.next_indices()
+  assert meta["data_state"] == it.get_state()
+  train.train(_config(out, steps=reached + 2), **QUIET)
+  train.train(_config(tmp_path / "straight", steps=reached + 2), **QUIET)
+  got, want = _losses(out), _losses(tmp_path / "straight")
+  assert sorted(got) == list(range(1, reached + 3))
+  np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)],
+                             rtol=1e-6)
+
+
+def test_sigkill_during_async_save_keeps_previous_checkpoint(tmp_path):
+  out = tmp_path / "run"
+  proc = _spawn(_config(out, steps=500, save_every=1))  # a save is nearly always in flight
+  _wait_for_rows(out, 5, proc)
+  proc.kill()
+  proc.wait()
+  ckpt_dir = out / "checkpoints"
+  ckpt = checkpoint.Checkpointer(str(ckpt_dir))
+  complete = ckpt.steps()
+  ckpt.close()
+  assert complete, "no complete checkpoint survived"
+  last = max(complete)
+  result = train.train(_config(out, steps=last + 2, save_every=1, resume="required"), **QUIET)
+  assert int(result["state"]["step"]) == last + 2
+  assert not [p for p in os.listdir(ckpt_dir) if "tmp" in p]  # leftovers cleaned up
+  assert max(_losses(out)) == last + 2
+
+
+@pytest.mark.parametrize("num_devices", [4, 1])
+def test_restore_on_fewer_devices(tmp_path, num_devices):
+  cfg = _config(tmp_path, steps=2, save_every=2)
+  saved = train.train(cfg, **QUIET)["state"]
+  small = train.Trainer(cfg, Mesh(np.array(jax.devices()[:num_devices]), ("data",)))
+  ckpt = checkpoint.Checkpointer(str(tmp_path / "checkpoints"))
+  restored = small.restore_state(ckpt, 2, num_shards=8)
+  ckpt.close()
+  chex.assert_trees_all_equal(jax.device_get(restored["params"]),
+                              jax.device_get(saved["params"]))
+  # Optimizer pieces re-cut for the new count hold the same values per parameter:
+  # each leaf's [devices, piece] rows are its zero-padded flat values.
+  def whole(pieces):
+    return jax.tree.map(lambda x, p: np.asarray(x).reshape(-1)[:p.size].reshape(p.shape),
+                        pieces, saved["params"])
+  assert restored["opt_state"][0].mu["embed"].shape[0] == num_devices
+  chex.assert_trees_all_equal(whole(restored["opt_state"][0].mu),
+                              whole(saved["opt_state"][0].mu))
+  chex.assert_trees_all_equal(whole(restored["opt_state"][0].nu),
+                              whole(saved["opt_state"][0].nu))
+
+
+def test_resume_on_one_device_matches_eight(tmp_path):
+  train.train(_config(tmp_path / "a", steps=2, save_every=2), **QUIET)
+  train.train(_config(tmp_path / "a", steps=4), devices=jax.devices()[:1], **QUIET)
+  train.train(_config(tmp_path / "b", steps=4), **QUIET)
+  a, b = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+  np.testing.assert_allclose([a[s] for s in range(1, 5)], [b[s] for s in range(1, 5)],
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_config_mismatch_and_resume_modes(tmp_path):
+  train.train(_config(tmp_path, steps=2, save_every=2), **QUIET)
+  with pytest.raises(train.ConfigError, match="max_length=40 but this run has max_length=48"):
+    train.train(_config(tmp_path, steps=4, max_length=48), **QUIET)
+  with pytest.raises(train.ConfigError, match="compute_dtype='float32' but this run has "
+                                              "compute_dtype='bfloat16'"):
+    train.train(_config(tmp_path, steps=4, compute_dtype="bfloat16"), **QUIET)
+  with pytest.raises(train.ConfigError, match="--resume=never but .* already holds"):
+    train.train(_config(tmp_path, steps=4, resume="never"), **QUIET)
+  with pytest.raises(checkpoint.CheckpointError, match="holds no complete checkpoint"):
+    train.train(_config(tmp_path / "empty", resume="required"), **QUIET)
+  not_a_dir = tmp_path / "file"
+  not_a_dir.write_text("x")
+  with pytest.raises(train.ConfigError, match="cannot be created"):
+    train.train(_config(not_a_dir / "out"), **QUIET)
+
+
+def test_corrupt_latest_step_falls_back_or_fails(tmp_path):
+  train.train(_config(tmp_path, steps=4, save_every=2), **QUIET)
+  ckpt_dir = tmp_path / "checkpoints"
+  meta_dir = ckpt_dir / "4" / "meta"
+  for name in os.listdir(meta_dir):
+    (meta_dir / name).write_text("{ not json")
+  with pytest.raises(checkpoint.CheckpointError, match="step 4 .* is unreadable"):
+    train.train(_config(tmp_path, steps=6, resume="required"), **QUIET)
+  result = train.train(_config(tmp_path, steps=5), **QUIET)  # auto: falls back to step 2
+  assert int(result["state"]["step"]) == 5
+  assert sorted(_losses(tmp_path)) == [1, 2, 3, 4, 5]
+
+
+def test_verify_checkpoint_detects_a_changed_array(tmp_path):
+  train.train(_config(tmp_path, steps=2, save_every=2), **QUIET)
+  train.train(_config(tmp_path, steps=3, verify_checkpoint=True), **QUIET)  # passes
+  meta_dir = tmp_path / "checkpoints" / "2" / "meta"
+  name = "metadata"  # Orbax's JSON file of the item
+  meta = json.loads((meta_dir / name).read_text())
+  key = sorted(meta["fingerprints"])[0]
+  meta["fingerprints"][key] = "0" * 16
+  (meta_dir / name).write_text(json.dumps(meta))
+  with pytest.raises(checkpoint.CheckpointError, match="fails verification"):
+    train.train(_config(tmp_path, steps=3, verify_checkpoint=True), **QUIET)
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_then_one_process_resume(tmp_path):
+  out = tmp_path / "mp"
+  cfg = _config(out, steps=3, save_every=3)
+  port = _free_port()
+  procs = [_spawn(cfg, devices=4, extra=[f"--coordinator_address=127.0.0.1:{port}",
+                                         "--num_processes=2", f"--process_id={i}"])
+           for i in range(2)]
+  for p in procs:
+    _, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-3000:]
+  train.train(_config(out, steps=5), **QUIET)  # one process, 8 devices
+  train.train(_config(tmp_path / "straight", steps=5), **QUIET)
+  got, want = _losses(out), _losses(tmp_path / "straight")
+  assert sorted(got) == [1, 2, 3, 4, 5]
+  np.testing.assert_allclose([got[s] for s in range(1, 6)], [want[s] for s in range(1, 6)],
+                             rtol=1e-5, atol=1e-5)

@@ -1,0 +1,234 @@
+"""Hand-written data-parallel gradient sync: bucketed reduce-scatter and all-gather.
+
+Call these inside `jax.shard_map` over a mesh axis of `num_shards` devices.
+
+A `BucketPlan` packs the leaves of a pytree, last leaf first (the order backward
+produces gradients), into flat buckets of one dtype and at most `bucket_bytes` (a leaf
+larger than that gets a bucket of its own). Inside a bucket the layout is interleaved
+by shard: each leaf is zero-padded to a multiple of `num_shards`, cut into
+`num_shards` equal pieces, and the bucket is
+
+    [leaf_a piece 0 | leaf_b piece 0 | ... | leaf_a piece 1 | leaf_b piece 1 | ...]
+
+so shard `i` of a bucket (what a tiled reduce-scatter leaves on device `i`) holds
+piece `i` of every leaf in it. That lets the ZeRO optimizer present its local shard as
+a pytree with the structure of the params, so per-leaf optax masks still work.
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+IMPLS = ("xla", "ring")
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketPlan:
+  """Static layout of a pytree in flat buckets; hashable, usable as a jit static arg.
+
+  Attributes:
+    treedef: structure of the planned tree.
+    shapes, dtypes: per leaf (in `jax.tree.leaves` order), dtypes as names.
+    num_shards: devices the buckets are split over.
+    buckets: per bucket, the indices of its leaves in packing order.
+    bucket_bytes: the size limit the plan was built with.
+  """
+
+  treedef: jax.tree_util.PyTreeDef
+  shapes: tuple[tuple[int, ...], ...]
+  dtypes: tuple[str, ...]
+  num_shards: int
+  buckets: tuple[tuple[int, ...], ...]
+  bucket_bytes: int
+
+  @classmethod
+  def create(cls, tree, num_shards: int, bucket_bytes: int = 25 * 2**20) -> "BucketPlan":
+    """Plans `tree` (arrays or `jax.ShapeDtypeStruct`s) for `num_shards` devices."""
+    if num_shards < 1:
+      raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    if bucket_bytes < 1:
+      raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    leaves, treedef = jax.tree.flatten(tree)
+    if not leaves:
+      raise ValueError("cannot plan an empty tree")
+    shapes = tuple(tuple(int(d) for d in x.shape) for x in leaves)
+    dtypes = tuple(jnp.dtype(x.dtype).name for x in leaves)
+    buckets, open_bucket = [], {}  # dtype -> (leaf indices, bytes)
+    for i in reversed(range(len(leaves))):
+      nbytes = _padded_size(shapes[i], num_shards) * jnp.dtype(dtypes[i]).itemsize
+      members, used = open_bucket.get(dtypes[i], ([], 0))
+      if members and used + nbytes > bucket_bytes:
+        buckets.append(tuple(members))
+        members, used = [], 0
+      open_bucket[dtypes[i]] = (members + [i], used + nbytes)
+    buckets.extend(tuple(m) for m, _ in open_bucket.values())
+    return cls(treedef, shapes, dtypes, num_shards, tuple(buckets), bucket_bytes)
+
+  @property
+  def num_buckets(self) -> int:
+    return len(self.buckets)
+
+  def piece_size(self, leaf: int) -> int:
+    """Elements of `leaf` in each shard (its padded size / num_shards)."""
+    return _padded_size(self.shapes[leaf], self.num_shards) // self.num_shards
+
+  def shard_size(self, bucket: int) -> int:
+    return sum(self.piece_size(i) for i in self.buckets[bucket])
+
+  def bucket_size(self, bucket: int) -> int:
+    return self.shard_size(bucket) * self.num_shards
+
+  def bucket_dtype(self, bucket: int) -> str:
+    return self.dtypes[self.buckets[bucket][0]]
+
+  def pack(self, tree) -> list[jax.Array]:
+    """The tree as flat buckets `[bucket_size(b)]`, in the interleaved layout."""
+    leaves = self._leaves(tree)
+    out = []
+    for members in self.buckets:
+      rows = [self._pieces(leaves[i], i) for i in members]  # each [num_shards, piece]
+      out.append(jnp.concatenate(rows, axis=1).reshape(-1))
+    return out
+
+  def unpack(self, buckets) -> object:
+    """Inverse of `pack`: the tree, each leaf cast back to its planned dtype."""
+    leaves = [None] * len(self.shapes)
+    for b, members in enumerate(self.buckets):
+      rows = buckets[b].reshape(self.num_shards, -1)
+      offset = 0
+      for i in members:
+        k = self.piece_size(i)
+        flat = rows[:, offset:offset + k].reshape(-1)[:math.prod(self.shapes[i])]
+        leaves[i] = flat.reshape(self.shapes[i]).astype(self.dtypes[i])
+        offset += k
+    return jax.tree.unflatten(self.treedef, leaves)
+
+  def shards_to_tree(self, shards) -> object:
+    """Local shards (one per bucket) as a tree of 1-D pieces `[piece_size(leaf)]`."""
+    leaves = [None] * len(self.shapes)
+    for b, members in enumerate(self.buckets):
+      offset = 0
+      for i in members:
+        leaves[i] = shards[b][offset:offset + self.piece_size(i)]
+        offset += self.piece_size(i)
+    return jax.tree.unflatten(self.treedef, leaves)
+
+  def tree_to_shards(self, pieces) -> list[jax.Array]:
+    """Inverse of `shards_to_tree`."""
+    leaves = self._leaves(pieces, check_shapes=False)
+    return [jnp.concatenate([leaves[i] for i in members]) for members in self.buckets]
+
+  def local_pieces(self, tree, shard_index) -> object:
+    """Piece `shard_index` (may be traced) of every leaf: a tree of 1-D arrays."""
+    leaves = self._leaves(tree)
+    return jax.tree.unflatten(self.treedef, [
+        jax.lax.dynamic_index_in_dim(self._pieces(x, i), shard_index, keepdims=False)
+        for i, x in enumerate(leaves)])
+
+  def _pieces(self, leaf, i):
+    flat = leaf.reshape(-1)
+    pad = self.piece_size(i) * self.num_shards - flat.size
+    return jnp.pad(flat, (0, pad)).reshape(self.num_shards, -1)
+
+  def _leaves(self, tree, check_shapes=True):
+    leaves, treedef = jax.tree.flatten(tree)
+    if treedef != self.treedef:
+      raise ValueError(f"tree structure {treedef} does not match the plan's {self.treedef}")
+    if check_shapes:
+      for i, x in enumerate(leaves):
+        if tuple(x.shape) != self.shapes[i]:
+          raise ValueError(f"leaf {i} has shape {tuple(x.shape)}, the plan says "
+                           f"{self.shapes[i]}")
+    return leaves
+
+
+def _padded_size(shape, num_shards):
+  return -(-max(math.prod(shape), 1) // num_shards) * num_shards
+
+
+def _check(plan, axis_name, impl):
+  if impl not in IMPLS:
+    raise ValueError(f"unknown collective impl {impl!r}; choose one of {IMPLS}")
+  size = jax.lax.axis_size(axis_name)
+  if size != plan.num_shards:
+    raise ValueError(f"mesh axis {axis_name!r} has {size} devices but the plan was made "
+                     f"for {plan.num_shards} shards")
+
+
+def reduce_scatter(tree, plan: BucketPlan, axis_name, *, impl="xla", mean=True,
+                   comm_dtype=None) -> list[jax.Array]:
+  """Sums (or averages) `tree` over `axis_name`; returns this device's shard per bucket.
+
+  Args:
+    tree: local values (e.g. gradients) with the plan's structure.
+    impl: "xla" (one tiled `lax.psum_scatter` per bucket) or "ring" (`num_shards - 1`
+      `lax.ppermute` steps per bucket, accumulating in float32).
+    mean: divide by the number of devices.
+    comm_dtype: dtype on the wire, e.g. `jnp.bfloat16` to halve the bytes. Sums are
+      still accumulated in float32 (with "xla" this uses one `all_to_all` per bucket
+      and a local float32 sum instead of `psum_scatter`).
+
+  Returns:
+    `[plan.shard_size(b)]` arrays in each bucket's dtype.
+  """
+  _check(plan, axis_name, impl)
+  n = plan.num_shards
+  out = []
+  for b, bucket in enumerate(plan.pack(tree)):
+    wire = bucket if comm_dtype is None else bucket.astype(comm_dtype)
+    if impl == "ring":
+      shard = _ring_reduce_scatter(bucket.astype(jnp.float32), axis_name, n, wire.dtype)
+    elif comm_dtype is None:
+      shard = jax.lax.psum_scatter(bucket, axis_name, tiled=True)
+    else:
+      chunks = jax.lax.all_to_all(wire.reshape(n, -1), axis_name, 0, 0, tiled=True)
+      shard = chunks.astype(jnp.float32).sum(axis=0)
+    if mean:
+      shard = shard.astype(jnp.float32) / n
+    out.append(shard.astype(plan.bucket_dtype(b)))
+  return out
+
+
+def all_gather(shards, plan: BucketPlan, axis_name, *, impl="xla"):
+  """Gathers every device's shard of every bucket and unpacks them into a tree."""
+  _check(plan, axis_name, impl)
+  if len(shards) != plan.num_buckets:
+    raise ValueError(f"got {len(shards)} shards for a plan of {plan.num_buckets} buckets")
+  buckets = []
+  for shard in shards:
+    if impl == "ring":
+      buckets.append(_ring_all_gather(shard, axis_name, plan.num_shards))
+    else:
+      buckets.append(jax.lax.all_gather(shard, axis_name, tiled=True))
+  return plan.unpack(buckets)
+
+
+def _ring_perm(n):
+  return [(j, (j + 1) % n) for j in range(n)]
+
+
+def _ring_reduce_scatter(bucket_f32, axis_name, n, wire_dtype):
+  """Device i ends with chunk i summed over the ring: at step s it forwards its running
+  sum of chunk (i - s - 1) mod n and adds its own part of the chunk it receives."""
+  chunks = bucket_f32.reshape(n, -1)
+  i = jax.lax.axis_index(axis_name)
+  partial = chunks[(i - 1) % n]
+  for s in range(n - 1):
+    received = jax.lax.ppermute(partial.astype(wire_dtype), axis_name, _ring_perm(n))
+    partial = received.astype(jnp.float32) + chunks[(i - s - 2) % n]
+  return partial
+
+
+def _ring_all_gather(shard, axis_name, n):
+  """Each device passes along what it last received; after n - 1 steps all have all."""
+  i = jax.lax.axis_index(axis_name)
+  out = jnp.zeros((n,) + shard.shape, shard.dtype)
+  out = jax.lax.dynamic_update_index_in_dim(out, shard, i, 0)
+  current = shard
+  for s in range(n - 1):
+    current = jax.lax.ppermute(current, axis_name, _ring_perm(n))
+    out = jax.lax.dynamic_update_index_in_dim(out, current, (i - s - 1) % n, 0)
+  return out.reshape(-1)
