@@ -25,12 +25,23 @@ def _tile(hidden_NxD, weight_DxV, targets_N, c, chunk):
   chunk already covered (None when chunks tile V exactly)."""
   V = weight_DxV.shape[1]
   start = jnp.minimum(c * chunk, V - chunk)
-  w_DxC = jax.lax.dynamic_slice_in_dim(weight_DxV, start, chunk, axis=1)
+  w_DxC = _weight_chunk(weight_DxV, start, chunk)
   logits_NxC = jnp.dot(hidden_NxD, w_DxC, preferred_element_type=jnp.float32)
   cols_C = start + jnp.arange(chunk)
   onehot_NxC = cols_C[None] == targets_N[:, None]
   fresh_C = None if V % chunk == 0 else cols_C >= c * chunk
   return logits_NxC, start, w_DxC, onehot_NxC, fresh_C
+
+
+def _weight_chunk(weight_DxV, start, chunk):
+  take = lambda: jax.lax.dynamic_slice_in_dim(weight_DxV, start, chunk, axis=1)
+  if weight_DxV.dtype == jnp.float32 or jax.default_backend() != "cpu":
+    return take()
+  # XLA:CPU computes bf16 dots in f32 and would hoist the conversion of the *whole*
+  # weight out of the loop (a [D, V] f32 copy). Slicing inside a conditional, which
+  # XLA does not look through, keeps the conversion to one [D, C] chunk at a time.
+  return jax.lax.cond(start >= 0, take, lambda: vary_like(
+      jnp.zeros((weight_DxV.shape[0], chunk), weight_DxV.dtype), weight_DxV))
 
 
 def _forward(hidden_NxD, weight_DxV, targets_N, chunk):

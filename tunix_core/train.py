@@ -363,7 +363,7 @@ def precompute_ref_logps(trainer: Trainer, ref_params, dataset: data_lib.Prefere
     keep = min(B, n - start)
     out[start:start + keep] = logps[:, :keep].swapaxes(0, 1)
   os.makedirs(cache_dir, exist_ok=True)
-  tmp = path + ".tmp.npy"
+  tmp = f"{path}.{os.getpid()}.tmp.npy"  # processes sharing the directory never collide
   np.save(tmp, out)
   os.replace(tmp, path)  # a crash never leaves a half-written cache behind
   return out
