@@ -217,9 +217,12 @@ class Trainer:
         in_specs=P(), out_specs=P("data")))
     self._checksums = jax.jit(smap(self._checksum, in_specs=P(), out_specs=P("data")))
 
+  def init_params(self, key: jax.Array) -> dict:
+    return jax.jit(lambda k: model_lib.init_params(k, self.mcfg),
+                   out_shardings=self.replicated)(key)
+
   def init_state(self, key: jax.Array) -> dict:
-    params = jax.jit(lambda k: model_lib.init_params(k, self.mcfg),
-                     out_shardings=self.replicated)(key)
+    params = self.init_params(key)
     return {"params": params, "opt_state": self._init_opt(params),
             "step": jax.device_put(jnp.zeros((), jnp.int32), self.replicated)}
 
@@ -535,11 +538,13 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
                                  keep_period=cfg.keep_period or None)
   state, meta = _restore(trainer, ckpt, cfg, log)
   start = 0 if state is None else meta["step"]
-  # The reference is the frozen initial policy, rebuilt from the seed on a resume; its
-  # own buffers, so donating the train state never invalidates it.
-  ref_params = trainer.init_state(key)["params"]
+  # The reference is the frozen initial policy (rebuilt from the seed on a resume), in
+  # its own buffers, so donating the train state never invalidates it.
   if state is None:
     state = trainer.init_state(key)
+    ref_params = jax.tree.map(jnp.copy, state["params"])
+  else:
+    ref_params = trainer.init_params(key)
   num_params = sum(x.size for x in jax.tree.leaves(state["params"]))
   log(f"model: {cfg.model} ({num_params:,} params) on {len(devices)} "
       f"{devices[0].platform} device(s) in {jax.process_count()} process(es)")
