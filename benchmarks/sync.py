@@ -15,7 +15,6 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
 
 import argparse  # noqa: E402
-import functools  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402

@@ -129,15 +129,19 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps,
   else:  # ipo: (h - 1/(2 beta))^2 with h the unscaled log-ratio difference.
     losses = (logits / beta - 1.0 / (2.0 * beta)) ** 2
 
-  metrics = {
+  return losses.mean(), _metrics(chosen_rewards, rejected_rewards, policy_c, policy_r)
+
+
+def _metrics(chosen_rewards, rejected_rewards, policy_chosen, policy_rejected) -> dict:
+  """Batch means of per-sequence `[B]` rewards and policy log-probs."""
+  return {
       "rewards/chosen": chosen_rewards.mean(),
       "rewards/rejected": rejected_rewards.mean(),
       "rewards/accuracies": (chosen_rewards > rejected_rewards).astype(jnp.float32).mean(),
-      "rewards/margins": logits.mean(),
-      "logps/chosen": policy_c.mean(),
-      "logps/rejected": policy_r.mean(),
+      "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+      "logps/chosen": policy_chosen.mean(),
+      "logps/rejected": policy_rejected.mean(),
   }
-  return losses.mean(), metrics
 
 
 def _pallas_loss(args, chosen_mask, rejected_mask, beta, loss_type, label_smoothing,
@@ -157,13 +161,6 @@ def _pallas_loss(args, chosen_mask, rejected_mask, beta, loss_type, label_smooth
   rows, table = dpo_loss_pallas.dpo_rows(*padded, float(beta), loss_type,
                                          float(label_smoothing), B, bs, interpret)
   t = jax.lax.stop_gradient(table[:B])
-  chosen, rejected = t[:, dpo_loss_pallas.CHOSEN_REWARD], t[:, dpo_loss_pallas.REJECTED_REWARD]
-  metrics = {
-      "rewards/chosen": chosen.mean(),
-      "rewards/rejected": rejected.mean(),
-      "rewards/accuracies": (chosen > rejected).astype(jnp.float32).mean(),
-      "rewards/margins": (chosen - rejected).mean(),
-      "logps/chosen": t[:, dpo_loss_pallas.POLICY_CHOSEN].mean(),
-      "logps/rejected": t[:, dpo_loss_pallas.POLICY_REJECTED].mean(),
-  }
-  return rows[:B].sum() / B, metrics
+  return rows[:B].sum() / B, _metrics(
+      t[:, dpo_loss_pallas.CHOSEN_REWARD], t[:, dpo_loss_pallas.REJECTED_REWARD],
+      t[:, dpo_loss_pallas.POLICY_CHOSEN], t[:, dpo_loss_pallas.POLICY_REJECTED])

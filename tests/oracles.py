@@ -1,7 +1,6 @@
 """Float64 NumPy oracles and inputs shared by the log-prob tests."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 

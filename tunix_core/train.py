@@ -9,7 +9,6 @@ import dataclasses
 import functools
 import hashlib
 import json
-import math
 import os
 import signal
 import threading
