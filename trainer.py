@@ -1,22 +1,32 @@
 """DPO trainer: `python trainer.py --flagfile=configs/quickstart.flags`.
 
-Every flag maps to a field of `tunix_core.train.TrainConfig`; bad settings end the run
-with one error line before anything is compiled.
+Every run flag maps to a field of `tunix_core.config.TrainConfig`; bad settings end the
+run with one `trainer.py: error:` line before anything is compiled.
 """
 
 import dataclasses
+import logging
+import re
 import sys
 
 import jax
 from absl import app
 from absl import flags
+from absl import logging as absl_logging
 
 from tunix_core import checkpoint
+from tunix_core import config as config_lib
 from tunix_core import data as data_lib
+from tunix_core import preemption
 from tunix_core import train as train_lib
 
-_D = train_lib.TrainConfig  # defaults come from the config dataclass, in one place
+_D = config_lib.TrainConfig  # defaults come from the config dataclass, in one place
 _DEF = {f.name: f.default for f in dataclasses.fields(_D)}
+
+
+def _define_choice(name: str, help_text: str) -> None:
+  """A `DEFINE_enum` flag whose values are the config's `CHOICES[name]`."""
+  flags.DEFINE_enum(name, _DEF[name], list(config_lib.CHOICES[name]), help_text)
 
 # Run and output.
 flags.DEFINE_string("output_dir", None, "Directory for metrics.jsonl, checkpoints and the "
@@ -33,10 +43,9 @@ flags.DEFINE_integer("save_every", _DEF["save_every"], "Save an asynchronous che
 flags.DEFINE_integer("keep", _DEF["keep"], "Most recent checkpoints to keep.")
 flags.DEFINE_integer("keep_period", _DEF["keep_period"], "Also keep every checkpoint whose "
                      "step is a multiple of N, permanently (0: none).")
-flags.DEFINE_enum("resume", _DEF["resume"], ["auto", "never", "required"],
-                  "auto: resume from the latest complete checkpoint if any, else start "
-                  "fresh; never: start fresh, and refuse a directory that has checkpoints; "
-                  "required: fail without a usable checkpoint.")
+_define_choice("resume", "auto: resume from the latest complete checkpoint if any, else "
+               "start fresh; never: start fresh, and refuse a directory that has "
+               "checkpoints; required: fail without a usable checkpoint.")
 flags.DEFINE_bool("verify_checkpoint", _DEF["verify_checkpoint"], "On resume, recompute "
                   "every restored array's fingerprint and compare with the saved one.")
 # Multi-process (JAX's multi-controller runtime, as on TPU pods).
@@ -47,10 +56,9 @@ flags.DEFINE_integer("process_id", None, "This process's index, 0 .. num_process
 # Gradient sync.
 flags.DEFINE_float("bucket_mb", _DEF["bucket_mb"], "Gradient bucket size in MiB for the "
                    "bucketed reduce-scatter / all-gather.")
-flags.DEFINE_enum("sync_impl", _DEF["sync_impl"], ["xla", "ring"], "xla: one psum_scatter and "
-                  "all_gather per bucket; ring: hand-written ppermute ring.")
-flags.DEFINE_enum("grad_sync_dtype", _DEF["grad_sync_dtype"], ["float32", "bfloat16"],
-                  "Dtype of gradients on the wire; sums accumulate in float32.")
+_define_choice("sync_impl", "xla: one psum_scatter and all_gather per bucket; ring: "
+               "hand-written ppermute ring.")
+_define_choice("grad_sync_dtype", "Dtype of gradients on the wire; sums accumulate in float32.")
 flags.DEFINE_integer("grad_accum_steps", _DEF["grad_accum_steps"], "Micro-batches per step; "
                      "gradients are synced once per step.")
 flags.DEFINE_integer("check_replicas_every", _DEF["check_replicas_every"], "Besides after "
@@ -65,14 +73,11 @@ flags.DEFINE_integer("max_prompt_length", _DEF["max_prompt_length"], "Prompt tok
 flags.DEFINE_bool("skip_bad_lines", _DEF["skip_bad_lines"], "Skip malformed JSONL lines and "
                   "report their count instead of failing.")
 # Model.
-flags.DEFINE_string("model", _DEF["model"], "Model preset: tiny, 125m or 1b.")
-flags.DEFINE_enum("compute_dtype", _DEF["compute_dtype"], ["float32", "bfloat16"],
-                  "Activation/matmul dtype; params stay float32.")
-flags.DEFINE_enum("remat", _DEF["remat"], ["none", "full", "dots", "dots_no_batch"],
-                  "Rematerialisation policy of each layer in the backward pass.")
+_define_choice("model", "Model preset (tiny: CPU-sized; 125m; 1b).")
+_define_choice("compute_dtype", "Activation/matmul dtype; params stay float32.")
+_define_choice("remat", "Rematerialisation policy of each layer in the backward pass.")
 # Optimizer.
-flags.DEFINE_string("optimizer", _DEF["optimizer"], "adamw, rmsprop (the DPO paper's) or "
-                    "sgd.")
+_define_choice("optimizer", "adamw, rmsprop (the DPO paper's) or sgd.")
 flags.DEFINE_float("learning_rate", _DEF["learning_rate"], "Peak learning rate.")
 flags.DEFINE_integer("warmup_steps", _DEF["warmup_steps"], "Linear warmup steps from 0.")
 flags.DEFINE_float("weight_decay", _DEF["weight_decay"], "AdamW decoupled weight decay "
@@ -81,24 +86,53 @@ flags.DEFINE_float("max_grad_norm", _DEF["max_grad_norm"], "Clip gradients to th
                    "norm; 0 disables clipping.")
 # Loss.
 flags.DEFINE_float("beta", _DEF["beta"], "DPO temperature (KL penalty strength).")
-flags.DEFINE_string("loss_type", _DEF["loss_type"], "sigmoid, ipo, hinge or robust.")
+_define_choice("loss_type", "DPO loss: sigmoid (DPO), ipo, hinge or robust.")
 flags.DEFINE_float("label_smoothing", _DEF["label_smoothing"], "Assumed label-flip rate for "
                    "sigmoid (conservative DPO) and robust.")
 flags.DEFINE_bool("reference_free", _DEF["reference_free"], "Drop the reference model "
                   "(its log-probs are taken as zero).")
 flags.DEFINE_bool("precompute_ref_logps", _DEF["precompute_ref_logps"], "Run the reference "
                   "once over the data before training (cached on disk) instead of in every step.")
-flags.DEFINE_string("logprob_impl", _DEF["logprob_impl"], "kernels.fused_logprobs impl: "
-                    "auto (pallas on TPU, else xla), xla, pallas, interpret or reference.")
-flags.DEFINE_string("loss_impl", _DEF["loss_impl"], "kernels.dpo_loss impl: auto (pallas on "
-                    "TPU, else xla), xla, pallas, interpret or reference.")
+_define_choice("logprob_impl", "kernels.fused_logprobs impl: auto (pallas when "
+               "compiled for TPU, else xla), xla, pallas, interpret or naive (the oracle).")
+_define_choice("loss_impl", "kernels.dpo_loss impl: auto (pallas when compiled for "
+               "TPU, else xla), xla, pallas, interpret or naive (the oracle).")
+
+# Terminal.
+flags.DEFINE_bool("library_logging", False, "Show the INFO logging of JAX, Orbax and other "
+                  "libraries on stderr (for debugging); by default only their warnings and "
+                  "errors appear next to the trainer's own lines.")
 
 flags.mark_flags_as_required(["output_dir", "train_data"])
 
 
-def config_from_flags() -> train_lib.TrainConfig:
+def config_from_flags() -> config_lib.TrainConfig:
   values = {f.name: flags.FLAGS[f.name].value for f in dataclasses.fields(_D)}
-  return train_lib.TrainConfig(**values)
+  return config_lib.TrainConfig(**values)
+
+
+def _flag_error(e: flags.Error) -> str:
+  """absl's parse error as our one-line message (a bad choice names the choices)."""
+  m = re.match(r"flag --(\w+)=(.*): value should be one of", str(e), re.DOTALL)
+  if m and m.group(1) in config_lib.CHOICES:
+    name, value = m.groups()
+    return f"--{name}={value!r} is unknown; choose one of {config_lib.CHOICES[name]}"
+  return str(e).splitlines()[0]
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """Parses the command line; a bad flag ends the run with one `trainer.py: error:` line
+  instead of absl's usage dump."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    sys.exit(f"trainer.py: error: {_flag_error(e)}")
+
+
+def quiet_libraries() -> None:
+  """Keeps library INFO logging (Orbax logs every save step) off the terminal."""
+  absl_logging.set_verbosity(absl_logging.WARNING)
+  logging.getLogger().setLevel(logging.WARNING)
 
 
 # Exit status of a run stopped by SIGTERM/SIGINT after its checkpoint was committed.
@@ -120,16 +154,18 @@ def init_distributed() -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS.library_logging:
+    quiet_libraries()
   cfg = config_from_flags()
   init_distributed()
   try:
     train_lib.train(cfg)
-  except (train_lib.ConfigError, data_lib.DataError, checkpoint.CheckpointError) as e:
+  except (config_lib.ConfigError, data_lib.DataError, checkpoint.CheckpointError) as e:
     sys.exit(f"trainer.py: error: {e}")
-  except train_lib.Preempted as e:
+  except preemption.Preempted as e:
     print(f"trainer.py: {e}; exiting with status {PREEMPTED_EXIT_CODE}", file=sys.stderr)
     sys.exit(PREEMPTED_EXIT_CODE)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

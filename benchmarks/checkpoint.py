@@ -28,7 +28,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from tunix_core import checkpoint  # noqa: E402
-from tunix_core import train  # noqa: E402
+from tunix_core import config as config_lib  # noqa: E402
+from tunix_core import step as step_lib  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -73,8 +74,8 @@ def main():
   p.add_argument("--repeats", type=int, default=3)
   args = p.parse_args()
 
-  cfg = train.TrainConfig(output_dir="", train_data="", model=args.preset, batch_size=8)
-  trainer = train.Trainer(cfg, Mesh(np.array(jax.devices()), ("data",)))
+  cfg = config_lib.TrainConfig(output_dir="", train_data="", model=args.preset, batch_size=8)
+  trainer = step_lib.StepFunctions(cfg, Mesh(np.array(jax.devices()), ("data",)))
   state = trainer.init_state(jax.random.PRNGKey(0))
   state = {"params": state["params"], "opt_state": state["opt_state"]}
   nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))

@@ -18,21 +18,22 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from tunix_core import data as data_lib
+import kernels
+from tunix_core import config as config_lib
 from tunix_core import model as model_lib
-from tunix_core import train as train_lib
+from tunix_core import step as step_lib
 
 
 def synthetic_batch(rng, pairs, prompt_len, response_len, vocab):
-  """`[2B, T]` rows: random prompt (unscored) and response tokens (scored)."""
+  """A `[B, 2, T]` pair batch: random prompt (unscored) and response tokens (scored)."""
   T = prompt_len + response_len
-  tokens = rng.integers(0, vocab, (2 * pairs, T), dtype=np.int32)
-  targets = np.roll(tokens, -1, axis=1)
-  loss_mask = np.zeros((2 * pairs, T), np.int32)
-  loss_mask[:, prompt_len - 1:T - 1] = 1
-  targets = np.where(loss_mask > 0, targets, data_lib.IGNORE_INDEX).astype(np.int32)
+  tokens = rng.integers(0, vocab, (pairs, 2, T), dtype=np.int32)
+  targets = np.roll(tokens, -1, axis=-1)
+  loss_mask = np.zeros((pairs, 2, T), np.int32)
+  loss_mask[..., prompt_len - 1:T - 1] = 1
+  targets = np.where(loss_mask > 0, targets, kernels.IGNORE_INDEX).astype(np.int32)
   return {"tokens": tokens, "targets": targets, "loss_mask": loss_mask,
-          "attention_mask": np.ones((2 * pairs, T), np.int32)}
+          "attention_mask": np.ones((pairs, 2, T), np.int32)}
 
 
 def main():
@@ -55,10 +56,10 @@ def main():
                                num_layers=args.layers, num_heads=args.num_heads,
                                num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
                                mlp_dim=args.mlp_dim)
-  cfg = train_lib.TrainConfig(output_dir=tempfile.mkdtemp(), train_data="", steps=args.steps,
+  cfg = config_lib.TrainConfig(output_dir=tempfile.mkdtemp(), train_data="", steps=args.steps,
                               batch_size=args.pairs, logprob_impl=args.logprob_impl)
   devices = jax.devices()
-  trainer = train_lib.Trainer(cfg, Mesh(np.array(devices), ("data",)), model_config=mcfg)
+  trainer = step_lib.StepFunctions(cfg, Mesh(np.array(devices), ("data",)), model_config=mcfg)
   state = trainer.init_state(jax.random.PRNGKey(0))
   ref_params = jax.tree.map(lambda x: x.copy(), state["params"])
   batch = trainer.put_batch(synthetic_batch(np.random.default_rng(0), args.pairs,

@@ -1,9 +1,22 @@
-"""Kernels for DPO: fused linear log-probs and the DPO loss family."""
+"""Kernels for DPO: fused linear log-probs and the DPO loss family.
 
-from kernels.dpo_loss import IMPLS as DPO_LOSS_IMPLS
+`fused_logprobs` and `dpo_loss` share one dispatch layer (`kernels.dispatch`): `impl` is
+one of `IMPLS`, and "auto" picks the Pallas TPU kernels when the computation is compiled
+for TPUs, else the XLA paths. "naive" is the oracle; "reference" only ever means DPO's
+frozen reference model. `IGNORE_INDEX` is the target id of unscored positions.
+"""
+
+from kernels.dispatch import IGNORE_INDEX
+from kernels.dispatch import IMPLS
 from kernels.dpo_loss import LOSS_TYPES
 from kernels.dpo_loss import dpo_loss
-from kernels.logprobs import IMPLS as LOGPROB_IMPLS
+from kernels.dpo_loss_pallas import BlockSizes as DPOLossBlockSizes
 from kernels.logprobs import fused_logprobs
+from kernels.logprobs_pallas import BlockSizes as LogprobsBlockSizes
 
-__all__ = ["DPO_LOSS_IMPLS", "LOGPROB_IMPLS", "LOSS_TYPES", "dpo_loss", "fused_logprobs"]
+# Both ops take the same implementations; the two names stay for flag enums.
+LOGPROB_IMPLS = IMPLS
+DPO_LOSS_IMPLS = IMPLS
+
+__all__ = ["DPOLossBlockSizes", "DPO_LOSS_IMPLS", "IGNORE_INDEX", "IMPLS", "LOGPROB_IMPLS",
+           "LOSS_TYPES", "LogprobsBlockSizes", "dpo_loss", "fused_logprobs"]

@@ -2,27 +2,29 @@
 
 `dpo_loss` takes per-sequence log-probs `[B]`, or per-token log-probs `[B, T]` with 0/1
 masks that select the scored (response) tokens. It is differentiable in the policy
-log-probs; the reference log-probs are treated as constants by the loss formulas but
-are not wrapped in `stop_gradient` (the caller decides what is frozen).
+log-probs; the reference log-probs (of DPO's frozen reference model) are treated as
+constants by the loss formulas but are not wrapped in `stop_gradient` (the caller
+decides what is frozen). The implementation is picked through `kernels.dispatch`.
 """
 
 import jax
 import jax.numpy as jnp
 
-from kernels import dpo_loss_pallas
 from kernels import common
-from kernels import reference
+from kernels import dispatch
+from kernels import dpo_loss_pallas
+from kernels import naive
+from kernels.dispatch import LANES
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
-IMPLS = ("auto", "xla", "reference", "pallas", "interpret")
 
 
 def _check_args(args, chosen_mask, rejected_mask, beta, loss_type, label_smoothing,
-                reference_free, impl):
+                reference_free, impl) -> str:
+  """Raises ValueError on a bad argument; returns `impl` resolved by `kernels.dispatch`."""
   if loss_type not in LOSS_TYPES:
     raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {LOSS_TYPES}")
-  if impl not in IMPLS:
-    raise ValueError(f"unknown dpo_loss impl {impl!r}; choose one of {IMPLS}")
+  impl = dispatch.resolve_impl("dpo_loss", impl)
   if not beta > 0:
     raise ValueError(f"beta must be positive, got {beta}")
   if loss_type == "robust" and not 0 <= label_smoothing < 0.5:
@@ -50,6 +52,7 @@ def _check_args(args, chosen_mask, rejected_mask, beta, loss_type, label_smoothi
       raise ValueError(f"{name} given with per-sequence log-probs {shape}; masks are for [B, T]")
     if m is not None and jnp.shape(m) != shape:
       raise ValueError(f"{name} has shape {jnp.shape(m)}, expected {shape}")
+  return impl
 
 
 def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps,
@@ -67,9 +70,11 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps,
     loss_type: "sigmoid" (DPO; conservative DPO with `label_smoothing`), "ipo" (on
       length-averaged log-probs), "hinge" (SLiC), "robust" (rDPO, unbiased under
       `label_smoothing` = label-flip rate).
-    impl: "xla" (fused jnp), "pallas" (one-pass Mosaic TPU kernel), "interpret" (that
-      kernel in TPU interpret mode), "reference" (naive oracle), "auto" (pallas on TPU,
-      else xla). With the kernels the metrics carry no gradient.
+    impl: one of `kernels.IMPLS`: "xla" (fused jnp), "pallas" (one-pass Mosaic TPU
+      kernel), "interpret" (that kernel in TPU interpret mode), "naive" (one formula per
+      loss; the oracle), "auto" (pallas when the devices it is compiled for are TPUs,
+      else xla; see `dispatch.target_platform`). With the kernels the metrics carry no
+      gradient.
 
   Returns:
     `(loss, metrics)`: a float32 scalar and the batch means `rewards/chosen`,
@@ -79,14 +84,12 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps,
     loss sees.
   """
   args = (policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps)
-  _check_args(args, chosen_mask, rejected_mask, beta, loss_type, label_smoothing,
-              reference_free, impl)
-  if impl == "reference":
-    return reference.dpo_loss_reference(
+  impl = _check_args(args, chosen_mask, rejected_mask, beta, loss_type, label_smoothing,
+                     reference_free, impl)
+  if impl == "naive":
+    return naive.dpo_loss_naive(
         *args, chosen_mask=chosen_mask, rejected_mask=rejected_mask, beta=beta,
         loss_type=loss_type, label_smoothing=label_smoothing, reference_free=reference_free)
-  if impl == "auto":
-    impl = "pallas" if jax.default_backend() == "tpu" else "xla"
   if impl == "pallas":
     return _pallas_loss(args, chosen_mask, rejected_mask, beta, loss_type, label_smoothing,
                         reference_free, interpret=False)
@@ -154,7 +157,8 @@ def _pallas_loss(args, chosen_mask, rejected_mask, beta, loss_type, label_smooth
     args = tuple(x[:, None] for x in args)
     chosen_mask = rejected_mask = jnp.ones(args[0].shape, jnp.float32)
   B, T = args[0].shape
-  block_t = min(dpo_loss_pallas.BlockSizes().block_t, -(-T // 128) * 128)
+  # Short sequences take one block of T rounded up to the lanes, not a padded default.
+  block_t = min(dpo_loss_pallas.BlockSizes.get_default().block_t, -(-T // LANES) * LANES)
   bs = dpo_loss_pallas.BlockSizes(block_t=block_t)
   pad = ((0, -B % 8), (0, -T % block_t))
   padded = [jnp.pad(x.astype(jnp.float32), pad) for x in (*args, chosen_mask, rejected_mask)]

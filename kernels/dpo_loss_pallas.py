@@ -9,6 +9,7 @@ sequence blocks) broadcasts those per-row derivatives back onto the masked token
 
 Inputs must already be padded: `B % 8 == 0`, `T % block_t == 0`, padded positions
 masked out; rows at or past `num_rows` are padding and get zero loss and gradient.
+The kernels are named `dpo_loss_fwd` and `dpo_loss_bwd` and carry a `cost_estimate`.
 """
 
 import dataclasses
@@ -21,8 +22,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels.common import cotangent_for
 from kernels.common import out_struct
+from kernels.dispatch import LANES
 
-LANES = 128
 # Lanes of the per-row output table.
 LOSS, CHOSEN_REWARD, REJECTED_REWARD, POLICY_CHOSEN, POLICY_REJECTED, D_CHOSEN, D_REJECTED = \
     range(7)
@@ -30,14 +31,20 @@ LOSS, CHOSEN_REWARD, REJECTED_REWARD, POLICY_CHOSEN, POLICY_REJECTED, D_CHOSEN, 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """`block_t` sequence positions per grid step (a multiple of 128); rows are not split."""
+  """`block_t` sequence positions per grid step, a positive multiple of 128 (lanes),
+  checked on construction (`kernels.DPOLossBlockSizes`); rows are not split."""
 
-  block_t: int = 512
+  block_t: int
 
-  def validate(self) -> None:
-    if self.block_t <= 0 or self.block_t % LANES:
-      raise ValueError(f"BlockSizes.block_t={self.block_t} must be a positive multiple of "
+  def __post_init__(self):
+    if not isinstance(self.block_t, int) or self.block_t <= 0 or self.block_t % LANES:
+      raise ValueError(f"BlockSizes.block_t={self.block_t!r} must be a positive multiple of "
                        f"{LANES}")
+
+  @classmethod
+  def get_default(cls) -> "BlockSizes":
+    """512 positions per step; `kernels.dpo_loss` shrinks it to T rounded up to 128."""
+    return cls(block_t=512)
 
 
 def _log_sigmoid(x):
@@ -104,6 +111,32 @@ def _bwd_kernel(coef_ref, cm_ref, rm_ref, dpc_ref, dpr_ref):
   dpr_ref[...] = coef[:, 1:2] * rm_ref[...]
 
 
+# Per entry of the forward's lane-replicated `[B, 128]` row sums, its last step does about
+# this many elementwise ops (averages, rewards, loss and derivative, packing the table)
+# and, for sigmoid and robust, two log-sigmoids and two sigmoids: 6 transcendentals.
+_FINALIZE_FLOPS = 48
+
+
+def cost_estimate(kernel, B, T, loss_type=None) -> pl.CostEstimate:
+  """What `kernel` ("fwd" or "bwd") costs on padded float32 `[B, T]` inputs (the
+  forward's transcendentals depend on `loss_type`).
+
+  The forward streams six `[B, T]` inputs once (four log-probs masked and summed, two
+  masks summed: 10 flops per position) and writes the `[B, 128]` table; the backward
+  reads the `[B, 128]` coefficients and both masks and writes two `[B, T]` gradients
+  (one multiply per position each).
+  """
+  bt, table = B * T * 4, B * LANES * 4
+  if kernel == "fwd":
+    exps = 6 * B * LANES if loss_type in ("sigmoid", "robust") else 0
+    return pl.CostEstimate(flops=10 * B * T + _FINALIZE_FLOPS * B * LANES,
+                           transcendentals=exps, bytes_accessed=6 * bt + table)
+  if kernel == "bwd":
+    return pl.CostEstimate(flops=2 * B * T, transcendentals=0,
+                           bytes_accessed=table + 2 * bt + 2 * bt)
+  raise ValueError(f"unknown DPO loss kernel {kernel!r}")
+
+
 def _forward(pc, pr, rc, rr, cm, rm, beta, loss_type, eps, num_rows, bs, interpret):
   B, T = pc.shape
   block = pl.BlockSpec((B, bs.block_t), lambda t: (0, t))
@@ -117,6 +150,8 @@ def _forward(pc, pr, rc, rr, cm, rm, beta, loss_type, eps, num_rows, bs, interpr
       scratch_shapes=[pltpu.VMEM((B, LANES), jnp.float32)] * 6,
       compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
       interpret=interpret,
+      name="dpo_loss_fwd",
+      cost_estimate=cost_estimate("fwd", B, T, loss_type),
   )(pc, pr, rc, rr, cm, rm)
 
 
@@ -131,6 +166,8 @@ def _backward(coef, cm, rm, bs, interpret):
       out_shape=[out_struct((B, T), jnp.float32, coef, cm, rm)] * 2,
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
       interpret=interpret,
+      name="dpo_loss_bwd",
+      cost_estimate=cost_estimate("bwd", B, T),
   )(coef, cm, rm)
 
 

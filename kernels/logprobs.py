@@ -1,19 +1,23 @@
 """`fused_logprobs`: per-token log-probs of targets under a linear LM head.
 
 The public op flattens leading axes, checks its inputs, routes ignored positions
-(`targets == ignore_index`) to a valid id with zero cotangent, and dispatches to an
-implementation. The `[N, V]` logits are only ever built by `impl="reference"`.
+(`targets == ignore_index`) to a valid id with zero cotangent, and dispatches through
+`kernels.dispatch` to an implementation. The `[N, V]` logits are only ever built by
+`impl="naive"`.
 """
+
+import operator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from kernels import common
+from kernels import dispatch
 from kernels import logprobs_pallas
 from kernels import logprobs_xla
-from kernels import reference
+from kernels import naive
+from kernels.dispatch import IGNORE_INDEX
 
-IMPLS = ("auto", "xla", "reference", "pallas", "interpret")
 DEFAULT_XLA_CHUNK = 4096
 
 
@@ -28,27 +32,38 @@ def _check_targets_concrete(targets, vocab_size, ignore_index):
 
 
 def fused_logprobs(hidden, weight, targets, *, impl="auto", block_sizes=None,
-                   ignore_index=-100):
+                   xla_chunk=None, ignore_index=IGNORE_INDEX):
   """`log_softmax(hidden @ weight)[targets]` without materialising the logits.
 
   Args:
     hidden: `[..., D]` bf16 or f32; differentiable.
     weight: `[D, V]`; differentiable.
     targets: `[...]` int32 ids in `[0, V)`, or `ignore_index`.
-    impl: "pallas" (Mosaic TPU kernels), "interpret" (the same kernels in TPU interpret
-      mode, for CPU tests), "xla" (chunked `lax.scan`), "reference" (naive oracle),
-      "auto" (pallas on TPU, else xla).
-    block_sizes: for "pallas"/"interpret", a `logprobs_pallas.BlockSizes` (default
-      256 x 512); for "xla", the largest vocabulary chunk, an int (default 4096; see
-      `pick_chunk`).
+    impl: one of `kernels.IMPLS`: "pallas" (Mosaic TPU kernels), "interpret" (the same
+      kernels in TPU interpret mode, for CPU tests), "xla" (chunked `lax.scan`), "naive"
+      (materialises the logits; the oracle), "auto" (pallas when the devices it is
+      compiled for are TPUs, else xla; see `dispatch.target_platform`).
+    block_sizes: tiles of the Pallas kernels ("pallas"/"interpret"), a
+      `kernels.LogprobsBlockSizes` (default `LogprobsBlockSizes.get_default()`, 256 x
+      512); ignored by the other impls. Anything else is a TypeError.
+    xla_chunk: the largest vocabulary chunk of the "xla" path, an int (default 4096;
+      see `pick_chunk`); ignored by the other impls.
     ignore_index: target value whose position returns 0 and gets zero gradient.
 
   Returns:
-    float32 array with the shape of `targets`. The log-sum-exp is accumulated in
-    float32 whatever the input dtype.
+    float32 array with the shape of `targets`, differentiable in `hidden` and `weight`
+    (custom VJP; gradients in their dtypes). The log-sum-exp is accumulated in float32
+    whatever the input dtype.
   """
-  if impl not in IMPLS:
-    raise ValueError(f"unknown fused_logprobs impl {impl!r}; choose one of {IMPLS}")
+  impl = dispatch.resolve_impl("fused_logprobs", impl)
+  if block_sizes is not None and not isinstance(block_sizes, logprobs_pallas.BlockSizes):
+    raise TypeError("block_sizes for the Pallas kernels must be a BlockSizes "
+                    f"(kernels.LogprobsBlockSizes), got {block_sizes!r}; the xla path's "
+                    "vocabulary chunk is xla_chunk=")
+  try:
+    max_chunk = DEFAULT_XLA_CHUNK if xla_chunk is None else operator.index(xla_chunk)
+  except TypeError:
+    raise TypeError(f"xla_chunk must be an int, got {xla_chunk!r}") from None
   if hidden.shape[:-1] != targets.shape:
     raise ValueError(f"hidden {hidden.shape} and targets {targets.shape} disagree: hidden "
                      "must be targets.shape + (D,)")
@@ -58,10 +73,8 @@ def fused_logprobs(hidden, weight, targets, *, impl="auto", block_sizes=None,
     raise ValueError(f"targets must be integer, got {targets.dtype}")
   _check_targets_concrete(targets, weight.shape[1], ignore_index)
 
-  if impl == "reference":
-    return reference.logprobs_reference(hidden, weight, targets, ignore_index=ignore_index)
-  if impl == "auto":
-    impl = "pallas" if jax.default_backend() == "tpu" else "xla"
+  if impl == "naive":
+    return naive.logprobs_naive(hidden, weight, targets, ignore_index=ignore_index)
 
   hidden_NxD = hidden.reshape(-1, hidden.shape[-1])
   targets_N = targets.reshape(-1).astype(jnp.int32)
@@ -70,8 +83,7 @@ def fused_logprobs(hidden, weight, targets, *, impl="auto", block_sizes=None,
   # also zeroes their cotangent, so they contribute nothing to either gradient.
   safe_N = jnp.where(ignored_N, 0, targets_N)
   if impl == "xla":
-    chunk = pick_chunk(weight.shape[1], DEFAULT_XLA_CHUNK if block_sizes is None
-                       else int(block_sizes))
+    chunk = pick_chunk(weight.shape[1], max_chunk)
     logp_N = logprobs_xla.logprobs_xla(hidden_NxD, weight, safe_N, chunk)
   elif impl == "pallas":
     logp_N = _pallas(hidden_NxD, weight, safe_N, block_sizes, interpret=False)
@@ -97,10 +109,8 @@ def pick_chunk(vocab_size: int, max_chunk: int) -> int:
 
 def _pallas(hidden_NxD, weight_DxV, targets_N, block_sizes, interpret):
   """Pads N and V to block multiples, runs the Pallas kernels, drops the padding."""
-  bs = logprobs_pallas.BlockSizes() if block_sizes is None else block_sizes
-  if not isinstance(bs, logprobs_pallas.BlockSizes):
-    raise TypeError(f"block_sizes for the Pallas kernels must be a BlockSizes, got {bs!r}")
-  bs.validate(hidden_NxD.dtype)
+  bs = logprobs_pallas.BlockSizes.get_default() if block_sizes is None else block_sizes
+  bs.check_dtype(hidden_NxD.dtype)
   N, V = hidden_NxD.shape[0], weight_DxV.shape[1]
   pad_n, pad_v = -N % bs.block_n, -V % bs.block_v
   if pad_n:  # padded rows are all-zero hiddens with target 0; sliced off below

@@ -14,6 +14,10 @@ Backward recomputes logit tiles from the saved log-sum-exp, forms
 Inputs must already be padded: `N % block_n == 0`, `V_padded % block_v == 0`, padded
 vocabulary columns are masked by the true `vocab_size`, padded rows carry a zero
 cotangent. `kernels.fused_logprobs` does the padding.
+
+The three `pallas_call`s are named `fused_logprobs_fwd`, `fused_logprobs_dhidden` and
+`fused_logprobs_dweight` (the names show in profiles and lowered modules) and carry a
+`cost_estimate` for XLA's scheduler.
 """
 
 import dataclasses
@@ -26,32 +30,45 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels.common import cotangent_for
 from kernels.common import out_struct
+from kernels.dispatch import LANES
 
-LANES = 128
+SUBLANES = 8
 # A large finite negative instead of -inf keeps `m_old - m_new` free of inf - inf.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tile sizes of the log-prob kernels.
+  """Tile sizes of the log-prob kernels (`kernels.LogprobsBlockSizes`), checked on
+  construction.
 
   `block_n` rows of tokens and `block_v` vocabulary columns per tile; the hidden size D
-  is never split. On TPU a token block must be a multiple of 8 (sublanes; 16 for bf16)
-  and a vocabulary block a multiple of 128 (lanes).
+  is never split. On TPU a token block must be a multiple of 8 (sublanes; 16 for 2-byte
+  inputs, checked per call by `check_dtype`) and a vocabulary block a multiple of 128
+  (lanes).
   """
 
-  block_n: int = 256
-  block_v: int = 512
+  block_n: int
+  block_v: int
 
-  def validate(self, dtype=jnp.float32) -> None:
-    sublanes = 16 if jnp.dtype(dtype).itemsize == 2 else 8
-    if self.block_n <= 0 or self.block_n % sublanes:
+  def __post_init__(self):
+    for name, multiple in (("block_n", SUBLANES), ("block_v", LANES)):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value <= 0 or value % multiple:
+        raise ValueError(f"BlockSizes.{name}={value!r} must be a positive multiple of "
+                         f"{multiple}")
+
+  @classmethod
+  def get_default(cls) -> "BlockSizes":
+    """256 tokens x 512 vocabulary columns."""
+    return cls(block_n=256, block_v=512)
+
+  def check_dtype(self, dtype) -> None:
+    """Raises ValueError unless `block_n` is a multiple of the sublane tile of `dtype`."""
+    sublanes = 16 if jnp.dtype(dtype).itemsize == 2 else SUBLANES
+    if self.block_n % sublanes:
       raise ValueError(f"BlockSizes.block_n={self.block_n} must be a positive multiple of "
                        f"{sublanes} for {jnp.dtype(dtype).name} inputs")
-    if self.block_v <= 0 or self.block_v % LANES:
-      raise ValueError(f"BlockSizes.block_v={self.block_v} must be a positive multiple of "
-                       f"{LANES}")
 
   def vmem_bytes(self, d_model: int, itemsize: int) -> int:
     """A VMEM budget for the largest of the three kernels (double-buffered tiles)."""
@@ -141,6 +158,33 @@ def _params(semantics, bs, hidden):
       vmem_limit_bytes=bs.vmem_bytes(hidden.shape[1], hidden.dtype.itemsize))
 
 
+def cost_estimate(kernel, hidden, weight, bs) -> pl.CostEstimate:
+  """What `kernel` ("fwd", "dhidden" or "dweight") costs on padded `hidden [N, D]` and
+  `weight [D, V]` (arrays or `jax.ShapeDtypeStruct`s).
+
+  Flops: the forward is one `2 N D V` matmul; each backward kernel recomputes the logits
+  and does one more matmul, `4 N D V`. Transcendentals: one exp per logit (plus, in the
+  forward, one rescale per row and vocabulary block). Bytes: an input block is fetched
+  again whenever its block index changes between grid steps, so the operand indexed by
+  the inner grid axis is re-read once per outer step; the targets are int32 `[N]`, the
+  row statistics (`lse`, the cotangent) f32 `[N, 128]`; outputs are written once.
+  """
+  (N, D), V = hidden.shape, weight.shape[1]
+  nb, vb = N // bs.block_n, V // bs.block_v
+  h, w = N * D * hidden.dtype.itemsize, D * V * weight.dtype.itemsize
+  targets, stats = N * 4, N * LANES * 4
+  if kernel == "fwd":  # grid (N, V): weight re-read per token block; writes logp, lse
+    return pl.CostEstimate(flops=2 * N * D * V, transcendentals=N * V + N * vb,
+                           bytes_accessed=h + nb * w + targets + 2 * stats)
+  if kernel == "dhidden":  # grid (N, V): reads lse and g, writes d_hidden
+    return pl.CostEstimate(flops=4 * N * D * V, transcendentals=N * V,
+                           bytes_accessed=h + nb * w + targets + 2 * stats + h)
+  if kernel == "dweight":  # grid (V, N): token-indexed inputs re-read per vocab block
+    return pl.CostEstimate(flops=4 * N * D * V, transcendentals=N * V,
+                           bytes_accessed=vb * (h + targets + 2 * stats) + w + w)
+  raise ValueError(f"unknown log-prob kernel {kernel!r}")
+
+
 def _forward(hidden, weight, targets, bs, vocab_size, interpret):
   Np, D = hidden.shape
   Vp = weight.shape[1]
@@ -157,6 +201,8 @@ def _forward(hidden, weight, targets, bs, vocab_size, interpret):
       scratch_shapes=[pltpu.VMEM((bs.block_n, LANES), jnp.float32)] * 3,
       compiler_params=_params(("parallel", "arbitrary"), bs, hidden),
       interpret=interpret,
+      name="fused_logprobs_fwd",
+      cost_estimate=cost_estimate("fwd", hidden, weight, bs),
   )(hidden, weight, targets[:, None])
   return logp[:, 0], lse
 
@@ -185,6 +231,8 @@ def _backward(hidden, weight, targets, lse, g, bs, vocab_size, interpret):
       scratch_shapes=[pltpu.VMEM((bs.block_n, D), jnp.float32)],
       compiler_params=_params(("parallel", "arbitrary"), bs, hidden),
       interpret=interpret,
+      name="fused_logprobs_dhidden",
+      cost_estimate=cost_estimate("dhidden", hidden, weight, bs),
   )(*args)
   dw = pl.pallas_call(
       functools.partial(_dw_kernel, **kernel_args),
@@ -195,6 +243,8 @@ def _backward(hidden, weight, targets, lse, g, bs, vocab_size, interpret):
       scratch_shapes=[pltpu.VMEM((D, bs.block_v), jnp.float32)],
       compiler_params=_params(("parallel", "arbitrary"), bs, hidden),
       interpret=interpret,
+      name="fused_logprobs_dweight",
+      cost_estimate=cost_estimate("dweight", hidden, weight, bs),
   )(*args)
   return dh, dw
 

@@ -15,6 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kernels import dispatch
 from kernels.common import cotangent_for
 from kernels.common import vary_like
 
@@ -35,11 +36,12 @@ def _tile(hidden_NxD, weight_DxV, targets_N, c, chunk):
 
 def _weight_chunk(weight_DxV, start, chunk):
   take = lambda: jax.lax.dynamic_slice_in_dim(weight_DxV, start, chunk, axis=1)
-  if weight_DxV.dtype == jnp.float32 or jax.default_backend() != "cpu":
+  if weight_DxV.dtype == jnp.float32 or dispatch.target_platform() != "cpu":
     return take()
   # XLA:CPU computes bf16 dots in f32 and would hoist the conversion of the *whole*
   # weight out of the loop (a [D, V] f32 copy). Slicing inside a conditional, which
   # XLA does not look through, keeps the conversion to one [D, C] chunk at a time.
+  # Keyed off the compile target like "auto", so a CPU host tracing for TPU skips it.
   return jax.lax.cond(start >= 0, take, lambda: vary_like(
       jnp.zeros((weight_DxV.shape[0], chunk), weight_DxV.dtype), weight_DxV))
 

@@ -3,9 +3,11 @@
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import chex  # noqa: E402  (after JAX_PLATFORMS, before any backend starts)
+
+chex.set_n_cpu_devices(8)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:

@@ -1,11 +1,16 @@
-"""Float64 NumPy oracles and inputs shared by the log-prob tests."""
+"""Float64 NumPy oracles and inputs shared by the kernel tests.
+
+Written from the formulas, independently of `kernels` (only `IGNORE_INDEX` is shared).
+"""
 
 import jax
 import numpy as np
 
+from kernels import IGNORE_INDEX
 
-def numpy_logprobs(h, w, t, ignore_index=-100):
-  """Float64 log_softmax(h @ w)[t] and its gradients for an upstream cotangent g."""
+
+def numpy_logprobs(h, w, t, ignore_index=IGNORE_INDEX):
+  """Float64 log_softmax(h @ w)[t] (0 where ignored), the logits and their log-sum-exp."""
   logits = np.asarray(h, np.float64) @ np.asarray(w, np.float64)
   m = logits.max(-1, keepdims=True)
   lse = m[..., 0] + np.log(np.exp(logits - m).sum(-1))
@@ -15,7 +20,8 @@ def numpy_logprobs(h, w, t, ignore_index=-100):
   return np.where(ignored, 0.0, picked), logits, lse
 
 
-def numpy_grads(h, w, t, g, ignore_index=-100):
+def numpy_logprob_grads(h, w, t, g, ignore_index=IGNORE_INDEX):
+  """Float64 gradients `(d_hidden, d_weight)` of `numpy_logprobs` for a cotangent g."""
   _, logits, lse = numpy_logprobs(h, w, t, ignore_index)
   p = np.exp(logits - lse[..., None])
   ignored = t == ignore_index
@@ -27,12 +33,39 @@ def numpy_grads(h, w, t, g, ignore_index=-100):
   return dh, dw
 
 
+def numpy_dpo_loss(pc, pr, rc, rr, cm, rm, *, beta, loss_type, label_smoothing=0.0):
+  """Float64 `(loss, metrics)` of the DPO family on per-token `[B, T]` log-probs with
+  0/1 masks; ipo scores length-averaged log-probs, the others masked sums."""
+  pc, pr, rc, rr, cm, rm = (np.asarray(x, np.float64) for x in (pc, pr, rc, rr, cm, rm))
+  len_c, len_r = cm.sum(-1), rm.sum(-1)
+  if loss_type != "ipo":
+    len_c = len_r = 1.0
+  pc, rc = (pc * cm).sum(-1) / len_c, (rc * cm).sum(-1) / len_c
+  pr, rr = (pr * rm).sum(-1) / len_r, (rr * rm).sum(-1) / len_r
+  chosen, rejected = beta * (pc - rc), beta * (pr - rr)
+  z, eps = chosen - rejected, label_smoothing
+  nll = lambda x: np.logaddexp(0.0, -x)  # -log(sigmoid(x))
+  if loss_type == "sigmoid":
+    losses = (1 - eps) * nll(z) + eps * nll(-z)
+  elif loss_type == "robust":
+    losses = ((1 - eps) * nll(z) - eps * nll(-z)) / (1 - 2 * eps)
+  elif loss_type == "hinge":
+    losses = np.maximum(0.0, 1.0 - z)
+  else:
+    losses = (z / beta - 1 / (2 * beta)) ** 2
+  metrics = {"rewards/chosen": chosen.mean(), "rewards/rejected": rejected.mean(),
+             "rewards/accuracies": (chosen > rejected).mean(),
+             "rewards/margins": z.mean(), "logps/chosen": pc.mean(),
+             "logps/rejected": pr.mean()}
+  return losses.mean(), metrics
+
+
 def make_inputs(N, D, V, dtype, scale=1.0, seed=0):
   k = jax.random.split(jax.random.PRNGKey(seed), 4)
   h = (jax.random.normal(k[0], (N, D)) * scale).astype(dtype)
   w = (jax.random.normal(k[1], (D, V)) / np.sqrt(D)).astype(dtype)
   t = jax.random.randint(k[2], (N,), 0, V)
-  t = t.at[::5].set(-100)
+  t = t.at[::5].set(IGNORE_INDEX)
   g = jax.random.normal(k[3], (N,))
   return h, w, t, g
 

@@ -17,17 +17,21 @@ from jax.sharding import Mesh
 
 from tunix_core import checkpoint
 from tunix_core import data as data_lib
+from tunix_core import config as config_lib
+from tunix_core import step as step_lib
 from tunix_core import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "data", "train.jsonl")
 QUIET = dict(log=lambda *_: None)
 
+pytestmark = pytest.mark.slow  # every test here runs the trainer end to end
+
 
 def _config(out, **kw):
   base = dict(output_dir=str(out), train_data=TRAIN, max_length=40, max_prompt_length=20,
               batch_size=8, steps=6, log_every=1, learning_rate=2e-3, bucket_mb=0.25)
-  return train.TrainConfig(**{**base, **kw})
+  return config_lib.TrainConfig(**{**base, **kw})
 
 
 def _rows(out):
@@ -119,9 +123,9 @@ def test_sigkill_during_async_save_keeps_previous_checkpoint(tmp_path):
 def test_restore_on_fewer_devices(tmp_path, num_devices):
   cfg = _config(tmp_path, steps=2, save_every=2)
   saved = train.train(cfg, **QUIET)["state"]
-  small = train.Trainer(cfg, Mesh(np.array(jax.devices()[:num_devices]), ("data",)))
+  small = step_lib.StepFunctions(cfg, Mesh(np.array(jax.devices()[:num_devices]), ("data",)))
   ckpt = checkpoint.Checkpointer(str(tmp_path / "checkpoints"))
-  restored = small.restore_state(ckpt, 2, num_shards=8)
+  restored = checkpoint.restore_state(small, ckpt, 2, num_shards=8)
   ckpt.close()
   chex.assert_trees_all_equal(jax.device_get(restored["params"]),
                               jax.device_get(saved["params"]))
@@ -148,18 +152,18 @@ def test_resume_on_one_device_matches_eight(tmp_path):
 
 def test_config_mismatch_and_resume_modes(tmp_path):
   train.train(_config(tmp_path, steps=2, save_every=2), **QUIET)
-  with pytest.raises(train.ConfigError, match="max_length=40 but this run has max_length=48"):
+  with pytest.raises(config_lib.ConfigError, match="max_length=40 but this run has max_length=48"):
     train.train(_config(tmp_path, steps=4, max_length=48), **QUIET)
-  with pytest.raises(train.ConfigError, match="compute_dtype='float32' but this run has "
+  with pytest.raises(config_lib.ConfigError, match="compute_dtype='float32' but this run has "
                                               "compute_dtype='bfloat16'"):
     train.train(_config(tmp_path, steps=4, compute_dtype="bfloat16"), **QUIET)
-  with pytest.raises(train.ConfigError, match="--resume=never but .* already holds"):
+  with pytest.raises(config_lib.ConfigError, match="--resume=never but .* already holds"):
     train.train(_config(tmp_path, steps=4, resume="never"), **QUIET)
   with pytest.raises(checkpoint.CheckpointError, match="holds no complete checkpoint"):
     train.train(_config(tmp_path / "empty", resume="required"), **QUIET)
   not_a_dir = tmp_path / "file"
   not_a_dir.write_text("x")
-  with pytest.raises(train.ConfigError, match="cannot be created"):
+  with pytest.raises(config_lib.ConfigError, match="cannot be created"):
     train.train(_config(not_a_dir / "out"), **QUIET)
 
 

@@ -150,8 +150,7 @@ def test_sharded_adamw_matches_replicated_chain():
                      out_specs=(P(), P("data"), P()))
   def step(g, state, params):
     state = jax.tree.map(lambda x: x[0], state)
-    params, state, norm = opt.update(jax.tree.map(lambda x: x[0], g), state, params,
-                                     return_grad_norm=True)
+    params, state, norm = opt.update(jax.tree.map(lambda x: x[0], g), state, params)
     return params, jax.tree.map(lambda x: x[None], state), norm
 
   ref_tx = optax.chain(optax.clip_by_global_norm(max_norm), tx)

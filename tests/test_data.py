@@ -52,14 +52,14 @@ def test_dataset_batches_and_drops(tmp_path):
   ds = data.load_dataset(path, TOK, max_length=16, max_prompt_length=8)
   assert len(ds) == 2 and ds.num_dropped == 1
   batch = data.take_pairs(ds, np.array([1, 0]))
-  assert batch["tokens"].shape == (4, 16)
-  # chosen rows first (pair 1 then 0), then rejected rows
-  assert TOK.decode(batch["tokens"][0]) == "q3yes"  # BOS and PAD decode to nothing
-  decoded = [TOK.decode(row[m > 0]) for row, m in zip(batch["targets"], batch["loss_mask"])]
-  assert decoded == ["yes", "good", "no", "bad"]
+  assert batch["tokens"].shape == (2, 2, 16)  # [pairs, (chosen, rejected), T]
+  assert TOK.decode(batch["tokens"][0, 0]) == "q3yes"  # BOS and PAD decode to nothing
+  decoded = [[TOK.decode(row[m > 0]) for row, m in zip(rows, masks)]
+             for rows, masks in zip(batch["targets"], batch["loss_mask"])]
+  assert decoded == [["yes", "no"], ["good", "bad"]]  # pair 1, then pair 0
   # Attention covers BOS + prompt + response (the EOS is only a target).
-  np.testing.assert_array_equal(batch["attention_mask"].sum(-1), [1 + 2 + 3, 1 + 2 + 4,
-                                                                   1 + 2 + 2, 1 + 2 + 3])
+  np.testing.assert_array_equal(batch["attention_mask"].sum(-1), [[1 + 2 + 3, 1 + 2 + 2],
+                                                                   [1 + 2 + 4, 1 + 2 + 3]])
   assert (batch["targets"][batch["loss_mask"] == 0] == IGN).all()
 
 

@@ -1,12 +1,15 @@
-"""The Pallas DPO loss kernel (TPU interpret mode) against the jnp version."""
+"""The Pallas DPO loss kernel (TPU interpret mode) against the jnp version and float64."""
 
 import chex
 import jax
 import jax.numpy as jnp
 import math
+import numpy as np
 import pytest
+from absl.testing import parameterized
 
 import kernels
+from oracles import numpy_dpo_loss
 
 
 def _batch(B, T, seed=3):
@@ -50,3 +53,26 @@ def test_per_sequence_reference_free_and_ln2():
   want = [math.log1p(math.exp(-0.5 * (-3.0 + 2.0))), math.log1p(math.exp(-0.5 * (-1.0 + 4.0)))]
   assert float(l) == pytest.approx(sum(want) / 2, rel=1e-6)
   assert float(m["rewards/accuracies"]) == 0.5
+
+
+class SameWithAndWithoutJitTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.named_parameters(
+      (f"{impl}_{loss_type}", impl, loss_type) for impl in ("xla", "interpret")
+      for loss_type in ("sigmoid", "ipo", "hinge", "robust"))
+  def test_against_float64(self, impl, loss_type):
+    logps, masks = _batch(5, 200)
+    kw = dict(beta=0.3, loss_type=loss_type, label_smoothing=0.1)
+
+    @self.variant
+    def loss(pc, pr, rc, rr, cm, rm):
+      return kernels.dpo_loss(pc, pr, rc, rr, chosen_mask=cm, rejected_mask=rm, impl=impl,
+                              **kw)
+
+    got_loss, got_metrics = loss(*logps, *masks)
+    want_loss, want_metrics = numpy_dpo_loss(*logps, *masks, **kw)
+    np.testing.assert_allclose(float(got_loss), want_loss, rtol=1e-5, atol=1e-6)
+    assert set(got_metrics) == set(want_metrics)
+    for k, v in want_metrics.items():
+      np.testing.assert_allclose(float(got_metrics[k]), v, rtol=1e-5, atol=1e-6, err_msg=k)

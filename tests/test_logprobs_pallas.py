@@ -1,5 +1,6 @@
 """The Pallas log-prob kernels, run in TPU interpret mode on small grids."""
 
+import dataclasses
 import functools
 
 import jax
@@ -9,8 +10,9 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import kernels
-from kernels.logprobs_pallas import BlockSizes
-from oracles import make_inputs, rel_error, numpy_grads, numpy_logprobs
+from kernels import IGNORE_INDEX
+from kernels import LogprobsBlockSizes as BlockSizes
+from oracles import make_inputs, rel_error, numpy_logprob_grads, numpy_logprobs
 
 SMALL_F32 = BlockSizes(block_n=8, block_v=128)
 SMALL_BF16 = BlockSizes(block_n=16, block_v=128)
@@ -22,12 +24,12 @@ def _check(h, w, t, g, bs, tol):
   dh, dw = vjp(g)
   h32, w32, t_np = np.asarray(h, np.float32), np.asarray(w, np.float32), np.asarray(t)
   want = numpy_logprobs(h32, w32, t_np)[0]
-  want_dh, want_dw = numpy_grads(h32, w32, t_np, np.asarray(g))
+  want_dh, want_dw = numpy_logprob_grads(h32, w32, t_np, np.asarray(g))
   assert out.dtype == jnp.float32 and dh.dtype == h.dtype and dw.dtype == w.dtype
   assert rel_error(out, want) <= tol, rel_error(out, want)
   assert rel_error(dh, want_dh) <= tol, rel_error(dh, want_dh)
   assert rel_error(dw, want_dw) <= tol, rel_error(dw, want_dw)
-  np.testing.assert_array_equal(np.asarray(out)[t_np == -100], 0.0)
+  np.testing.assert_array_equal(np.asarray(out)[t_np == IGNORE_INDEX], 0.0)
   return out
 
 
@@ -41,11 +43,11 @@ def test_against_float64_unaligned_sizes(dtype, bs, tol):
 
 def test_large_logits_all_ignored_rows_and_vocab_of_one():
   h, w, t, g = make_inputs(16, 32, 200, jnp.float32, scale=4e3)  # logits ~ 1e3
-  t = t.at[:8].set(-100)  # the whole first token block is ignored
+  t = t.at[:8].set(IGNORE_INDEX)  # the whole first token block is ignored
   out = _check(h, w, t, g, SMALL_F32, 1e-5)
   assert np.isfinite(np.asarray(out)).all()
   h, w, t, g = make_inputs(8, 16, 1, jnp.float32)
-  t = jnp.where(t == -100, -100, 0)
+  t = jnp.where(t == IGNORE_INDEX, IGNORE_INDEX, 0)
   out = _check(h, w, t, g, SMALL_F32, 1e-5)
   np.testing.assert_array_equal(np.asarray(out), 0.0)  # log_softmax over one class
 
@@ -56,17 +58,18 @@ def test_matches_xla_under_jit_with_leading_axes():
 
   @jax.jit
   def both(h, w):
-    loss = lambda impl, bs: jnp.sum(kernels.fused_logprobs(h, w, t, impl=impl, block_sizes=bs))
-    return (jax.value_and_grad(lambda w: loss("interpret", SMALL_F32))(w),
-            jax.value_and_grad(lambda w: loss("xla", 128))(w))
+    loss = lambda impl, **kw: jnp.sum(kernels.fused_logprobs(h, w, t, impl=impl, **kw))
+    return (jax.value_and_grad(lambda w: loss("interpret", block_sizes=SMALL_F32))(w),
+            jax.value_and_grad(lambda w: loss("xla", xla_chunk=128))(w))
 
   (a, ga), (b, gb) = both(h, w)
   np.testing.assert_allclose(float(a), float(b), rtol=1e-5)
   np.testing.assert_allclose(np.asarray(ga), np.asarray(gb), rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("impl,bs", [("interpret", SMALL_F32), ("xla", 64)])
-def test_per_device_inside_shard_map(impl, bs):
+@pytest.mark.parametrize("impl,kw", [("interpret", dict(block_sizes=SMALL_F32)),
+                                     ("xla", dict(xla_chunk=64))])
+def test_per_device_inside_shard_map(impl, kw):
   # Hidden states and targets split over 2 devices, the LM head replicated: the head's
   # gradient must come back summed over devices, as for any replicated input.
   mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
@@ -75,13 +78,13 @@ def test_per_device_inside_shard_map(impl, bs):
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("data"), P(), P("data"), P("data")),
                      out_specs=(P("data"), P("data"), P()))
   def per_device(h, w, t, g):
-    f = lambda h, w: kernels.fused_logprobs(h, w, t, impl=impl, block_sizes=bs)
+    f = lambda h, w: kernels.fused_logprobs(h, w, t, impl=impl, **kw)
     out, vjp = jax.vjp(f, h, w)
     return (out, *vjp(g))
 
   out, dh, dw = jax.jit(per_device)(h, w, t, g)
   h64, w64, t64 = np.asarray(h), np.asarray(w), np.asarray(t)
-  want_dh, want_dw = numpy_grads(h64, w64, t64, np.asarray(g))
+  want_dh, want_dw = numpy_logprob_grads(h64, w64, t64, np.asarray(g))
   assert rel_error(out, numpy_logprobs(h64, w64, t64)[0]) <= 1e-5
   assert rel_error(dh, want_dh) <= 1e-5
   assert rel_error(dw, want_dw) <= 1e-5
@@ -96,3 +99,19 @@ def test_bad_block_sizes():
                            impl="interpret", block_sizes=BlockSizes(8, 128))
   with pytest.raises(TypeError, match="must be a BlockSizes"):
     kernels.fused_logprobs(h, w, t, impl="interpret", block_sizes=128)
+
+
+def test_block_sizes_check_themselves_on_construction():
+  assert BlockSizes.get_default() == BlockSizes(block_n=256, block_v=512)
+  assert kernels.DPOLossBlockSizes.get_default() == kernels.DPOLossBlockSizes(block_t=512)
+  for bad, message in (((4, 128), "block_n=4 must be a positive multiple of 8"),
+                       ((0, 128), "block_n=0 must be a positive multiple of 8"),
+                       ((8, 0), "block_v=0 must be a positive multiple of 128"),
+                       ((8, 128.0), "block_v=128.0 must be a positive multiple of 128")):
+    with pytest.raises(ValueError, match=message):
+      BlockSizes(*bad)
+  for block_t in (0, 100, -128):
+    with pytest.raises(ValueError, match=f"block_t={block_t} must be a positive multiple"):
+      kernels.DPOLossBlockSizes(block_t=block_t)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    BlockSizes.get_default().block_n = 8

@@ -4,13 +4,19 @@ Mosaic's lowering checks block shapes against TPU tiling rules, so a tiling mist
 fails here even though no TPU exists.
 """
 
+import functools
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
 from jax import export
+from jax.sharding import AbstractDevice, AbstractMesh, PartitionSpec as P
 
 import kernels
 from kernels import logprobs_pallas
+
+TPU_V5E = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
 
 
 def _export_logprobs(N, D, V, dtype, block_sizes=None):
@@ -34,10 +40,18 @@ def test_logprobs_lower_at_production_shapes(N, D, V, dtype):
   assert exported.mlir_module().count("tpu_custom_call") == 3
 
 
-@pytest.mark.parametrize("block_sizes", [logprobs_pallas.BlockSizes(block_n=4, block_v=128),
-                                         logprobs_pallas.BlockSizes(block_n=8, block_v=100)])
+def _unchecked_block_sizes(block_n, block_v):
+  """A `BlockSizes` built past its `__post_init__` checks."""
+  bs = object.__new__(logprobs_pallas.BlockSizes)
+  object.__setattr__(bs, "block_n", block_n)
+  object.__setattr__(bs, "block_v", block_v)
+  return bs
+
+
+@pytest.mark.parametrize("block_sizes", [_unchecked_block_sizes(4, 128),
+                                         _unchecked_block_sizes(8, 100)])
 def test_illegal_block_is_rejected_by_the_tpu_lowering(block_sizes):
-  # Call the kernel directly, past BlockSizes.validate, so Mosaic itself must object.
+  # Call the kernel directly, past the BlockSizes checks, so Mosaic itself must object.
   args = (jax.ShapeDtypeStruct((64, 256), jnp.float32),
           jax.ShapeDtypeStruct((256, 1000 if block_sizes.block_v == 100 else 1024), jnp.float32),
           jax.ShapeDtypeStruct((64,), jnp.int32))
@@ -59,3 +73,73 @@ def test_dpo_loss_kernel_lowers(loss_type):
 
   exported = export.export(jax.jit(loss), platforms=["tpu"])(x, x, x, x, m, m)
   assert exported.mlir_module().count("tpu_custom_call") == 2
+
+
+def _kernels_in(mlir_text):
+  """`{kernel_name: (flops, transcendentals, bytes_accessed)}` of each TPU custom call,
+  read from its `kernel_name` and the cost estimate in its backend config."""
+  found = {}
+  for line in mlir_text.splitlines():
+    if "tpu_custom_call" not in line or "kernel_name" not in line:
+      continue
+    name = re.search(r'kernel_name = "([^"]+)"', line).group(1)
+    cost = [int(re.search(rf"{key}\\22:\s*(\d+)", line).group(1))
+            for key in ("flops", "transcendentals", "bytes_accessed")]
+    found[name] = tuple(cost)
+  return found
+
+
+def test_kernel_names_and_cost_estimates_in_the_tpu_module():
+  # N=64, D=128, V=1000 in f32 with 32 x 256 tiles: V pads to 1024, a 2 x 4 grid.
+  # h = 64*128*4 = 32768 B, w = 128*1024*4 = 524288 B, targets 64*4 = 256 B, the two
+  # f32 [64, 128] row statistics 2*32768 = 65536 B.
+  exported = _export_logprobs(64, 128, 1000, jnp.float32,
+                              kernels.LogprobsBlockSizes(block_n=32, block_v=256))
+  got = _kernels_in(exported.mlir_module())
+  assert got == {
+      # 2*64*128*1024 flops; 64*1024 exps + 64 rows * 4 vocab blocks of rescales;
+      # h once, w once per token block (2), targets, logp and lse.
+      "fused_logprobs_fwd": (16777216, 65792, 32768 + 2 * 524288 + 256 + 65536),
+      # logits recomputed + one more matmul: 4*64*128*1024; reads lse, g; writes dh.
+      "fused_logprobs_dhidden": (33554432, 65536, 32768 + 2 * 524288 + 256 + 65536 + 32768),
+      # token-indexed inputs once per vocabulary block (4); w read once, dw written.
+      "fused_logprobs_dweight": (33554432, 65536, 4 * (32768 + 256 + 65536) + 2 * 524288),
+  }
+
+  # B=5, T=300 pads to 8 x 384 (one block); six f32 inputs of 8*384*4 = 12288 B, the
+  # [8, 128] table 4096 B.
+  x = jax.ShapeDtypeStruct((5, 300), jnp.float32)
+
+  def loss(pc, pr, rc, rr, cm, rm):
+    f = lambda pc, pr: kernels.dpo_loss(pc, pr, rc, rr, chosen_mask=cm, rejected_mask=rm,
+                                        impl="pallas")[0]
+    return jax.value_and_grad(f, argnums=(0, 1))(pc, pr)
+
+  got = _kernels_in(export.export(jax.jit(loss), platforms=["tpu"])(*[x] * 6).mlir_module())
+  assert got == {
+      # 10 flops per position + 48 per table entry; sigmoid: 6 exps/logs per entry.
+      "dpo_loss_fwd": (10 * 8 * 384 + 48 * 8 * 128, 6 * 8 * 128, 6 * 12288 + 4096),
+      # one multiply per position per gradient; table + 2 masks in, 2 gradients out.
+      "dpo_loss_bwd": (2 * 8 * 384, 0, 4096 + 4 * 12288),
+  }
+
+
+def test_auto_picks_the_tpu_kernels_when_compiling_for_tpu_from_this_cpu_host():
+  # A shard_map over a TPU mesh that has no real devices: "auto" must follow the mesh,
+  # not this process's CPU backend.
+  mesh = AbstractMesh((2,), ("data",), abstract_device=TPU_V5E)
+  h = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((256, 1024), jnp.bfloat16)
+  t = jax.ShapeDtypeStruct((64,), jnp.int32)
+
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("data"), P(), P("data")),
+                     out_specs=P())
+  def step(h, w, t):
+    logp = kernels.fused_logprobs(h, w, t).reshape(2, 16)
+    loss, _ = kernels.dpo_loss(logp[0], logp[1], logp[0], logp[1])
+    return jax.lax.pmean(loss, "data")
+
+  text = export.export(jax.jit(jax.grad(step, argnums=(0, 1))), platforms=["tpu"])(
+      h, w, t).mlir_module()
+  assert set(_kernels_in(text)) == {"fused_logprobs_fwd", "fused_logprobs_dhidden",
+                                    "fused_logprobs_dweight", "dpo_loss_fwd", "dpo_loss_bwd"}

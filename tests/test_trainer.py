@@ -15,6 +15,8 @@ import pytest
 from jax.sharding import Mesh
 
 from tunix_core import data as data_lib
+from tunix_core import config as config_lib
+from tunix_core import step as step_lib
 from tunix_core import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,9 +32,10 @@ def _rows(output_dir):
 def _config(tmp_path, **kw):
   base = dict(output_dir=str(tmp_path), train_data=TRAIN, max_length=40, max_prompt_length=20,
               batch_size=8, steps=6, log_every=1, learning_rate=2e-3)
-  return train.TrainConfig(**{**base, **kw})
+  return config_lib.TrainConfig(**{**base, **kw})
 
 
+@pytest.mark.slow
 def test_flagfile_run_on_8_devices_loss_falls_from_ln2(tmp_path):
   flagfile = tmp_path / "run.flags"
   flagfile.write_text("\n".join([
@@ -60,6 +63,7 @@ def test_flagfile_run_on_8_devices_loss_falls_from_ln2(tmp_path):
   assert "eval/rewards/accuracies" in eval_rows[0]
 
 
+@pytest.mark.slow
 def test_precomputed_reference_matches_in_step_reference(tmp_path):
   a = train.train(_config(tmp_path / "a"), log=lambda *_: None)
   b = train.train(_config(tmp_path / "b", precompute_ref_logps=True), log=lambda *_: None)
@@ -85,10 +89,11 @@ def test_precomputed_reference_matches_in_step_reference(tmp_path):
     (dict(model="huge"), "--model='huge' is not a preset"),
 ])
 def test_bad_config_is_rejected(tmp_path, override, message):
-  with pytest.raises(train.ConfigError, match=message.replace("[", r"\[")):
+  with pytest.raises(config_lib.ConfigError, match=message.replace("[", r"\[")):
     _config(tmp_path, **override).validate(num_devices=8)
 
 
+@pytest.mark.slow
 def test_bad_flag_prints_one_error_line(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, os.path.join(REPO, "trainer.py"),
@@ -105,6 +110,7 @@ def _losses(rows):
   return [r["loss"] for r in rows if "loss" in r]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sync_impl", ["xla", "ring"])
 def test_8_devices_match_1_device(tmp_path, sync_impl):
   cfg = _config(tmp_path / "eight", steps=10, sync_impl=sync_impl, bucket_mb=0.25)
@@ -115,6 +121,7 @@ def test_8_devices_match_1_device(tmp_path, sync_impl):
                              rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_grad_accumulation_equals_one_big_batch(tmp_path):
   mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
   batch = data_lib.take_pairs(
@@ -124,7 +131,7 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path):
     # Plain SGD, so the params after one step show the gradient itself.
     cfg = _config(tmp_path, grad_accum_steps=accum, max_grad_norm=0.0, optimizer="sgd",
                   learning_rate=1.0)
-    trainer = train.Trainer(cfg, mesh)
+    trainer = step_lib.StepFunctions(cfg, mesh)
     state = trainer.init_state(jax.random.PRNGKey(0))
     ref = jax.tree.map(jnp.copy, state["params"])
     state, metrics = trainer.train_step(state, ref, trainer.put_batch(batch))
@@ -133,7 +140,7 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path):
 
 
 def test_optimizer_state_is_sharded_one_eighth(tmp_path):
-  trainer = train.Trainer(_config(tmp_path), Mesh(np.array(jax.devices()), ("data",)))
+  trainer = step_lib.StepFunctions(_config(tmp_path), Mesh(np.array(jax.devices()), ("data",)))
   state = trainer.init_state(jax.random.PRNGKey(0))
   mu = state["opt_state"][0].mu["layers"]["wq"]  # adamw's first moment of one leaf
   full = state["params"]["layers"]["wq"].size
@@ -143,7 +150,7 @@ def test_optimizer_state_is_sharded_one_eighth(tmp_path):
 
 def test_diverged_replicas_are_detected(tmp_path):
   devices = jax.devices()
-  trainer = train.Trainer(_config(tmp_path), Mesh(np.array(devices), ("data",)))
+  trainer = step_lib.StepFunctions(_config(tmp_path), Mesh(np.array(devices), ("data",)))
   params = trainer.init_state(jax.random.PRNGKey(0))["params"]
   trainer.check_replicas(params)  # identical copies pass
 

@@ -10,9 +10,15 @@ Orbax writes a step into a temporary directory and renames it when complete, so 
 process killed mid-save leaves the previous steps intact; the leftover temporary
 directory is removed on the next start. Restore takes explicit target shardings, so a
 checkpoint written on N devices restores on any other count (the ZeRO optimizer state,
-which is laid out per device, is re-cut for the new count).
+which is laid out per device, is re-cut for the new count by `tunix_core.zero`).
+
+`save_state` and `resume` are what the training loop calls: the metadata a step
+carries, and finding, checking and restoring the step to resume from.
 """
 
+import dataclasses
+import hashlib
+import json
 import logging
 import os
 
@@ -21,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from tunix_core import collectives
+from tunix_core import config as config_lib
+from tunix_core import zero
 
 
 class CheckpointError(RuntimeError):
@@ -125,34 +132,6 @@ def find_restorable(ckpt: Checkpointer, required: bool) -> tuple[int | None, dic
   return None, None
 
 
-def relayout_opt_state(opt_state, plan_old: collectives.BucketPlan,
-                       plan_new: collectives.BucketPlan):
-  """ZeRO optimizer state saved for `plan_old.num_shards` devices, re-cut for
-  `plan_new.num_shards`.
-
-  Per-device state leaves have a leading device axis. Subtrees shaped like the params
-  (adam's `mu`, `nu`, ...) hold `[N, piece]` pieces of each param: they are joined into
-  whole params and split again. Other leaves (step counts) are equal on every device
-  and are re-broadcast.
-  """
-  def is_param_tree(x):
-    return not isinstance(x, jax.Array) and jax.tree.structure(x) == plan_old.treedef
-
-  def cut(subtree):
-    if not is_param_tree(subtree):
-      return jnp.broadcast_to(subtree[:1], (plan_new.num_shards,) + subtree.shape[1:])
-    leaves = jax.tree.leaves(subtree)
-    out = []
-    for i, x in enumerate(leaves):
-      size = int(np.prod(plan_old.shapes[i]))
-      flat = x.reshape(-1)[:size]
-      pad = plan_new.piece_size(i) * plan_new.num_shards - size
-      out.append(jnp.pad(flat, (0, pad)).reshape(plan_new.num_shards, -1))
-    return jax.tree.unflatten(plan_old.treedef, out)
-
-  return jax.tree.map(cut, opt_state, is_leaf=is_param_tree)
-
-
 def config_mismatch(saved: dict, current: dict, fields) -> str | None:
   """A message naming the first field in `fields` whose saved value differs, or None."""
   for field in fields:
@@ -160,3 +139,84 @@ def config_mismatch(saved: dict, current: dict, fields) -> str | None:
       return (f"checkpoint was written with {field}={saved[field]!r} but this run has "
               f"{field}={current.get(field)!r}")
   return None
+
+
+def save_state(ckpt: Checkpointer, step: int, state: dict, *, data_state: dict,
+               num_shards: int, rng_key: jax.Array, config, model_config) -> str:
+  """Starts an asynchronous save of `state` (params, optimizer state) at `step` with its
+  metadata; returns a short digest of the state's fingerprints for the log."""
+  to_save = {"params": state["params"], "opt_state": state["opt_state"]}
+  prints = fingerprints(to_save)
+  ckpt.save(step, to_save, {
+      "step": step, "data_state": data_state, "num_shards": num_shards,
+      "rng_key": np.asarray(jax.random.key_data(rng_key)).tolist(),
+      "config": dataclasses.asdict(config), "model_config": dataclasses.asdict(model_config),
+      "fingerprints": prints})
+  return hashlib.sha256(json.dumps(prints, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def restore_state(steps, ckpt: Checkpointer, step: int, num_shards: int) -> dict:
+  """The train state at `step`, saved on `num_shards` devices, placed on the mesh of
+  `steps` (a `step.StepFunctions`), its optimizer state re-cut for that mesh."""
+  opt_abstract, plan = zero.abstract_opt_state(steps.tx, steps.param_shapes, num_shards,
+                                               steps.plan.bucket_bytes, steps.mesh)
+  params_abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=steps.replicated),
+      steps.param_shapes)
+  try:
+    restored = ckpt.restore(step, {"params": params_abstract, "opt_state": opt_abstract})
+  except (ValueError, TypeError) as e:
+    raise config_lib.ConfigError(f"checkpoint step {step} does not fit this model: {e}") \
+        from None
+  opt_state = restored["opt_state"]
+  if num_shards != steps.num_devices:
+    opt_state = jax.jit(lambda s: zero.relayout_opt_state(s, plan, steps.plan),
+                        out_shardings=steps.pairs)(opt_state)
+  return {"params": restored["params"], "opt_state": opt_state,
+          "step": jax.device_put(jnp.asarray(step, jnp.int32), steps.replicated)}
+
+
+def verify(state: dict, meta: dict, step: int, same_layout: bool) -> int:
+  """Recomputes the fingerprints of the restored `state` and compares them with the
+  saved ones; returns how many were checked. The optimizer state is compared only when
+  it was restored in the layout it was saved in (`same_layout`)."""
+  keys = ("params", "opt_state") if same_layout else ("params",)
+  got = fingerprints({k: state[k] for k in keys})
+  want = meta["fingerprints"]
+  bad = [k for k in got if got[k] != want.get(k)]
+  if bad:
+    raise CheckpointError(f"checkpoint step {step} fails verification: "
+                          f"{len(bad)} arrays differ, e.g. {bad[0]}")
+  return len(got)
+
+
+def resume(steps, ckpt: Checkpointer, cfg, log) -> tuple[dict | None, dict | None]:
+  """`(state, meta)` of the checkpoint `cfg.resume` says to resume from, on the mesh of
+  `steps`, or `(None, None)` for a fresh start. Raises `ConfigError` when the saved run's
+  settings differ from `cfg` and `CheckpointError` when `--resume=required` cannot be met."""
+  existing = ckpt.steps()
+  if cfg.resume == "never":
+    if existing:
+      raise config_lib.ConfigError(
+          f"--resume=never but {ckpt.directory} already holds checkpoints (steps "
+          f"{existing}); use --resume=auto or another --output_dir")
+    return None, None
+  step, meta = find_restorable(ckpt, required=cfg.resume == "required")
+  if step is None:
+    if cfg.resume == "required":
+      raise CheckpointError(f"--resume=required but {ckpt.directory} holds no complete "
+                            "checkpoint")
+    return None, None
+  mcfg = steps.mcfg
+  mismatch = (config_mismatch(meta["model_config"], dataclasses.asdict(mcfg),
+                              [f.name for f in dataclasses.fields(mcfg)])
+              or config_mismatch(meta["config"], dataclasses.asdict(cfg),
+                                 config_lib.RESUME_FIELDS))
+  if mismatch:
+    raise config_lib.ConfigError(f"cannot resume from step {step}: {mismatch}")
+  state = restore_state(steps, ckpt, step, meta["num_shards"])
+  if cfg.verify_checkpoint:
+    n = verify(state, meta, step, same_layout=meta["num_shards"] == steps.num_devices)
+    log(f"checkpoint step {step}: {n} array fingerprints verified")
+  log(f"resumed from step {step} ({ckpt.directory}), data position {meta['data_state']}")
+  return state, meta

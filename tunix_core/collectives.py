@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 
 IMPLS = ("xla", "ring")
+# Dtypes gradients may travel in (`comm_dtype=`); sums always accumulate in float32.
+COMM_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,8 +7,8 @@ A pair `{"prompt", "chosen", "rejected"}` becomes two rows of length `max_length
 
 `loss_mask` is 1 exactly where the target is a response token or the EOS, so the first
 response token is scored and the prompt and padding are not; at unscored positions the
-target is `IGNORE_INDEX`. A batch of `B` pairs stacks the `B` chosen rows, then the `B`
-rejected rows: arrays `[2B, T]`.
+target is `IGNORE_INDEX`. A batch of `B` pairs is a dict of int32 arrays `[B, 2, T]`,
+axis 1 being (chosen, rejected): the one pair layout from here to the loss.
 """
 
 import dataclasses
@@ -17,7 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-IGNORE_INDEX = -100
+from kernels import IGNORE_INDEX
 FIELDS = ("prompt", "chosen", "rejected")
 
 
@@ -171,10 +171,10 @@ class BatchIterator:
   """
 
   def __init__(self, dataset: PreferenceDataset, batch_size: int, seed: int,
-               shuffle: bool = True, state: dict | None = None):
+               state: dict | None = None):
     if batch_size > len(dataset):
       raise ValueError(f"batch_size {batch_size} exceeds the {len(dataset)} pairs of the dataset")
-    self.dataset, self.batch_size, self.seed, self.shuffle = dataset, batch_size, seed, shuffle
+    self.dataset, self.batch_size, self.seed = dataset, batch_size, seed
     self.epoch, self.position = 0, 0
     if state is not None:
       self.set_state(state)
@@ -190,12 +190,7 @@ class BatchIterator:
     self.epoch, self.position = epoch, position
 
   def _order(self, epoch: int) -> np.ndarray:
-    if not self.shuffle:
-      return np.arange(len(self.dataset))
     return np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
-
-  def __iter__(self):
-    return self
 
   def next_indices(self) -> np.ndarray:
     """Advances by one batch; returns the dataset indices of its `batch_size` pairs."""
@@ -205,17 +200,11 @@ class BatchIterator:
     self.position += self.batch_size
     return idx
 
-  def __next__(self) -> dict:
-    return take_pairs(self.dataset, self.next_indices())
-
 
 def take_pairs(dataset: PreferenceDataset, idx: np.ndarray) -> dict:
-  """Batch of the given pairs: int32 `[2B, T]` arrays, chosen rows then rejected rows."""
-  def rows(a):
-    return np.concatenate([a[idx, 0], a[idx, 1]], axis=0)
-  return {"tokens": rows(dataset.tokens), "targets": rows(dataset.targets),
-          "loss_mask": rows(dataset.loss_mask),
-          "attention_mask": rows(dataset.attention_mask)}
+  """Batch of the pairs `idx`: int32 arrays `[B, 2, T]` (axis 1: chosen, rejected)."""
+  return {"tokens": dataset.tokens[idx], "targets": dataset.targets[idx],
+          "loss_mask": dataset.loss_mask[idx], "attention_mask": dataset.attention_mask[idx]}
 
 
 def eval_batches(dataset: PreferenceDataset, batch_size: int):

@@ -15,9 +15,9 @@ from jax.sharding import PartitionSpec as P
 
 RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
-_REMAT_POLICIES = {
+REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.checkpoint_dots,
@@ -54,11 +54,11 @@ class ModelConfig:
     if self.head_dim % 2:
       raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
     for name in ("param_dtype", "compute_dtype"):
-      if getattr(self, name) not in _DTYPES:
-        raise ValueError(f"ModelConfig.{name} must be one of {sorted(_DTYPES)}, "
+      if getattr(self, name) not in DTYPES:
+        raise ValueError(f"ModelConfig.{name} must be one of {sorted(DTYPES)}, "
                          f"got {getattr(self, name)!r}")
-    if self.remat not in _REMAT_POLICIES:
-      raise ValueError(f"ModelConfig.remat must be one of {sorted(_REMAT_POLICIES)}, "
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"ModelConfig.remat must be one of {sorted(REMAT_POLICIES)}, "
                        f"got {self.remat!r}")
 
 
@@ -86,7 +86,7 @@ def init_params(key: jax.Array, cfg: ModelConfig) -> dict:
 
   Layer weights carry a leading `[L]` axis so the forward can scan over layers.
   """
-  dtype = _DTYPES[cfg.param_dtype]
+  dtype = DTYPES[cfg.param_dtype]
   L, D, F = cfg.num_layers, cfg.d_model, cfg.mlp_dim
   q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
   keys = iter(jax.random.split(key, 9))
@@ -204,7 +204,7 @@ def forward(params: dict, tokens_BxT: jax.Array, mask_BxT: jax.Array | None,
   """
   if mask_BxT is None:
     mask_BxT = jnp.ones(tokens_BxT.shape, jnp.int32)
-  compute = _DTYPES[cfg.compute_dtype]
+  compute = DTYPES[cfg.compute_dtype]
   positions_BxT = jnp.maximum(jnp.cumsum(mask_BxT, axis=-1) - 1, 0)
   x_BxTxD = params["embed"].astype(compute)[tokens_BxT]
 
@@ -216,6 +216,6 @@ def forward(params: dict, tokens_BxT: jax.Array, mask_BxT: jax.Array | None,
     return x_BxTxD + mlp(h, layer), None
 
   if cfg.remat != "none":
-    layer_fn = jax.checkpoint(layer_fn, policy=_REMAT_POLICIES[cfg.remat])
+    layer_fn = jax.checkpoint(layer_fn, policy=REMAT_POLICIES[cfg.remat])
   x_BxTxD, _ = jax.lax.scan(layer_fn, x_BxTxD, params["layers"])
   return rms_norm(x_BxTxD, params["final_norm"], cfg.norm_eps)

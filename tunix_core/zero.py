@@ -1,16 +1,33 @@
-"""ZeRO-style sharded optimizer over the hand-written collectives (call inside shard_map).
+"""ZeRO-1: a sharded optimizer over the hand-written collectives, and its state layout.
 
 Each device keeps optimizer state for its own 1/N of every parameter only. A step
 reduce-scatters the local gradients (so each device holds the mean gradient of its
 piece), clips by the global norm of the whole model, applies the optax transformation
 to its piece and all-gathers the updated params.
+
+Outside `shard_map` the optimizer state is a pytree of `[N, piece]` arrays sharded over
+the data axis (row `i` is device `i`'s state). This module is the only one that knows
+that layout: `abstract_opt_state` gives its shapes for any device count and
+`relayout_opt_state` re-cuts a saved state for another count.
 """
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tunix_core import collectives
+
+
+class UpdateResult(NamedTuple):
+  """What `ShardedOptimizer.update` returns (inside `shard_map`, per device)."""
+
+  params: dict          # the synced new params, full and equal on every device
+  state: optax.OptState  # this device's new optimizer state (of its pieces)
+  grad_norm: jax.Array  # float32 scalar: global norm of the mean gradient, before clipping
 
 
 class ShardedOptimizer:
@@ -50,11 +67,9 @@ class ShardedOptimizer:
     local_sq = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(pieces))
     return pieces, jnp.sqrt(jax.lax.psum(local_sq, self.axis_name))
 
-  def update(self, grads, state, params, *, return_grad_norm=False):
-    """Local (per-device) `grads` in; synced new params (full, replicated) and state out.
-
-    With `return_grad_norm=True` also returns the global norm of the mean gradient.
-    """
+  def update(self, grads, state, params) -> UpdateResult:
+    """Local (per-device) `grads`, this device's `state` and the replicated `params` in;
+    the synced new params, the new state and the global gradient norm out."""
     pieces, norm = self.sync_grads(grads)
     if self.max_grad_norm is not None:
       # Same formula as optax.clip_by_global_norm, on the global norm.
@@ -66,6 +81,43 @@ class ShardedOptimizer:
     new_local = optax.apply_updates(local_params, updates)
     new_params = collectives.all_gather(self.plan.tree_to_shards(new_local), self.plan,
                                         self.axis_name, impl=self.impl)
-    if return_grad_norm:
-      return new_params, state, norm
-    return new_params, state
+    return UpdateResult(new_params, state, norm)
+
+
+def abstract_opt_state(tx: optax.GradientTransformation, param_shapes, num_shards: int,
+                       bucket_bytes: int, mesh, axis_name: str = "data"):
+  """`(ShapeDtypeStructs, plan)` of the optimizer state a run on `num_shards` devices
+  keeps: leaves `[num_shards, piece]`, placed on `mesh` split over `axis_name` when the
+  counts divide (else replicated; `relayout_opt_state` re-cuts it either way)."""
+  plan = collectives.BucketPlan.create(param_shapes, num_shards, bucket_bytes)
+  local = jax.eval_shape(lambda p: tx.init(plan.local_pieces(p, 0)), param_shapes)
+  spec = P(axis_name) if num_shards % mesh.shape[axis_name] == 0 else P()
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      (num_shards,) + x.shape, x.dtype, sharding=NamedSharding(mesh, spec)), local), plan
+
+
+def relayout_opt_state(opt_state, plan_old: collectives.BucketPlan,
+                       plan_new: collectives.BucketPlan):
+  """Optimizer state laid out for `plan_old.num_shards` devices, re-cut for
+  `plan_new.num_shards`.
+
+  Subtrees shaped like the params (adam's `mu`, `nu`, ...) hold `[N, piece]` pieces of
+  each param: they are joined into whole params and split again. Other leaves (step
+  counts) are equal on every device and are re-broadcast.
+  """
+  def is_param_tree(x):
+    return not isinstance(x, jax.Array) and jax.tree.structure(x) == plan_old.treedef
+
+  def cut(subtree):
+    if not is_param_tree(subtree):
+      return jnp.broadcast_to(subtree[:1], (plan_new.num_shards,) + subtree.shape[1:])
+    leaves = jax.tree.leaves(subtree)
+    out = []
+    for i, x in enumerate(leaves):
+      size = int(np.prod(plan_old.shapes[i]))
+      flat = x.reshape(-1)[:size]
+      pad = plan_new.piece_size(i) * plan_new.num_shards - size
+      out.append(jnp.pad(flat, (0, pad)).reshape(plan_new.num_shards, -1))
+    return jax.tree.unflatten(plan_old.treedef, out)
+
+  return jax.tree.map(cut, opt_state, is_leaf=is_param_tree)

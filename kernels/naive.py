@@ -1,18 +1,22 @@
-"""Naive oracles for the kernels: short, obviously correct, and memory-hungry.
+"""Naive implementations (`impl="naive"`), the oracles: short, obviously correct, and
+memory-hungry.
 
-`logprobs_reference` materialises the `[N, V]` logits; `dpo_loss_reference` spells out
-each loss formula once, the way the papers write it. Tests compare the fast paths
-against these (and against float64 NumPy); production code never calls them.
+`logprobs_naive` materialises the `[N, V]` logits; `dpo_loss_naive` spells out each
+loss formula once, the way the papers write it. Tests compare the fast paths against
+these (and against float64 NumPy); production code never calls them.
 """
 
 import jax
 import jax.numpy as jnp
 
+from kernels.dispatch import IGNORE_INDEX
 
-def logprobs_reference(hidden, weight, targets, *, ignore_index=-100):
+
+def logprobs_naive(hidden, weight, targets, *, ignore_index=IGNORE_INDEX):
   """`log_softmax(hidden @ weight)[targets]` in float32, 0 where `targets == ignore_index`.
 
-  hidden `[..., D]`, weight `[D, V]`, targets `[...]` int; returns float32 `[...]`.
+  hidden `[..., D]`, weight `[D, V]`, targets `[...]` int; returns float32 `[...]`,
+  differentiable by plain autodiff through the materialised logits.
   """
   logits = jnp.einsum("...d,dv->...v", hidden, weight,
                       preferred_element_type=jnp.float32)
@@ -23,10 +27,10 @@ def logprobs_reference(hidden, weight, targets, *, ignore_index=-100):
   return jnp.where(ignored, 0.0, picked)
 
 
-def dpo_loss_reference(policy_chosen_logps, policy_rejected_logps,
-                       ref_chosen_logps, ref_rejected_logps, *,
-                       chosen_mask=None, rejected_mask=None, beta=0.1,
-                       loss_type="sigmoid", label_smoothing=0.0, reference_free=False):
+def dpo_loss_naive(policy_chosen_logps, policy_rejected_logps,
+                   ref_chosen_logps, ref_rejected_logps, *,
+                   chosen_mask=None, rejected_mask=None, beta=0.1,
+                   loss_type="sigmoid", label_smoothing=0.0, reference_free=False):
   """The DPO family of losses, one formula per branch; same contract as `kernels.dpo_loss`."""
   def per_sequence(x, mask, average):
     if x is None:

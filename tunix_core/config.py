@@ -1,0 +1,122 @@
+"""The run config: one frozen dataclass whose fields are the trainer's flags.
+
+`TrainConfig.validate` is the one place settings are checked; every failure is a
+`ConfigError` whose one-line message names the flag, before anything is compiled.
+"""
+
+import dataclasses
+import os
+
+import kernels
+from tunix_core import collectives
+from tunix_core import model as model_lib
+from tunix_core import optim
+
+RESUME_MODES = ("auto", "never", "required")
+
+# Settings that must not change across a resume (the model's own fields are checked
+# separately): they decide the data order or the meaning of the optimizer state.
+RESUME_FIELDS = ("max_length", "max_prompt_length", "seed", "batch_size", "optimizer",
+                 "train_data")
+
+
+class ConfigError(ValueError):
+  """A setting that cannot work; the message names the flag."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Everything a run depends on; the trainer's flags map one to one onto these fields."""
+
+  output_dir: str
+  train_data: str
+  eval_data: str = ""
+  model: str = "tiny"
+  compute_dtype: str = "float32"
+  remat: str = "none"
+  max_length: int = 64
+  max_prompt_length: int = 32
+  skip_bad_lines: bool = False
+  steps: int = 100
+  batch_size: int = 8
+  seed: int = 0
+  optimizer: str = "adamw"
+  learning_rate: float = 1e-3
+  warmup_steps: int = 0
+  weight_decay: float = 0.0
+  max_grad_norm: float = 1.0
+  beta: float = 0.1
+  loss_type: str = "sigmoid"
+  label_smoothing: float = 0.0
+  reference_free: bool = False
+  precompute_ref_logps: bool = False
+  logprob_impl: str = "auto"
+  loss_impl: str = "auto"
+  bucket_mb: float = 25.0
+  sync_impl: str = "xla"
+  grad_sync_dtype: str = "float32"
+  grad_accum_steps: int = 1
+  check_replicas_every: int = 0
+  log_every: int = 10
+  eval_every: int = 0
+  save_every: int = 0
+  keep: int = 3
+  keep_period: int = 0
+  resume: str = "auto"
+  verify_checkpoint: bool = False
+
+  def validate(self, num_devices: int) -> None:
+    """Raises ConfigError with one line naming the offending setting."""
+    def need(cond, msg):
+      if not cond:
+        raise ConfigError(msg)
+
+    need(self.model in model_lib.PRESETS,
+         f"--model={self.model!r} is not a preset; choose one of {sorted(model_lib.PRESETS)}")
+    for name, choices in CHOICES.items():
+      value = getattr(self, name)
+      need(value in choices, f"--{name}={value!r} is unknown; choose one of {choices}")
+    need(self.steps > 0, f"--steps must be positive, got {self.steps}")
+    need(self.batch_size > 0, f"--batch_size must be positive, got {self.batch_size}")
+    need(self.batch_size % num_devices == 0,
+         f"--batch_size={self.batch_size} is not divisible by the {num_devices} devices")
+    need(self.grad_accum_steps > 0, f"--grad_accum_steps must be positive, got "
+         f"{self.grad_accum_steps}")
+    need(self.batch_size % (num_devices * self.grad_accum_steps) == 0,
+         f"--batch_size={self.batch_size} does not split into {self.grad_accum_steps} "
+         f"micro-batches on each of {num_devices} devices")
+    need(self.bucket_mb > 0, f"--bucket_mb must be positive, got {self.bucket_mb}")
+    need(self.check_replicas_every >= 0, "--check_replicas_every must be >= 0")
+    need(0 < self.max_prompt_length < self.max_length,
+         f"--max_prompt_length={self.max_prompt_length} must be positive and less than "
+         f"--max_length={self.max_length}")
+    need(self.beta > 0, f"--beta must be positive, got {self.beta}")
+    need(self.learning_rate > 0, f"--learning_rate must be positive, got {self.learning_rate}")
+    need(self.log_every > 0, f"--log_every must be positive, got {self.log_every}")
+    need(self.eval_every >= 0, f"--eval_every must be >= 0, got {self.eval_every}")
+    need(not (self.reference_free and self.precompute_ref_logps),
+         "--precompute_ref_logps makes no sense with --reference_free")
+    for name in ("train_data", "eval_data"):
+      path = getattr(self, name)
+      need(name == "eval_data" and not path or os.path.isfile(path),
+           f"--{name}={path!r}: no such file")
+    need(not (self.eval_every and not self.eval_data), "--eval_every needs --eval_data")
+
+  def model_config(self) -> model_lib.ModelConfig:
+    return model_lib.preset(self.model, compute_dtype=self.compute_dtype, remat=self.remat)
+
+
+# The allowed values of each choice setting, taken from the module that implements it;
+# the trainer builds its `DEFINE_enum` flags from this table.
+CHOICES = {
+    "model": tuple(model_lib.PRESETS),
+    "compute_dtype": tuple(model_lib.DTYPES),
+    "remat": tuple(model_lib.REMAT_POLICIES),
+    "optimizer": optim.OPTIMIZERS,
+    "loss_type": kernels.LOSS_TYPES,
+    "logprob_impl": kernels.LOGPROB_IMPLS,
+    "loss_impl": kernels.DPO_LOSS_IMPLS,
+    "sync_impl": collectives.IMPLS,
+    "grad_sync_dtype": tuple(collectives.COMM_DTYPES),
+    "resume": RESUME_MODES,
+}

@@ -1,0 +1,100 @@
+"""Metrics: the `metrics.jsonl` writer and the progress lines of a run.
+
+`Progress` reads a step's metrics from the device only when asked to `flush`, which the
+loop does after it has queued the next step, so logging never makes the device wait.
+"""
+
+import json
+import os
+import time
+
+import jax
+
+
+class MetricsWriter:
+  """Appends one JSON object per row to `{output_dir}/metrics.jsonl`.
+
+  A fresh run (`resume_step=0`) starts the file anew; a resumed run keeps the rows up
+  to its checkpoint step and drops later ones, which the resumed run writes again.
+  """
+
+  def __init__(self, output_dir: str, resume_step: int = 0):
+    self.path = os.path.join(output_dir, "metrics.jsonl")
+    kept = []
+    if resume_step and os.path.exists(self.path):
+      with open(self.path, encoding="utf-8") as f:
+        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
+    self._file = open(self.path, "w", encoding="utf-8")
+    self._file.writelines(kept)
+
+  def write(self, row: dict) -> None:
+    self._file.write(json.dumps(row) + "\n")
+    self._file.flush()
+
+  def close(self) -> None:
+    self._file.close()
+
+
+def format_duration(seconds: float) -> str:
+  seconds = int(seconds)
+  return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else \
+      f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+class Progress:
+  """Turns train and eval metrics into rows and progress lines for steps `start+1 ..
+  total`.
+
+  `tokens_per_sec` counts the non-padding tokens trained on since the previous logged
+  row (`count_tokens` is told each batch), over the wall time since that row.
+  """
+
+  def __init__(self, writer: MetricsWriter | None, log, start: int, total: int):
+    self.writer, self.log, self.start, self.total = writer, log, start, total
+    self.t_start = self.t_last = time.perf_counter()
+    self.tokens = self.tokens_at_last = 0
+    self.pending = None
+    self.last_train, self.last_eval = {}, {}
+
+  def count_tokens(self, n: int) -> None:
+    self.tokens += n
+
+  def defer(self, step: int, metrics: dict) -> None:
+    """Remembers `step`'s (device) metrics, to be read and logged at the next `flush`."""
+    self.pending = (step, metrics, self.tokens)
+
+  def flush(self) -> None:
+    """Reads and logs the deferred step, if any (blocks until that step is done)."""
+    if self.pending is None:
+      return
+    step, metrics, tokens = self.pending
+    self.pending = None
+    m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    now = time.perf_counter()
+    row = {"step": step, **m, "tokens_per_sec": (tokens - self.tokens_at_last) / (now - self.t_last)}
+    self.tokens_at_last, self.t_last = tokens, now
+    self._write(row)
+    eta = (now - self.t_start) / (step - self.start) * (self.total - step)
+    self.log(f"step {step}/{self.total} | loss {m['loss']:.4f} | "
+             f"acc {m['rewards/accuracies']:.3f} | margin {m['rewards/margins']:.3f} | "
+             f"{row['tokens_per_sec']:,.0f} tok/s | ETA {format_duration(eta)}")
+    self.last_train = row
+
+  def eval(self, step: int, metrics: dict) -> None:
+    """Logs `{"eval/<key>": value}` metrics of the eval set at `step`."""
+    self._write({"step": step, **metrics})
+    self.log(f"eval @ {step} | loss {metrics['eval/loss']:.4f} | "
+             f"acc {metrics['eval/rewards/accuracies']:.3f} | "
+             f"margin {metrics['eval/rewards/margins']:.3f}")
+    self.last_eval = metrics
+
+  def elapsed(self) -> str:
+    return format_duration(time.perf_counter() - self.t_start)
+
+  def _write(self, row: dict) -> None:
+    if self.writer is not None:
+      self.writer.write(row)
+
+  def close(self) -> None:
+    if self.writer is not None:
+      self.writer.close()

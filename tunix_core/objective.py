@@ -1,0 +1,45 @@
+"""The DPO objective of a model on a pair batch.
+
+A pair batch is a dict of int32 arrays `[B, 2, T]`: axis 1 is (chosen, rejected), both
+rows of a pair sharing its prompt. This is the one layout from the dataset to the loss;
+`sequence_logps` is the one place it is reshaped to the model's `[2B, T]` rows.
+"""
+
+import jax
+
+import kernels
+from tunix_core import model as model_lib
+
+
+def sequence_logps(params, batch: dict, mcfg: model_lib.ModelConfig, impl: str) -> jax.Array:
+  """Float32 per-token log-probs `[B, 2, T]` of `batch["targets"]` (0 where unscored).
+
+  Differentiable in `params`; the `[.., V]` logits are never built (`fused_logprobs`).
+  """
+  B, two, T = batch["tokens"].shape
+  # Model rows are all chosen rows, then all rejected rows.
+  rows = lambda x_Bx2xT: x_Bx2xT.swapaxes(0, 1).reshape(two * B, T)
+  hidden_RxTxD = model_lib.forward(params, rows(batch["tokens"]),
+                                   rows(batch["attention_mask"]), mcfg)
+  head_DxV = model_lib.lm_head(params, mcfg).astype(hidden_RxTxD.dtype)
+  logps_RxT = kernels.fused_logprobs(hidden_RxTxD, head_DxV, rows(batch["targets"]),
+                                     impl=impl, ignore_index=kernels.IGNORE_INDEX)
+  return logps_RxT.reshape(two, B, T).swapaxes(0, 1)
+
+
+def dpo_objective(params, ref_logps_Bx2xT, batch: dict, cfg, mcfg: model_lib.ModelConfig):
+  """`(loss, metrics)` of `kernels.dpo_loss` for `params` on a `[B, 2, T]` pair batch.
+
+  `ref_logps_Bx2xT` are the frozen reference's per-token log-probs (None with
+  `cfg.reference_free`); `cfg` is a `TrainConfig` (beta, loss type, impls).
+  Differentiable in `params`.
+  """
+  logps_Bx2xT = sequence_logps(params, batch, mcfg, cfg.logprob_impl)
+  mask_Bx2xT = batch["loss_mask"]
+  ref = (None, None) if ref_logps_Bx2xT is None else (ref_logps_Bx2xT[:, 0],
+                                                      ref_logps_Bx2xT[:, 1])
+  return kernels.dpo_loss(
+      logps_Bx2xT[:, 0], logps_Bx2xT[:, 1], *ref,
+      chosen_mask=mask_Bx2xT[:, 0], rejected_mask=mask_Bx2xT[:, 1], beta=cfg.beta,
+      loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing,
+      reference_free=cfg.reference_free, impl=cfg.loss_impl)

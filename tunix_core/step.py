@@ -1,0 +1,156 @@
+"""The jitted `shard_map` step functions of a run, and how batches reach the devices.
+
+`StepFunctions` compiles, for one config on a one-axis mesh `("data",)`: the train step,
+the eval step, the frozen reference's log-probs and the replica checksum. Params are
+replicated; each device runs the model on its own pairs, then `zero.ShardedOptimizer`
+reduce-scatters the gradients in buckets, updates its 1/N of the params and optimizer
+state, and all-gathers the params. The train state is
+`{"params", "opt_state", "step"}`, with optimizer-state leaves `[N, piece]` split over
+"data" (see `tunix_core.zero`).
+
+Pair batches are `[B, 2, T]` (chosen, rejected) everywhere; on device they are split over
+"data" on the pair axis, so each device holds both rows of each of its pairs.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from tunix_core import collectives
+from tunix_core import model as model_lib
+from tunix_core import objective
+from tunix_core import optim
+from tunix_core import zero
+from tunix_core.config import TrainConfig
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+  """The global value of `x` as NumPy, also when other processes hold some shards."""
+  if x.is_fully_addressable:
+    return np.asarray(jax.device_get(x))
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+class StepFunctions:
+  """The compiled step functions of `cfg` on `mesh` (axis "data").
+
+  - `train_step(state, ref_params, batch) -> (state, metrics)`; donates `state`.
+  - `eval_step(params, ref_params, batch) -> metrics`.
+  - `ref_logps(ref_params, batch) -> [B, 2, T]` float32, the reference's log-probs.
+  `ref_params` is None when the batch carries precomputed `ref_logps` or the run is
+  reference-free. Metrics are device-mean scalars: the `dpo_loss` keys, `loss`,
+  `grad_norm` and `learning_rate` (the one this step used).
+  """
+
+  def __init__(self, cfg: TrainConfig, mesh: Mesh,
+               model_config: model_lib.ModelConfig | None = None):
+    self.cfg, self.mesh = cfg, mesh
+    self.mcfg = model_config or cfg.model_config()
+    self.num_devices = mesh.shape["data"]
+    self.tx, self.schedule = optim.make_optimizer(cfg)
+    self.param_shapes = jax.eval_shape(
+        lambda: model_lib.init_params(jax.random.PRNGKey(0), self.mcfg))
+    self.plan = collectives.BucketPlan.create(self.param_shapes, self.num_devices,
+                                              int(cfg.bucket_mb * 2**20))
+    self.opt = zero.ShardedOptimizer(
+        self.tx, self.plan, "data", max_grad_norm=cfg.max_grad_norm or None,
+        impl=cfg.sync_impl, comm_dtype=collectives.COMM_DTYPES[cfg.grad_sync_dtype])
+    self.replicated = NamedSharding(mesh, P())
+    self.pairs = NamedSharding(mesh, P("data"))
+    state_specs = {"params": P(), "opt_state": P("data"), "step": P()}
+    smap = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
+    self.train_step = jax.jit(
+        smap(self._train_step, in_specs=(state_specs, P(), P("data")),
+             out_specs=(state_specs, P())), donate_argnums=(0,))
+    self.eval_step = jax.jit(smap(self._eval_step, in_specs=(P(), P(), P("data")),
+                                  out_specs=P()))
+    self.ref_logps = jax.jit(smap(self._ref_logps, in_specs=(P(), P("data")),
+                                  out_specs=P("data")))
+    self._init_opt = jax.jit(smap(
+        lambda params: jax.tree.map(lambda x: x[None], self.opt.init(params)),
+        in_specs=P(), out_specs=P("data")))
+    self._checksums = jax.jit(smap(self._checksum, in_specs=P(), out_specs=P("data")))
+
+  def init_params(self, key: jax.Array) -> dict:
+    return jax.jit(lambda k: model_lib.init_params(k, self.mcfg),
+                   out_shardings=self.replicated)(key)
+
+  def init_state(self, key: jax.Array) -> dict:
+    params = self.init_params(key)
+    return {"params": params, "opt_state": self._init_opt(params),
+            "step": jax.device_put(jnp.zeros((), jnp.int32), self.replicated)}
+
+  def _ref_logps(self, ref_params, batch):
+    return jax.lax.stop_gradient(
+        objective.sequence_logps(ref_params, batch, self.mcfg, self.cfg.logprob_impl))
+
+  def _resolve_ref(self, ref_params, batch):
+    """Reference log-probs `[b, 2, T]` of a local batch: precomputed, in-step or None."""
+    if self.cfg.reference_free:
+      return None
+    if "ref_logps" in batch:
+      return batch["ref_logps"]
+    return self._ref_logps(ref_params, batch)
+
+  def _train_step(self, state, ref_params, batch):
+    k = self.cfg.grad_accum_steps
+    micro = jax.tree.map(lambda x: x.reshape((k, -1) + x.shape[1:]), batch)  # [k, b/k, 2, T]
+
+    def micro_step(mb):
+      ref = self._resolve_ref(ref_params, mb)
+      (loss, metrics), grads = jax.value_and_grad(objective.dpo_objective, has_aux=True)(
+          state["params"], ref, mb, self.cfg, self.mcfg)
+      return grads, dict(metrics, loss=loss)
+
+    def accumulate(carry, mb):
+      return jax.tree.map(jnp.add, carry, micro_step(mb)), None
+
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                         jax.eval_shape(micro_step, jax.tree.map(lambda x: x[0], micro)))
+    (grads, metrics), _ = jax.lax.scan(accumulate, zeros, micro)
+    # Local means over micro-batches; the sync averages over devices, once per step.
+    grads, metrics = jax.tree.map(lambda x: x / k, (grads, metrics))
+    opt_state = jax.tree.map(lambda x: x[0], state["opt_state"])
+    update = self.opt.update(grads, opt_state, state["params"])
+    metrics = jax.lax.pmean(metrics, "data")
+    metrics = dict(metrics, grad_norm=update.grad_norm,
+                   learning_rate=self.schedule(state["step"]))
+    new_state = {"params": update.params,
+                 "opt_state": jax.tree.map(lambda x: x[None], update.state),
+                 "step": state["step"] + 1}
+    return new_state, metrics
+
+  def _eval_step(self, params, ref_params, batch):
+    loss, metrics = objective.dpo_objective(params, self._resolve_ref(ref_params, batch),
+                                            batch, self.cfg, self.mcfg)
+    return jax.lax.pmean(dict(metrics, loss=loss), "data")
+
+  @staticmethod
+  def _checksum(params):
+    """This device's params as one uint32: the wrapping sum of their bit patterns."""
+    total = jnp.zeros((), jnp.uint32)
+    for x in jax.tree.leaves(params):
+      bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+      total = total + jnp.sum(bits, dtype=jnp.uint32)
+    return total[None]
+
+  def check_replicas(self, params) -> None:
+    """Raises if any device's copy of the replicated params differs from the others."""
+    sums = to_host(self._checksums(params))
+    if (sums != sums[0]).any():
+      raise RuntimeError(f"replicas diverged: per-device param checksums {sums.tolist()}")
+
+  def put_batch(self, batch: dict) -> dict:
+    """Host arrays `[B, 2, T]` of the global batch -> device arrays split over "data" on
+    the pair axis. Each process hands over only the pairs of its own devices."""
+    n, p = jax.process_count(), jax.process_index()
+    out = {}
+    for k, v in batch.items():
+      B = v.shape[0]
+      out[k] = jax.make_array_from_process_local_data(
+          self.pairs, v[p * B // n:(p + 1) * B // n], v.shape)
+    return out
