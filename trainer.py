@@ -5,19 +5,21 @@ run with one `trainer.py: error:` line before anything is compiled.
 """
 
 import dataclasses
-import logging
+import os
 import re
 import sys
+import traceback
 
 import jax
 from absl import app
 from absl import flags
-from absl import logging as absl_logging
 
 from tunix_core import checkpoint
 from tunix_core import config as config_lib
 from tunix_core import data as data_lib
+from tunix_core import logs
 from tunix_core import preemption
+from tunix_core import step as step_lib
 from tunix_core import train as train_lib
 
 _D = config_lib.TrainConfig  # defaults come from the config dataclass, in one place
@@ -47,7 +49,11 @@ _define_choice("resume", "auto: resume from the latest complete checkpoint if an
                "start fresh; never: start fresh, and refuse a directory that has "
                "checkpoints; required: fail without a usable checkpoint.")
 flags.DEFINE_bool("verify_checkpoint", _DEF["verify_checkpoint"], "On resume, recompute "
-                  "every restored array's fingerprint and compare with the saved one.")
+                  "every restored array's fingerprint and compare with the saved one; a "
+                  "step that fails is moved aside and the previous one is used (auto).")
+_define_choice("on_nonfinite", "stop: end the run (exit status 3) at a step whose loss, "
+               "metrics or gradient norm is NaN/Inf, without applying or saving it; "
+               "skip: skip such steps' updates and count them.")
 # Multi-process (JAX's multi-controller runtime, as on TPU pods).
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0's coordinator; "
                     "with --num_processes and --process_id calls jax.distributed.initialize.")
@@ -100,8 +106,9 @@ _define_choice("loss_impl", "kernels.dpo_loss impl: auto (pallas when compiled f
 
 # Terminal.
 flags.DEFINE_bool("library_logging", False, "Show the INFO logging of JAX, Orbax and other "
-                  "libraries on stderr (for debugging); by default only their warnings and "
-                  "errors appear next to the trainer's own lines.")
+                  "libraries on stderr (for debugging); by default at most a few of their "
+                  "warnings and errors appear. All of it also goes to "
+                  "{output_dir}/trainer.log.")
 
 flags.mark_flags_as_required(["output_dir", "train_data"])
 
@@ -129,14 +136,12 @@ def parse_flags(argv: list[str]) -> list[str]:
     sys.exit(f"trainer.py: error: {_flag_error(e)}")
 
 
-def quiet_libraries() -> None:
-  """Keeps library INFO logging (Orbax logs every save step) off the terminal."""
-  absl_logging.set_verbosity(absl_logging.WARNING)
-  logging.getLogger().setLevel(logging.WARNING)
 
 
-# Exit status of a run stopped by SIGTERM/SIGINT after its checkpoint was committed.
-PREEMPTED_EXIT_CODE = 42
+# Exit statuses besides 0 (done) and 1 (a bad setting, bad data or an unusable checkpoint).
+NONFINITE_EXIT_CODE = 3          # a step was NaN/Inf under --on_nonfinite=stop
+CHECKPOINT_WRITE_EXIT_CODE = 4   # writing a checkpoint failed (disk full, permissions, ...)
+PREEMPTED_EXIT_CODE = 42         # stopped by SIGTERM/SIGINT after its checkpoint committed
 
 
 def init_distributed() -> None:
@@ -145,26 +150,51 @@ def init_distributed() -> None:
   if f.coordinator_address is None:
     return
   if f.num_processes is None or f.process_id is None:
-    sys.exit("trainer.py: error: --coordinator_address needs --num_processes and --process_id")
+    raise config_lib.ConfigError("--coordinator_address needs --num_processes and "
+                                 "--process_id")
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(coordinator_address=f.coordinator_address,
                              num_processes=f.num_processes, process_id=f.process_id)
 
 
+def _library_log_path(output_dir: str) -> str:
+  """`{output_dir}/trainer.log` (one file per process), creating the directory if it can."""
+  try:
+    os.makedirs(output_dir, exist_ok=True)
+  except OSError:
+    pass  # train() reports it as a bad --output_dir
+  index = flags.FLAGS.process_id or 0  # not jax.process_index(): no backend has started
+  name = "trainer.log" if index == 0 else f"trainer.{index}.log"
+  return os.path.join(output_dir, name)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS.library_logging:
-    quiet_libraries()
   cfg = config_from_flags()
-  init_distributed()
+  log_path = _library_log_path(cfg.output_dir)
+  terminal = logs.route_library_output(log_path, verbose=flags.FLAGS.library_logging)
+
+  def fail(message: str, status: int):
+    terminal.write(f"trainer.py: {message}\n")
+    terminal.flush()
+    sys.exit(status)
+
   try:
+    init_distributed()
     train_lib.train(cfg)
+  except checkpoint.CheckpointWriteError as e:
+    fail(f"error: {e} (library messages in {log_path})", CHECKPOINT_WRITE_EXIT_CODE)
+  except step_lib.NonFiniteStep as e:
+    fail(f"error: {e}", NONFINITE_EXIT_CODE)
   except (config_lib.ConfigError, data_lib.DataError, checkpoint.CheckpointError) as e:
-    sys.exit(f"trainer.py: error: {e}")
+    fail(f"error: {e}", 1)
   except preemption.Preempted as e:
-    print(f"trainer.py: {e}; exiting with status {PREEMPTED_EXIT_CODE}", file=sys.stderr)
-    sys.exit(PREEMPTED_EXIT_CODE)
+    fail(f"{e}; exiting with status {PREEMPTED_EXIT_CODE}", PREEMPTED_EXIT_CODE)
+  except Exception as e:  # noqa: BLE001 - one line on the terminal, the traceback in the log
+    traceback.print_exc(file=sys.stderr)
+    first_line = (str(e).splitlines() or [""])[0][:300]
+    fail(f"error: unexpected {type(e).__name__}: {first_line} (traceback in {log_path})", 1)
 
 
 if __name__ == "__main__":

@@ -125,7 +125,7 @@ def test_restore_on_fewer_devices(tmp_path, num_devices):
   saved = train.train(cfg, **QUIET)["state"]
   small = step_lib.StepFunctions(cfg, Mesh(np.array(jax.devices()[:num_devices]), ("data",)))
   ckpt = checkpoint.Checkpointer(str(tmp_path / "checkpoints"))
-  restored = checkpoint.restore_state(small, ckpt, 2, num_shards=8)
+  restored = checkpoint.restore_state(small, ckpt, 2, ckpt.read_meta(2))
   ckpt.close()
   chex.assert_trees_all_equal(jax.device_get(restored["params"]),
                               jax.device_get(saved["params"]))
@@ -190,7 +190,7 @@ def test_verify_checkpoint_detects_a_changed_array(tmp_path):
   meta["fingerprints"][key] = "0" * 16
   (meta_dir / name).write_text(json.dumps(meta))
   with pytest.raises(checkpoint.CheckpointError, match="fails verification"):
-    train.train(_config(tmp_path, steps=3, verify_checkpoint=True), **QUIET)
+    train.train(_config(tmp_path, steps=3, verify_checkpoint=True, resume="required"), **QUIET)
 
 
 def _free_port():

@@ -19,13 +19,15 @@ carries, and finding, checking and restoring the step to resume from.
 import dataclasses
 import hashlib
 import json
-import logging
 import os
+import re
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from tunix_core import config as config_lib
 from tunix_core import zero
@@ -68,12 +70,37 @@ def fingerprints(tree) -> dict:
           for (path, _), v in zip(flat, values)}
 
 
+class CheckpointWriteError(CheckpointError):
+  """Writing a checkpoint failed (no space, permission, file too large); the message names
+  the step, the directory, the OS error and the newest complete checkpoint."""
+
+
+def _os_error(e: BaseException) -> str:
+  """The OS-level cause of a failed write, as `strerror` text where one can be found."""
+  seen = e
+  while seen is not None:
+    if isinstance(seen, OSError) and seen.strerror:
+      return seen.strerror
+    seen = seen.__cause__ or seen.__context__
+  text = str(e)
+  code = re.search(r"os_error_code='?(\d+)", text)  # TensorStore's form
+  if code:
+    return os.strerror(int(code.group(1)))
+  return text.splitlines()[0][:300] if text else type(e).__name__
+
+
 class Checkpointer:
-  """Saves and restores `{"params", "opt_state"}` plus JSON metadata under `directory`."""
+  """Saves and restores `{"params", "opt_state"}` plus JSON metadata under `directory`.
+
+  A failure while writing (now or in the background) surfaces from the next `save`,
+  `wait` or `close` as one `CheckpointWriteError`; the step being written stays in its
+  temporary directory for Orbax to clean up, never half-committed.
+  """
 
   def __init__(self, directory: str, *, keep: int = 3, keep_period: int | None = None,
                async_save: bool = True):
     self.directory = directory
+    self._writing = None  # the step whose save was started and not yet committed
     try:
       os.makedirs(directory, exist_ok=True)
       probe = os.path.join(directory, f".write_probe_{os.getpid()}")
@@ -93,14 +120,35 @@ class Checkpointer:
     self.manager.reload()
     return sorted(self.manager.all_steps())
 
+  def _write_failed(self, step, e: BaseException) -> CheckpointWriteError:
+    try:
+      complete = [s for s in self.steps() if s != step]
+    except Exception:  # noqa: BLE001 - the directory itself may be what failed
+      complete = []
+    newest = f"step {complete[-1]}" if complete else "none"
+    return CheckpointWriteError(
+        f"writing checkpoint step {step} to {self.directory} failed: {_os_error(e)}; "
+        f"newest complete checkpoint: {newest}")
+
   def save(self, step: int, state: dict, meta: dict) -> None:
     """Starts writing `state` at `step`; returns once the arrays are copied off device."""
-    self.manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+    try:
+      self.wait()  # a failure of the previous save is reported as that step's
+      self._writing = step
+      self.manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+    except CheckpointWriteError:
+      raise
+    except Exception as e:  # noqa: BLE001 - Orbax and TensorStore raise many kinds
+      raise self._write_failed(step, e) from None
 
   def wait(self) -> None:
     """Blocks until every started save has been committed."""
-    self.manager.wait_until_finished()
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:  # noqa: BLE001
+      raise self._write_failed(self._writing, e) from None
+    self._writing = None
 
   def read_meta(self, step: int) -> dict:
     return self.manager.restore(step, args=ocp.args.Composite(
@@ -111,25 +159,32 @@ class Checkpointer:
     return self.manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state)))["state"]
 
-  def close(self) -> None:
-    self.manager.close()
+  def reject(self, step: int) -> str:
+    """Moves step `step` aside to `{directory}.rejected/<step>-<time>` (never deletes it),
+    so that the step can be written again; returns the new path."""
+    target = os.path.join(f"{self.directory}.rejected",
+                          f"{step}-{time.strftime('%Y%m%dT%H%M%S')}")
+    if jax.process_index() == 0:
+      os.makedirs(os.path.dirname(target), exist_ok=True)
+      os.rename(os.path.join(self.directory, str(step)), target)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"checkpoint_reject_{step}")
+    self.manager.reload()
+    return target
 
-
-def find_restorable(ckpt: Checkpointer, required: bool) -> tuple[int | None, dict | None]:
-  """The newest step whose metadata reads back, and that metadata.
-
-  A step directory that cannot be read (corrupt or partial) is skipped with a warning
-  in favour of the previous one; with `required` it is an error instead.
-  """
-  for step in reversed(ckpt.steps()):
+  def close(self, quiet: bool = False) -> None:
+    """Waits for pending saves and closes; a failed save raises `CheckpointWriteError`
+    unless `quiet` (when another error is already being raised)."""
     try:
-      return step, ckpt.read_meta(step)
-    except Exception as e:  # noqa: BLE001 - Orbax raises many kinds on a damaged step
-      msg = f"checkpoint step {step} in {ckpt.directory} is unreadable ({type(e).__name__}: {e})"
-      if required:
-        raise CheckpointError(msg) from None
-      logging.warning("%s; trying the previous one", msg)
-  return None, None
+      self.wait()
+    except CheckpointWriteError:
+      if not quiet:
+        raise
+    finally:
+      try:
+        self.manager.close()
+      except Exception:  # noqa: BLE001 - a failed save was already reported by wait
+        pass
 
 
 def config_mismatch(saved: dict, current: dict, fields) -> str | None:
@@ -151,62 +206,55 @@ def save_state(ckpt: Checkpointer, step: int, state: dict, *, data_state: dict,
       "step": step, "data_state": data_state, "num_shards": num_shards,
       "rng_key": np.asarray(jax.random.key_data(rng_key)).tolist(),
       "config": dataclasses.asdict(config), "model_config": dataclasses.asdict(model_config),
-      "fingerprints": prints})
+      "fingerprints": prints,
+      "nonfinite": [int(x) for x in jax.device_get(state["nonfinite"])]})
   return hashlib.sha256(json.dumps(prints, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def restore_state(steps, ckpt: Checkpointer, step: int, num_shards: int) -> dict:
-  """The train state at `step`, saved on `num_shards` devices, placed on the mesh of
-  `steps` (a `step.StepFunctions`), its optimizer state re-cut for that mesh."""
+def restore_state(steps, ckpt: Checkpointer, step: int, meta: dict) -> dict:
+  """The train state at `step` (whose metadata is `meta`), placed on the mesh of `steps`
+  (a `step.StepFunctions`), its optimizer state re-cut for that mesh."""
+  num_shards = meta["num_shards"]
   opt_abstract, plan = zero.abstract_opt_state(steps.tx, steps.param_shapes, num_shards,
                                                steps.plan.bucket_bytes, steps.mesh)
   params_abstract = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=steps.replicated),
       steps.param_shapes)
-  try:
-    restored = ckpt.restore(step, {"params": params_abstract, "opt_state": opt_abstract})
-  except (ValueError, TypeError) as e:
-    raise config_lib.ConfigError(f"checkpoint step {step} does not fit this model: {e}") \
-        from None
+  restored = ckpt.restore(step, {"params": params_abstract, "opt_state": opt_abstract})
   opt_state = restored["opt_state"]
   if num_shards != steps.num_devices:
     opt_state = jax.jit(lambda s: zero.relayout_opt_state(s, plan, steps.plan),
                         out_shardings=steps.pairs)(opt_state)
   return {"params": restored["params"], "opt_state": opt_state,
-          "step": jax.device_put(jnp.asarray(step, jnp.int32), steps.replicated)}
+          "step": jax.device_put(jnp.asarray(step, jnp.int32), steps.replicated),
+          "nonfinite": steps.put_nonfinite(meta.get("nonfinite", [0, 0, 0]))}
 
 
-def verify(state: dict, meta: dict, step: int, same_layout: bool) -> int:
+def verify(state: dict, meta: dict, same_layout: bool) -> tuple[int, list[str]]:
   """Recomputes the fingerprints of the restored `state` and compares them with the
-  saved ones; returns how many were checked. The optimizer state is compared only when
-  it was restored in the layout it was saved in (`same_layout`)."""
+  saved ones: `(arrays checked, paths that differ)`. The optimizer state is compared
+  only when it was restored in the layout it was saved in (`same_layout`)."""
   keys = ("params", "opt_state") if same_layout else ("params",)
   got = fingerprints({k: state[k] for k in keys})
   want = meta["fingerprints"]
-  bad = [k for k in got if got[k] != want.get(k)]
-  if bad:
-    raise CheckpointError(f"checkpoint step {step} fails verification: "
-                          f"{len(bad)} arrays differ, e.g. {bad[0]}")
-  return len(got)
+  return len(got), [k for k in got if got[k] != want.get(k)]
 
 
-def resume(steps, ckpt: Checkpointer, cfg, log) -> tuple[dict | None, dict | None]:
-  """`(state, meta)` of the checkpoint `cfg.resume` says to resume from, on the mesh of
-  `steps`, or `(None, None)` for a fresh start. Raises `ConfigError` when the saved run's
-  settings differ from `cfg` and `CheckpointError` when `--resume=required` cannot be met."""
-  existing = ckpt.steps()
-  if cfg.resume == "never":
-    if existing:
-      raise config_lib.ConfigError(
-          f"--resume=never but {ckpt.directory} already holds checkpoints (steps "
-          f"{existing}); use --resume=auto or another --output_dir")
-    return None, None
-  step, meta = find_restorable(ckpt, required=cfg.resume == "required")
-  if step is None:
-    if cfg.resume == "required":
-      raise CheckpointError(f"--resume=required but {ckpt.directory} holds no complete "
-                            "checkpoint")
-    return None, None
+class _Unusable(Exception):
+  """A step that cannot be resumed from: unreadable, or failing verification."""
+
+
+def _unreadable(e: Exception) -> _Unusable:
+  return _Unusable(f"is unreadable ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+
+
+def _load(steps, ckpt: Checkpointer, step: int, cfg, log) -> tuple[dict, dict]:
+  """`(state, meta)` of `step`, checked; `_Unusable` if damaged, `ConfigError` if it was
+  written by a different run configuration."""
+  try:
+    meta = ckpt.read_meta(step)
+  except Exception as e:  # noqa: BLE001 - Orbax raises many kinds on a damaged step
+    raise _unreadable(e) from None
   mcfg = steps.mcfg
   mismatch = (config_mismatch(meta["model_config"], dataclasses.asdict(mcfg),
                               [f.name for f in dataclasses.fields(mcfg)])
@@ -214,9 +262,46 @@ def resume(steps, ckpt: Checkpointer, cfg, log) -> tuple[dict | None, dict | Non
                                  config_lib.RESUME_FIELDS))
   if mismatch:
     raise config_lib.ConfigError(f"cannot resume from step {step}: {mismatch}")
-  state = restore_state(steps, ckpt, step, meta["num_shards"])
+  try:
+    state = restore_state(steps, ckpt, step, meta)
+  except Exception as e:  # noqa: BLE001
+    raise _unreadable(e) from None
   if cfg.verify_checkpoint:
-    n = verify(state, meta, step, same_layout=meta["num_shards"] == steps.num_devices)
+    n, bad = verify(state, meta, same_layout=meta["num_shards"] == steps.num_devices)
+    if bad:
+      raise _Unusable(f"fails verification: {len(bad)} arrays differ, e.g. {bad[0]}")
     log(f"checkpoint step {step}: {n} array fingerprints verified")
-  log(f"resumed from step {step} ({ckpt.directory}), data position {meta['data_state']}")
   return state, meta
+
+
+def resume(steps, ckpt: Checkpointer, cfg, log) -> tuple[dict | None, dict | None]:
+  """`(state, meta)` of the checkpoint `cfg.resume` says to resume from, on the mesh of
+  `steps`, or `(None, None)` for a fresh start.
+
+  Steps are tried newest first. Under "auto" a step that is unreadable or fails
+  verification is reported in one line, moved aside (`Checkpointer.reject`) and the next
+  older one is tried; under "required" it is a `CheckpointError`. A step written by a
+  different configuration is a `ConfigError` in either mode.
+  """
+  existing = ckpt.steps()
+  if cfg.resume == "never":
+    if existing:
+      raise config_lib.ConfigError(
+          f"--resume=never but {ckpt.directory} already holds checkpoints (steps "
+          f"{existing}); use --resume=auto or another --output_dir")
+    return None, None
+  for step in reversed(existing):
+    try:
+      state, meta = _load(steps, ckpt, step, cfg, log)
+    except _Unusable as e:
+      msg = f"checkpoint step {step} in {ckpt.directory} {e}"
+      if cfg.resume == "required":
+        raise CheckpointError(msg) from None
+      log(f"{msg}; moved aside to {ckpt.reject(step)}; trying the previous step")
+      continue
+    log(f"resumed from step {step} ({ckpt.directory}), data position {meta['data_state']}")
+    return state, meta
+  if cfg.resume == "required":
+    raise CheckpointError(f"--resume=required but {ckpt.directory} holds no complete "
+                          "checkpoint")
+  return None, None

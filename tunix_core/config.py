@@ -13,6 +13,9 @@ from tunix_core import model as model_lib
 from tunix_core import optim
 
 RESUME_MODES = ("auto", "never", "required")
+# What a step with a non-finite loss, metric or gradient norm does: end the run (its
+# update is never applied) or skip its update and count it.
+NONFINITE_ACTIONS = ("stop", "skip")
 
 # Settings that must not change across a resume (the model's own fields are checked
 # separately): they decide the data order or the meaning of the optimizer state.
@@ -63,7 +66,8 @@ class TrainConfig:
   keep: int = 3
   keep_period: int = 0
   resume: str = "auto"
-  verify_checkpoint: bool = False
+  verify_checkpoint: bool = True
+  on_nonfinite: str = "stop"
 
   def validate(self, num_devices: int) -> None:
     """Raises ConfigError with one line naming the offending setting."""
@@ -119,4 +123,5 @@ CHOICES = {
     "sync_impl": collectives.IMPLS,
     "grad_sync_dtype": tuple(collectives.COMM_DTYPES),
     "resume": RESUME_MODES,
+    "on_nonfinite": NONFINITE_ACTIONS,
 }

@@ -18,12 +18,20 @@ class MetricsWriter:
   to its checkpoint step and drops later ones, which the resumed run writes again.
   """
 
-  def __init__(self, output_dir: str, resume_step: int = 0):
+  def __init__(self, output_dir: str, resume_step: int = 0, log=print):
     self.path = os.path.join(output_dir, "metrics.jsonl")
-    kept = []
+    kept, dropped = [], 0
     if resume_step and os.path.exists(self.path):
-      with open(self.path, encoding="utf-8") as f:
-        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
+      with open(self.path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+          row = _parse_row(line)
+          if row is None:
+            dropped += bool(line.strip())
+          elif row["step"] <= resume_step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if dropped:
+      log(f"warning: {self.path}: dropped {dropped} unparseable or foreign line(s) "
+          "(e.g. torn by a kill during a write)")
     self._file = open(self.path, "w", encoding="utf-8")
     self._file.writelines(kept)
 
@@ -33,6 +41,16 @@ class MetricsWriter:
 
   def close(self) -> None:
     self._file.close()
+
+
+def _parse_row(line: str) -> dict | None:
+  """A metrics row (a JSON object with an integer `step`), or None for anything else."""
+  try:
+    row = json.loads(line)
+  except ValueError:
+    return None
+  ok = isinstance(row, dict) and isinstance(row.get("step"), int)
+  return row if ok else None
 
 
 def format_duration(seconds: float) -> str:
@@ -63,13 +81,16 @@ class Progress:
     """Remembers `step`'s (device) metrics, to be read and logged at the next `flush`."""
     self.pending = (step, metrics, self.tokens)
 
-  def flush(self) -> None:
-    """Reads and logs the deferred step, if any (blocks until that step is done)."""
+  def flush(self):
+    """Reads and logs the deferred step, if any (blocks until that step is done); returns
+    the state's non-finite record `[count, first step, bits]` after it, or None."""
     if self.pending is None:
-      return
+      return None
     step, metrics, tokens = self.pending
     self.pending = None
-    m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    m = jax.device_get(metrics)
+    health = m.pop("nonfinite", None)
+    m = {k: float(v) for k, v in m.items()}
     now = time.perf_counter()
     row = {"step": step, **m, "tokens_per_sec": (tokens - self.tokens_at_last) / (now - self.t_last)}
     self.tokens_at_last, self.t_last = tokens, now
@@ -79,6 +100,7 @@ class Progress:
              f"acc {m['rewards/accuracies']:.3f} | margin {m['rewards/margins']:.3f} | "
              f"{row['tokens_per_sec']:,.0f} tok/s | ETA {format_duration(eta)}")
     self.last_train = row
+    return health
 
   def eval(self, step: int, metrics: dict) -> None:
     """Logs `{"eval/<key>": value}` metrics of the eval set at `step`."""

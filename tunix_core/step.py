@@ -6,7 +6,10 @@ replicated; each device runs the model on its own pairs, then `zero.ShardedOptim
 reduce-scatters the gradients in buckets, updates its 1/N of the params and optimizer
 state, and all-gathers the params. The train state is
 `{"params", "opt_state", "step"}`, with optimizer-state leaves `[N, piece]` split over
-"data" (see `tunix_core.zero`).
+"data" (see `tunix_core.zero`), and `"nonfinite"`: int32 `[3]` (count of non-finite
+steps so far, the first such step, a bit set of what was non-finite in it, bits in
+`NONFINITE_KEYS` order). A step whose loss, metrics or gradient norm is not finite
+leaves params and optimizer state as they were; the loop decides whether to stop.
 
 Pair batches are `[B, 2, T]` (chosen, rejected) everywhere; on device they are split over
 "data" on the pair axis, so each device holds both rows of each of its pairs.
@@ -27,6 +30,45 @@ from tunix_core import optim
 from tunix_core import zero
 from tunix_core.config import TrainConfig
 
+# The values a step checks for NaN/Inf; bit i of `state["nonfinite"][2]` is key i.
+NONFINITE_KEYS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected",
+                  "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
+
+
+class NonFiniteStep(RuntimeError):
+  """A step's loss, metrics or gradient norm was NaN/Inf; its update was not applied and
+  nothing after it was checkpointed."""
+
+
+def check_finite(health, action: str, log) -> None:
+  """Acts on a state's `[count, first step, bits]`: raises `NonFiniteStep` under "stop",
+  logs the running count under "skip"."""
+  count, first, bits = (int(x) for x in health)
+  if not count:
+    return
+  what = ", ".join(nonfinite_names(bits))
+  if action == "stop":
+    raise NonFiniteStep(f"step {first} produced non-finite {what}; its update was not "
+                        "applied and it was not checkpointed (--on_nonfinite=skip skips "
+                        "such steps instead)")
+  log(f"non-finite steps skipped so far: {count} (first: step {first}, {what})")
+
+
+def nonfinite_names(bits: int) -> list[str]:
+  """The keys a `state["nonfinite"][2]` bit set names."""
+  return [k for i, k in enumerate(NONFINITE_KEYS) if int(bits) >> i & 1]
+
+
+def _health(health_3, values: dict, step):
+  """`(all finite, updated [count, first step, bits])` after a step's `values`."""
+  bits = sum(jnp.where(jnp.isfinite(values[k]), 0, 1 << i)
+             for i, k in enumerate(NONFINITE_KEYS)).astype(jnp.int32)
+  ok = bits == 0
+  count, first, first_bits = health_3[0], health_3[1], health_3[2]
+  fresh = count == 0
+  bad = jnp.stack([count + 1, jnp.where(fresh, step, first), jnp.where(fresh, bits, first_bits)])
+  return ok, jnp.where(ok, health_3, bad)
+
 
 def to_host(x: jax.Array) -> np.ndarray:
   """The global value of `x` as NumPy, also when other processes hold some shards."""
@@ -43,7 +85,9 @@ class StepFunctions:
   - `ref_logps(ref_params, batch) -> [B, 2, T]` float32, the reference's log-probs.
   `ref_params` is None when the batch carries precomputed `ref_logps` or the run is
   reference-free. Metrics are device-mean scalars: the `dpo_loss` keys, `loss`,
-  `grad_norm` and `learning_rate` (the one this step used).
+  `grad_norm` and `learning_rate` (the one this step used); the train step's also carry
+  `nonfinite`, the state's `[3]` health after the step (read with the metrics, so
+  checking it costs no extra host sync).
   """
 
   def __init__(self, cfg: TrainConfig, mesh: Mesh,
@@ -61,7 +105,7 @@ class StepFunctions:
         impl=cfg.sync_impl, comm_dtype=collectives.COMM_DTYPES[cfg.grad_sync_dtype])
     self.replicated = NamedSharding(mesh, P())
     self.pairs = NamedSharding(mesh, P("data"))
-    state_specs = {"params": P(), "opt_state": P("data"), "step": P()}
+    state_specs = {"params": P(), "opt_state": P("data"), "step": P(), "nonfinite": P()}
     smap = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
     self.train_step = jax.jit(
         smap(self._train_step, in_specs=(state_specs, P(), P("data")),
@@ -82,7 +126,12 @@ class StepFunctions:
   def init_state(self, key: jax.Array) -> dict:
     params = self.init_params(key)
     return {"params": params, "opt_state": self._init_opt(params),
-            "step": jax.device_put(jnp.zeros((), jnp.int32), self.replicated)}
+            "step": jax.device_put(jnp.zeros((), jnp.int32), self.replicated),
+            "nonfinite": self.put_nonfinite([0, 0, 0])}
+
+  def put_nonfinite(self, health) -> jax.Array:
+    """`[count, first step, bits]` (host ints) as the state's replicated int32 `[3]`."""
+    return jax.device_put(jnp.asarray(health, jnp.int32), self.replicated)
 
   def _ref_logps(self, ref_params, batch):
     return jax.lax.stop_gradient(
@@ -119,10 +168,14 @@ class StepFunctions:
     metrics = jax.lax.pmean(metrics, "data")
     metrics = dict(metrics, grad_norm=update.grad_norm,
                    learning_rate=self.schedule(state["step"]))
-    new_state = {"params": update.params,
-                 "opt_state": jax.tree.map(lambda x: x[None], update.state),
-                 "step": state["step"] + 1}
-    return new_state, metrics
+    ok, health = _health(state["nonfinite"], metrics, state["step"] + 1)
+    # A non-finite step keeps the old params and optimizer state (no update applied).
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+    new_state = {"params": keep(update.params, state["params"]),
+                 "opt_state": keep(jax.tree.map(lambda x: x[None], update.state),
+                                   state["opt_state"]),
+                 "step": state["step"] + 1, "nonfinite": health}
+    return new_state, dict(metrics, nonfinite=health)
 
   def _eval_step(self, params, ref_params, batch):
     loss, metrics = objective.dpo_objective(params, self._resolve_ref(ref_params, batch),

@@ -62,7 +62,9 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
 
   Returns `{"train": last logged train row, "eval": last eval metrics, "state": final
   train state}`. Raises `preemption.Preempted` after saving on SIGTERM/SIGINT,
-  `ConfigError`, `data_lib.DataError` or `checkpoint.CheckpointError` on bad input.
+  `step_lib.NonFiniteStep` when a step is NaN/Inf under `--on_nonfinite=stop`,
+  `checkpoint.CheckpointWriteError` when a save fails, and `ConfigError`,
+  `data_lib.DataError` or `checkpoint.CheckpointError` on bad input.
   """
   devices = devices or jax.devices()
   cfg.validate(len(devices))
@@ -101,10 +103,20 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
 
   it = data_lib.BatchIterator(train_set, cfg.batch_size, cfg.seed,
                               state=meta["data_state"] if meta else None)
-  writer = metrics_lib.MetricsWriter(cfg.output_dir, resume_step=start) if primary else None
+  writer = (metrics_lib.MetricsWriter(cfg.output_dir, resume_step=start, log=log)
+            if primary else None)
   progress = metrics_lib.Progress(writer, log, start, cfg.steps)
 
+  def flush():
+    """Logs the deferred step; a non-finite step found there stops or is counted."""
+    health = progress.flush()
+    if health is not None:
+      step_lib.check_finite(health, cfg.on_nonfinite, lambda *_: None)
+
   def save(step):
+    # Never checkpoint a state that went through a non-finite step under "stop" (this
+    # read costs nothing extra: the save's fingerprints wait for the state anyway).
+    step_lib.check_finite(jax.device_get(state["nonfinite"]), cfg.on_nonfinite, log)
     digest = checkpoint.save_state(
         ckpt, step, state, data_state=it.get_state(), num_shards=steps.num_devices,
         rng_key=key, config=cfg, model_config=mcfg)
@@ -119,25 +131,28 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
         state, metrics = steps.train_step(state, ref_params, steps.put_batch(batch))
         if step == start + 1 or _every(cfg.check_replicas_every, step, -1):
           steps.check_replicas(state["params"])
-        progress.flush()  # the previous step's metrics, read with this step queued
+        flush()  # the previous step's metrics, read with this step queued
         if _every(cfg.log_every, step, cfg.steps):
           progress.defer(step, metrics)
         if eval_set is not None and _every(cfg.eval_every, step, cfg.steps):
-          progress.flush()
+          flush()
           progress.eval(step, evaluate_lib.evaluate(steps, state["params"], ref_params,
                                                     eval_set, eval_ref))
         if stop.should_stop(step):
-          progress.flush()
+          flush()
           save(step)
           ckpt.wait()
           log(f"stop signal: step {step} saved and committed")
           raise preemption.Preempted(step)
         if _every(cfg.save_every, step, cfg.steps):
           save(step)
-      progress.flush()
-    ckpt.wait()
-  finally:
-    ckpt.close()
+      flush()
+      step_lib.check_finite(jax.device_get(state["nonfinite"]), cfg.on_nonfinite, log)
+  except BaseException:
     progress.close()
+    ckpt.close(quiet=True)  # an error is on its way already; let pending saves finish
+    raise
+  progress.close()
+  ckpt.close()
   log(f"done: steps {start + 1}-{cfg.steps} in {progress.elapsed()}")
   return {"train": progress.last_train, "eval": progress.last_eval, "state": state}
