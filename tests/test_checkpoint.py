@@ -15,32 +15,20 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+import runs
 from tunix_core import checkpoint
-from tunix_core import data as data_lib
 from tunix_core import config as config_lib
+from tunix_core import data as data_lib
+from tunix_core import resume
 from tunix_core import step as step_lib
 from tunix_core import train
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAIN = os.path.join(REPO, "data", "train.jsonl")
-QUIET = dict(log=lambda *_: None)
+REPO = runs.REPO
+TRAIN = runs.TRAIN
+QUIET = runs.QUIET
+_config, _rows, _losses = runs.config, runs.rows, runs.losses
 
 pytestmark = pytest.mark.slow  # every test here runs the trainer end to end
-
-
-def _config(out, **kw):
-  base = dict(output_dir=str(out), train_data=TRAIN, max_length=40, max_prompt_length=20,
-              batch_size=8, steps=6, log_every=1, learning_rate=2e-3, bucket_mb=0.25)
-  return config_lib.TrainConfig(**{**base, **kw})
-
-
-def _rows(out):
-  with open(os.path.join(out, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f]
-
-
-def _losses(out):
-  return {r["step"]: r["loss"] for r in _rows(out) if "loss" in r}
 
 
 def _flags(cfg):
@@ -125,7 +113,7 @@ def test_restore_on_fewer_devices(tmp_path, num_devices):
   saved = train.train(cfg, **QUIET)["state"]
   small = step_lib.StepFunctions(cfg, Mesh(np.array(jax.devices()[:num_devices]), ("data",)))
   ckpt = checkpoint.Checkpointer(str(tmp_path / "checkpoints"))
-  restored = checkpoint.restore_state(small, ckpt, 2, ckpt.read_meta(2))
+  restored = resume.restore_state(small, ckpt, 2, ckpt.read_meta(2))
   ckpt.close()
   chex.assert_trees_all_equal(jax.device_get(restored["params"]),
                               jax.device_get(saved["params"]))

@@ -5,7 +5,6 @@ where it makes sense the run is compared with an uninterrupted one.
 """
 
 import dataclasses
-import json
 import os
 import subprocess
 import sys
@@ -13,29 +12,19 @@ import sys
 import jax.numpy as jnp
 import pytest
 
+import runs
 from tunix_core import checkpoint
-from tunix_core import config as config_lib
 from tunix_core import data as data_lib
 from tunix_core import objective
 from tunix_core import step as step_lib
 from tunix_core import train
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAIN = os.path.join(REPO, "data", "train.jsonl")
-QUIET = dict(log=lambda *_: None)
+REPO = runs.REPO
+TRAIN = runs.TRAIN
+QUIET = runs.QUIET
+_config, _losses = runs.config, runs.losses
 
 pytestmark = pytest.mark.slow  # every test here runs the trainer end to end
-
-
-def _config(out, **kw):
-  base = dict(output_dir=str(out), train_data=TRAIN, max_length=40, max_prompt_length=20,
-              batch_size=8, steps=6, log_every=1, learning_rate=2e-3, bucket_mb=0.25)
-  return config_lib.TrainConfig(**{**base, **kw})
-
-
-def _losses(out):
-  with open(os.path.join(out, "metrics.jsonl")) as f:
-    return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
 
 
 def _steps(out):

@@ -12,8 +12,9 @@ directory is removed on the next start. Restore takes explicit target shardings,
 checkpoint written on N devices restores on any other count (the ZeRO optimizer state,
 which is laid out per device, is re-cut for the new count by `tunix_core.zero`).
 
-`save_state` and `resume` are what the training loop calls: the metadata a step
-carries, and finding, checking and restoring the step to resume from.
+`save_state` is what the training loop calls to save: the state plus the metadata a
+step carries. Finding, checking and restoring the step to resume from is
+`tunix_core.resume`.
 """
 
 import dataclasses
@@ -29,8 +30,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from tunix_core import config as config_lib
-from tunix_core import zero
 
 
 class CheckpointError(RuntimeError):
@@ -187,19 +186,12 @@ class Checkpointer:
         pass
 
 
-def config_mismatch(saved: dict, current: dict, fields) -> str | None:
-  """A message naming the first field in `fields` whose saved value differs, or None."""
-  for field in fields:
-    if field in saved and saved[field] != current.get(field):
-      return (f"checkpoint was written with {field}={saved[field]!r} but this run has "
-              f"{field}={current.get(field)!r}")
-  return None
-
-
 def save_state(ckpt: Checkpointer, step: int, state: dict, *, data_state: dict,
-               num_shards: int, rng_key: jax.Array, config, model_config) -> str:
+               num_shards: int, rng_key: jax.Array, config, model_config,
+               nonfinite: list[int]) -> str:
   """Starts an asynchronous save of `state` (params, optimizer state) at `step` with its
-  metadata; returns a short digest of the state's fingerprints for the log."""
+  metadata (`nonfinite`: the state's `[count, first step, bits]`, read by the caller);
+  returns a short digest of the state's fingerprints for the log."""
   to_save = {"params": state["params"], "opt_state": state["opt_state"]}
   prints = fingerprints(to_save)
   ckpt.save(step, to_save, {
@@ -207,101 +199,5 @@ def save_state(ckpt: Checkpointer, step: int, state: dict, *, data_state: dict,
       "rng_key": np.asarray(jax.random.key_data(rng_key)).tolist(),
       "config": dataclasses.asdict(config), "model_config": dataclasses.asdict(model_config),
       "fingerprints": prints,
-      "nonfinite": [int(x) for x in jax.device_get(state["nonfinite"])]})
+      "nonfinite": [int(x) for x in nonfinite]})
   return hashlib.sha256(json.dumps(prints, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def restore_state(steps, ckpt: Checkpointer, step: int, meta: dict) -> dict:
-  """The train state at `step` (whose metadata is `meta`), placed on the mesh of `steps`
-  (a `step.StepFunctions`), its optimizer state re-cut for that mesh."""
-  num_shards = meta["num_shards"]
-  opt_abstract, plan = zero.abstract_opt_state(steps.tx, steps.param_shapes, num_shards,
-                                               steps.plan.bucket_bytes, steps.mesh)
-  params_abstract = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=steps.replicated),
-      steps.param_shapes)
-  restored = ckpt.restore(step, {"params": params_abstract, "opt_state": opt_abstract})
-  opt_state = restored["opt_state"]
-  if num_shards != steps.num_devices:
-    opt_state = jax.jit(lambda s: zero.relayout_opt_state(s, plan, steps.plan),
-                        out_shardings=steps.pairs)(opt_state)
-  return {"params": restored["params"], "opt_state": opt_state,
-          "step": jax.device_put(jnp.asarray(step, jnp.int32), steps.replicated),
-          "nonfinite": steps.put_nonfinite(meta.get("nonfinite", [0, 0, 0]))}
-
-
-def verify(state: dict, meta: dict, same_layout: bool) -> tuple[int, list[str]]:
-  """Recomputes the fingerprints of the restored `state` and compares them with the
-  saved ones: `(arrays checked, paths that differ)`. The optimizer state is compared
-  only when it was restored in the layout it was saved in (`same_layout`)."""
-  keys = ("params", "opt_state") if same_layout else ("params",)
-  got = fingerprints({k: state[k] for k in keys})
-  want = meta["fingerprints"]
-  return len(got), [k for k in got if got[k] != want.get(k)]
-
-
-class _Unusable(Exception):
-  """A step that cannot be resumed from: unreadable, or failing verification."""
-
-
-def _unreadable(e: Exception) -> _Unusable:
-  return _Unusable(f"is unreadable ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
-
-
-def _load(steps, ckpt: Checkpointer, step: int, cfg, log) -> tuple[dict, dict]:
-  """`(state, meta)` of `step`, checked; `_Unusable` if damaged, `ConfigError` if it was
-  written by a different run configuration."""
-  try:
-    meta = ckpt.read_meta(step)
-  except Exception as e:  # noqa: BLE001 - Orbax raises many kinds on a damaged step
-    raise _unreadable(e) from None
-  mcfg = steps.mcfg
-  mismatch = (config_mismatch(meta["model_config"], dataclasses.asdict(mcfg),
-                              [f.name for f in dataclasses.fields(mcfg)])
-              or config_mismatch(meta["config"], dataclasses.asdict(cfg),
-                                 config_lib.RESUME_FIELDS))
-  if mismatch:
-    raise config_lib.ConfigError(f"cannot resume from step {step}: {mismatch}")
-  try:
-    state = restore_state(steps, ckpt, step, meta)
-  except Exception as e:  # noqa: BLE001
-    raise _unreadable(e) from None
-  if cfg.verify_checkpoint:
-    n, bad = verify(state, meta, same_layout=meta["num_shards"] == steps.num_devices)
-    if bad:
-      raise _Unusable(f"fails verification: {len(bad)} arrays differ, e.g. {bad[0]}")
-    log(f"checkpoint step {step}: {n} array fingerprints verified")
-  return state, meta
-
-
-def resume(steps, ckpt: Checkpointer, cfg, log) -> tuple[dict | None, dict | None]:
-  """`(state, meta)` of the checkpoint `cfg.resume` says to resume from, on the mesh of
-  `steps`, or `(None, None)` for a fresh start.
-
-  Steps are tried newest first. Under "auto" a step that is unreadable or fails
-  verification is reported in one line, moved aside (`Checkpointer.reject`) and the next
-  older one is tried; under "required" it is a `CheckpointError`. A step written by a
-  different configuration is a `ConfigError` in either mode.
-  """
-  existing = ckpt.steps()
-  if cfg.resume == "never":
-    if existing:
-      raise config_lib.ConfigError(
-          f"--resume=never but {ckpt.directory} already holds checkpoints (steps "
-          f"{existing}); use --resume=auto or another --output_dir")
-    return None, None
-  for step in reversed(existing):
-    try:
-      state, meta = _load(steps, ckpt, step, cfg, log)
-    except _Unusable as e:
-      msg = f"checkpoint step {step} in {ckpt.directory} {e}"
-      if cfg.resume == "required":
-        raise CheckpointError(msg) from None
-      log(f"{msg}; moved aside to {ckpt.reject(step)}; trying the previous step")
-      continue
-    log(f"resumed from step {step} ({ckpt.directory}), data position {meta['data_state']}")
-    return state, meta
-  if cfg.resume == "required":
-    raise CheckpointError(f"--resume=required but {ckpt.directory} holds no complete "
-                          "checkpoint")
-  return None, None

@@ -75,11 +75,10 @@ class TrainConfig:
       if not cond:
         raise ConfigError(msg)
 
-    need(self.model in model_lib.PRESETS,
-         f"--model={self.model!r} is not a preset; choose one of {sorted(model_lib.PRESETS)}")
     for name, choices in CHOICES.items():
       value = getattr(self, name)
-      need(value in choices, f"--{name}={value!r} is unknown; choose one of {choices}")
+      verb = "is not a preset" if name == "model" else "is unknown"
+      need(value in choices, f"--{name}={value!r} {verb}; choose one of {choices}")
     need(self.steps > 0, f"--steps must be positive, got {self.steps}")
     need(self.batch_size > 0, f"--batch_size must be positive, got {self.batch_size}")
     need(self.batch_size % num_devices == 0,

@@ -19,6 +19,7 @@ from tunix_core import evaluate as evaluate_lib
 from tunix_core import metrics as metrics_lib
 from tunix_core import preemption
 from tunix_core import ref_cache
+from tunix_core import resume
 from tunix_core import step as step_lib
 from tunix_core.config import ConfigError
 from tunix_core.config import TrainConfig
@@ -85,7 +86,7 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
   key = jax.random.PRNGKey(cfg.seed)
   ckpt = checkpoint.Checkpointer(os.path.join(cfg.output_dir, "checkpoints"), keep=cfg.keep,
                                  keep_period=cfg.keep_period or None)
-  state, meta = checkpoint.resume(steps, ckpt, cfg, log)
+  state, meta = resume.resume(steps, ckpt, cfg, log)
   start = 0 if meta is None else meta["step"]
   # The reference is the frozen initial policy (rebuilt from the seed on a resume), in
   # its own buffers, so donating the train state never invalidates it.
@@ -116,10 +117,11 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
   def save(step):
     # Never checkpoint a state that went through a non-finite step under "stop" (this
     # read costs nothing extra: the save's fingerprints wait for the state anyway).
-    step_lib.check_finite(jax.device_get(state["nonfinite"]), cfg.on_nonfinite, log)
+    health = jax.device_get(state["nonfinite"])
+    step_lib.check_finite(health, cfg.on_nonfinite, log)
     digest = checkpoint.save_state(
         ckpt, step, state, data_state=it.get_state(), num_shards=steps.num_devices,
-        rng_key=key, config=cfg, model_config=mcfg)
+        rng_key=key, config=cfg, model_config=mcfg, nonfinite=health)
     log(f"checkpoint step {step}: saving asynchronously (content digest {digest})")
 
   try:
@@ -129,7 +131,8 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
         batch = ref_cache.with_ref(data_lib.take_pairs(train_set, idx), train_ref, idx)
         progress.count_tokens(int(batch["attention_mask"].sum()))
         state, metrics = steps.train_step(state, ref_params, steps.put_batch(batch))
-        if step == start + 1 or _every(cfg.check_replicas_every, step, -1):
+        if step == start + 1 or (cfg.check_replicas_every
+                                 and step % cfg.check_replicas_every == 0):
           steps.check_replicas(state["params"])
         flush()  # the previous step's metrics, read with this step queued
         if _every(cfg.log_every, step, cfg.steps):
