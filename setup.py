@@ -16,5 +16,10 @@ setup(
         "absl-py>=2.1,<3",
         "chex>=0.1.88,<0.2",
     ],
-    extras_require={"test": ["pytest>=8,<10"]},
+    extras_require={
+        "test": ["pytest>=8,<10"],
+        # The TPU compiler, for ahead-of-time compilation on any host (tests and
+        # benchmarks that need it skip without it); jax[tpu] pins the matching libtpu.
+        "tpu": ["jax[tpu]>=0.10.2,<0.13"],
+    },
 )

@@ -12,7 +12,7 @@ from kernels.dpo_loss import LOSS_TYPES
 from kernels.dpo_loss import dpo_loss
 from kernels.dpo_loss_pallas import BlockSizes as DPOLossBlockSizes
 from kernels.logprobs import fused_logprobs
-from kernels.logprobs_pallas import BlockSizes as LogprobsBlockSizes
+from kernels.logprobs_blocks import BlockSizes as LogprobsBlockSizes
 
 # Both ops take the same implementations; the two names stay for flag enums.
 LOGPROB_IMPLS = IMPLS

@@ -17,12 +17,12 @@ LANES = 128
 IGNORE_INDEX = -100
 
 
-def _mesh_platform(mesh):
-  """Platform of a mesh's devices, or None for an empty mesh or one without devices.
+def _mesh_device(mesh):
+  """First device of a mesh, or None for an empty mesh or one without devices.
 
-  An `AbstractMesh` carries an `abstract_device` (None when it was built without one);
-  a concrete `Mesh` has real devices. Attributes are read defensively because their
-  names are not part of JAX's stable API.
+  An `AbstractMesh` carries an `abstract_device` (None when it was built without one;
+  it has `platform` and `device_kind`); a concrete `Mesh` has real devices. Attributes
+  are read defensively because their names are not part of JAX's stable API.
   """
   if mesh is None or getattr(mesh, "empty", True):
     return None
@@ -30,7 +30,7 @@ def _mesh_platform(mesh):
   if device is None:
     devices = getattr(mesh, "devices", None)
     device = devices.flat[0] if devices is not None and devices.size else None
-  return getattr(device, "platform", None)
+  return device
 
 
 def _concrete_mesh():
@@ -44,18 +44,30 @@ def _concrete_mesh():
     return None
 
 
+def target_device():
+  """A device (or `AbstractDevice`) of the kind the current computation is compiled for,
+  or None when no mesh says so.
+
+  In order: the abstract mesh of the context (inside `jax.shard_map`, under
+  `jax.set_mesh` or `jax.sharding.use_abstract_mesh`), then the concrete context mesh.
+  """
+  abstract = getattr(jax.sharding, "get_abstract_mesh", lambda: None)()
+  device = _mesh_device(abstract)
+  if getattr(device, "platform", None) is None:
+    device = _mesh_device(_concrete_mesh())
+  return device if getattr(device, "platform", None) else None
+
+
 def target_platform() -> str:
   """The platform ("tpu", "cpu", "gpu") the current computation is being compiled for.
 
-  In order: the abstract mesh of the context (inside `jax.shard_map`, under
-  `jax.set_mesh` or `jax.sharding.use_abstract_mesh`), the concrete context mesh, and
-  last `jax.default_backend()` when no mesh says otherwise. Lowering for TPU from a CPU
-  host without any mesh (a bare `jax.export(..., platforms=["tpu"])`) therefore reports
-  "cpu"; trace under a TPU `AbstractMesh` to target TPU ahead of time.
+  The platform of `target_device()`, else `jax.default_backend()` when no mesh says
+  otherwise. Lowering for TPU from a CPU host without any mesh (a bare
+  `jax.export(..., platforms=["tpu"])`) therefore reports "cpu"; trace under a TPU mesh
+  (or `AbstractMesh`) to target TPU ahead of time.
   """
-  abstract = getattr(jax.sharding, "get_abstract_mesh", lambda: None)()
-  platform = _mesh_platform(abstract) or _mesh_platform(_concrete_mesh())
-  return platform or jax.default_backend()
+  device = target_device()
+  return device.platform if device is not None else jax.default_backend()
 
 
 def resolve_impl(op: str, impl: str) -> str:

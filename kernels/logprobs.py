@@ -13,9 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 from kernels import common
 from kernels import dispatch
+from kernels import logprobs_blocks
 from kernels import logprobs_pallas
 from kernels import logprobs_xla
 from kernels import naive
+from kernels import tpu
 from kernels.dispatch import IGNORE_INDEX
 
 DEFAULT_XLA_CHUNK = 4096
@@ -44,8 +46,11 @@ def fused_logprobs(hidden, weight, targets, *, impl="auto", block_sizes=None,
       (materialises the logits; the oracle), "auto" (pallas when the devices it is
       compiled for are TPUs, else xla; see `dispatch.target_platform`).
     block_sizes: tiles of the Pallas kernels ("pallas"/"interpret"), a
-      `kernels.LogprobsBlockSizes` (default `LogprobsBlockSizes.get_default()`, 256 x
-      512); ignored by the other impls. Anything else is a TypeError.
+      `kernels.LogprobsBlockSizes`; ignored by the other impls, anything else is a
+      TypeError. None picks `LogprobsBlockSizes.get_default(D, dtype, chip)` for the
+      TPU generation being compiled for (`kernels.tpu.target_chip`); when that is
+      unknown (a CPU host), tiles that fit every generation's default VMEM. Explicit
+      tiles that cannot fit are a ValueError before anything is compiled.
     xla_chunk: the largest vocabulary chunk of the "xla" path, an int (default 4096;
       see `pick_chunk`); ignored by the other impls.
     ignore_index: target value whose position returns 0 and gets zero gradient.
@@ -56,7 +61,7 @@ def fused_logprobs(hidden, weight, targets, *, impl="auto", block_sizes=None,
     whatever the input dtype.
   """
   impl = dispatch.resolve_impl("fused_logprobs", impl)
-  if block_sizes is not None and not isinstance(block_sizes, logprobs_pallas.BlockSizes):
+  if block_sizes is not None and not isinstance(block_sizes, logprobs_blocks.BlockSizes):
     raise TypeError("block_sizes for the Pallas kernels must be a BlockSizes "
                     f"(kernels.LogprobsBlockSizes), got {block_sizes!r}; the xla path's "
                     "vocabulary chunk is xla_chunk=")
@@ -108,15 +113,14 @@ def pick_chunk(vocab_size: int, max_chunk: int) -> int:
 
 
 def _pallas(hidden_NxD, weight_DxV, targets_N, block_sizes, interpret):
-  """Pads N and V to block multiples, runs the Pallas kernels, drops the padding."""
-  bs = logprobs_pallas.BlockSizes.get_default() if block_sizes is None else block_sizes
-  bs.check_dtype(hidden_NxD.dtype)
-  N, V = hidden_NxD.shape[0], weight_DxV.shape[1]
-  pad_n, pad_v = -N % bs.block_n, -V % bs.block_v
-  if pad_n:  # padded rows are all-zero hiddens with target 0; sliced off below
-    hidden_NxD = jnp.pad(hidden_NxD, ((0, pad_n), (0, 0)))
-    targets_N = jnp.pad(targets_N, (0, pad_n))
-  if pad_v:  # padded columns are masked out of the log-sum-exp inside the kernels
-    weight_DxV = jnp.pad(weight_DxV, ((0, 0), (0, pad_v)))
-  logp = logprobs_pallas.logprobs_pallas(hidden_NxD, weight_DxV, targets_N, bs, V, interpret)
-  return logp[:N]
+  """Checks (or picks) the tiles for the chip being compiled for and runs the kernels;
+  nothing is padded: ragged N and V are masked inside the kernels."""
+  (n, d), v = hidden_NxD.shape, weight_DxV.shape[1]
+  chip = tpu.target_chip()
+  if block_sizes is None:
+    bs = logprobs_blocks.BlockSizes.get_default(d, hidden_NxD.dtype, chip, num_tokens=n,
+                                                vocab_size=v)
+  else:
+    bs = block_sizes
+    bs.check(d, hidden_NxD.dtype, chip)
+  return logprobs_pallas.logprobs_pallas(hidden_NxD, weight_DxV, targets_N, bs, interpret)

@@ -1,27 +1,34 @@
 """Pallas TPU kernels for fused linear log-probs: `log_softmax(h @ w)[t]` per row.
 
-Forward: grid `(N / block_n, V / block_v)`, token blocks "parallel", vocabulary blocks
-"arbitrary". Each step multiplies a `[block_n, D]` hidden tile by a `[D, block_v]` weight
-tile on the MXU and folds the float32 logits into an online log-sum-exp kept in VMEM
-scratch (running max, running sum, target logit), lane-replicated `[block_n, 128]` as
-flash attention keeps its row statistics.
+Shapes: hidden `[N, D]`, weight `[D, V]`, tiles of `block_n` tokens, `block_v` vocabulary
+columns and `block_d` hidden units (`BlockSizes`). Nothing is padded or copied: the last
+token and vocabulary blocks may run past `N` and `V`; their out-of-range entries hold
+whatever the DMA left there and are masked inside the kernels (logit columns past `V`
+never enter the log-sum-exp, weight columns past `V` and hidden rows past `N` are zeroed
+before a matmul contracts over them), and writes past the edge are dropped. `D` must be
+a multiple of `block_d`.
 
-Backward recomputes logit tiles from the saved log-sum-exp, forms
-`g * (onehot - softmax)` per tile and accumulates in float32 scratch:
-`d_hidden` over vocabulary tiles (grid `(N, V)` blocks) and `d_weight` over token tiles
-(grid `(V, N)` blocks). No `[N, V]` array exists in HBM in either pass.
+Forward, grid `(N/bn, V/bv, D/bd)`: float32 logits accumulate over hidden blocks in VMEM;
+after the last one they fold into an online log-sum-exp (running max, running sum,
+target logit) kept lane-replicated `[bn, 128]`, as flash attention keeps its row
+statistics.
 
-Inputs must already be padded: `N % block_n == 0`, `V_padded % block_v == 0`, padded
-vocabulary columns are masked by the true `vocab_size`, padded rows carry a zero
-cotangent. `kernels.fused_logprobs` does the padding.
+Backward: each kernel recomputes a logit tile from the saved log-sum-exp and forms
+`g * (onehot - softmax)` (phase 0, over the hidden blocks), then contracts it with every
+hidden block of the other operand (phase 1), accumulating in float32 VMEM:
+`fused_logprobs_dhidden` over grid `(N/bn, V/bv, steps)` into `[bn, D]`,
+`fused_logprobs_dweight` over grid `(V/bv, N/bn, steps)` into `[D, bv]`, where `steps`
+is 1 when `block_d == D` (both phases in one step) and `2 D / bd` otherwise. `d_weight`
+is written straight into an array of the weight's shape and dtype (a float32 one is its
+own accumulator). No `[N, V]` array
+exists in HBM in either pass.
 
 The three `pallas_call`s are named `fused_logprobs_fwd`, `fused_logprobs_dhidden` and
-`fused_logprobs_dweight` (the names show in profiles and lowered modules) and carry a
-`cost_estimate` for XLA's scheduler.
+`fused_logprobs_dweight` and carry a `cost_estimate` of their real flops and HBM traffic.
 """
 
-import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,175 +38,187 @@ from jax.experimental.pallas import tpu as pltpu
 from kernels.common import cotangent_for
 from kernels.common import out_struct
 from kernels.dispatch import LANES
+from kernels.logprobs_blocks import cost_estimate
 
-SUBLANES = 8
 # A large finite negative instead of -inf keeps `m_old - m_new` free of inf - inf.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+F32 = jnp.float32
 
 
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-  """Tile sizes of the log-prob kernels (`kernels.LogprobsBlockSizes`), checked on
-  construction.
+class _Dims(NamedTuple):
+  """Static sizes a kernel body needs (hashable, for `functools.partial`)."""
+  n: int
+  v: int
+  bn: int
+  bv: int
+  bd: int
+  nd: int  # hidden blocks
+  steps: int  # backward steps per (token, vocabulary) tile: 1 or 2 * nd
 
-  `block_n` rows of tokens and `block_v` vocabulary columns per tile; the hidden size D
-  is never split. On TPU a token block must be a multiple of 8 (sublanes; 16 for 2-byte
-  inputs, checked per call by `check_dtype`) and a vocabulary block a multiple of 128
-  (lanes).
-  """
-
-  block_n: int
-  block_v: int
-
-  def __post_init__(self):
-    for name, multiple in (("block_n", SUBLANES), ("block_v", LANES)):
-      value = getattr(self, name)
-      if not isinstance(value, int) or value <= 0 or value % multiple:
-        raise ValueError(f"BlockSizes.{name}={value!r} must be a positive multiple of "
-                         f"{multiple}")
-
-  @classmethod
-  def get_default(cls) -> "BlockSizes":
-    """256 tokens x 512 vocabulary columns."""
-    return cls(block_n=256, block_v=512)
-
-  def check_dtype(self, dtype) -> None:
-    """Raises ValueError unless `block_n` is a multiple of the sublane tile of `dtype`."""
-    sublanes = 16 if jnp.dtype(dtype).itemsize == 2 else SUBLANES
-    if self.block_n % sublanes:
-      raise ValueError(f"BlockSizes.block_n={self.block_n} must be a positive multiple of "
-                       f"{sublanes} for {jnp.dtype(dtype).name} inputs")
-
-  def vmem_bytes(self, d_model: int, itemsize: int) -> int:
-    """A VMEM budget for the largest of the three kernels (double-buffered tiles)."""
-    tiles = (self.block_n + self.block_v) * d_model * itemsize * 2
-    scratch = max(self.block_n, self.block_v) * d_model * 4
-    logits = self.block_n * self.block_v * 4 * 4
-    return tiles + scratch + logits + (4 << 20)
+  @property
+  def use_from(self):  # first phase-1 step
+    return self.steps - self.nd
 
 
-def _logits_tile(h_ref, w_ref, j, block_v, vocab_size):
-  """Float32 logits of the current tile, padded vocabulary columns masked; and column ids."""
-  logits = jnp.dot(h_ref[...], w_ref[...], preferred_element_type=jnp.float32)
-  cols = j * block_v + jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
-  return jnp.where(cols < vocab_size, logits, MASK_VALUE), cols
+def _dims(hidden, weight, bs):
+  (n, d), v = hidden.shape, weight.shape[1]
+  bd = d if bs.block_d is None else bs.block_d
+  nd = d // bd
+  return _Dims(n, v, bs.block_n, bs.block_v, bd, nd, 1 if nd == 1 else 2 * nd)
 
 
-def _fwd_kernel(h_ref, w_ref, t_ref, logp_ref, lse_ref, m_sc, l_sc, t_sc, *,
-                block_v, vocab_size):
-  j = pl.program_id(1)
+def _edge_split(is_edge, ragged, body):
+  """Runs `body(masked)`: with `masked=True` on the edge block when the axis is ragged,
+  so the other blocks skip the masking work."""
+  if not ragged:
+    body(False)
+    return
+  pl.when(is_edge)(lambda: body(True))
+  pl.when(jnp.logical_not(is_edge))(lambda: body(False))
 
-  @pl.when(j == 0)
+
+def _accumulate(acc_ref, part, first):
+  """`acc = part` on the first contribution, `acc += part` after."""
+  pl.when(first)(lambda: acc_ref.__setitem__(Ellipsis, part))
+  pl.when(jnp.logical_not(first))(lambda: acc_ref.__setitem__(Ellipsis, acc_ref[...] + part))
+
+
+def _accumulate_logits(logits_sc, h_ref, w_ref, k):
+  _accumulate(logits_sc, jnp.dot(h_ref[...], w_ref[...], preferred_element_type=F32), k == 0)
+
+
+def _vocab_cols(j, dims, shape):
+  return j * dims.bv + jax.lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
+
+
+def _masked_logits(logits_sc, j, dims):
+  """The finished float32 logit tile, columns past V set to MASK_VALUE; and column ids."""
+  logits = logits_sc[...]
+  cols = _vocab_cols(j, dims, logits.shape)
+  if dims.v % dims.bv:
+    logits = jnp.where(cols < dims.v, logits, MASK_VALUE)
+  return logits, cols
+
+
+def _fwd_kernel(h_ref, w_ref, t_ref, logp_ref, lse_ref, logits_sc, m_sc, l_sc, t_sc, *, dims):
+  j, k = pl.program_id(1), pl.program_id(2)
+  last_k = k == dims.nd - 1
+
+  @pl.when((j == 0) & (k == 0))
   def _init():
-    m_sc[...] = jnp.full(m_sc.shape, MASK_VALUE, jnp.float32)
-    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-    t_sc[...] = jnp.zeros(t_sc.shape, jnp.float32)
+    m_sc[...] = jnp.full(m_sc.shape, MASK_VALUE, F32)
+    l_sc[...] = jnp.zeros(l_sc.shape, F32)
+    t_sc[...] = jnp.zeros(t_sc.shape, F32)
 
-  logits, cols = _logits_tile(h_ref, w_ref, j, block_v, vocab_size)
-  m_old = m_sc[...]                                                   # [bn, 128]
-  m_new = jnp.maximum(m_old, jnp.max(logits, axis=1, keepdims=True))  # [bn, 128]
-  p_sum = jnp.sum(jnp.exp(logits - m_new[:, :1]), axis=1, keepdims=True)
-  l_sc[...] = l_sc[...] * jnp.exp(m_old - m_new) + p_sum
-  m_sc[...] = m_new
-  t_sc[...] += jnp.sum(jnp.where(cols == t_ref[...], logits, 0.0), axis=1, keepdims=True)
+  _accumulate_logits(logits_sc, h_ref, w_ref, k)
 
-  @pl.when(j == pl.num_programs(1) - 1)
+  @pl.when(last_k)
+  def _fold():
+    logits, cols = _masked_logits(logits_sc, j, dims)
+    m_old = m_sc[...]                                                   # [bn, 128]
+    m_new = jnp.maximum(m_old, jnp.max(logits, axis=1, keepdims=True))  # [bn, 128]
+    p_sum = jnp.sum(jnp.exp(logits - m_new[:, :1]), axis=1, keepdims=True)
+    l_sc[...] = l_sc[...] * jnp.exp(m_old - m_new) + p_sum
+    m_sc[...] = m_new
+    t_sc[...] += jnp.sum(jnp.where(cols == t_ref[...], logits, 0.0), axis=1, keepdims=True)
+
+  @pl.when((j == pl.num_programs(1) - 1) & last_k)
   def _finalize():
     lse = m_sc[...] + jnp.log(l_sc[...])
     lse_ref[...] = lse
     logp_ref[...] = t_sc[...] - lse
 
 
-def _dlogits(h_ref, w_ref, t_ref, lse_ref, g_ref, j, block_v, vocab_size):
-  """`g * (onehot - softmax)` of the current tile, in the input dtype for the MXU."""
-  logits, cols = _logits_tile(h_ref, w_ref, j, block_v, vocab_size)
+def _store_dlogits(dl_sc, logits_sc, t_ref, lse_ref, g_ref, i, j, dims, mask_rows):
+  """`g * (onehot - softmax)` of the tile into `dl_sc`, in the input dtype for the MXU;
+  rows past N zeroed when `mask_rows` (their statistics are garbage)."""
+  logits, cols = _masked_logits(logits_sc, j, dims)
   p = jnp.exp(logits - lse_ref[:, :1])  # masked columns: exp(-huge) = 0
-  onehot = (cols == t_ref[...]).astype(jnp.float32)
-  return (g_ref[:, :1] * (onehot - p)).astype(h_ref.dtype)
+  onehot = (cols == t_ref[...]).astype(F32)
+  dl = g_ref[:, :1] * (onehot - p)
+  if mask_rows:
+    rows = i * dims.bn + jax.lax.broadcasted_iota(jnp.int32, dl.shape, 0)
+    dl = jnp.where(rows < dims.n, dl, 0.0)
+  dl_sc[...] = dl.astype(dl_sc.dtype)
 
 
-def _dh_kernel(h_ref, w_ref, t_ref, lse_ref, g_ref, dh_ref, acc_sc, *, block_v, vocab_size):
-  j = pl.program_id(1)
+def _dh_kernel(h_ref, w_ref, t_ref, lse_ref, g_ref, dh_ref, logits_sc, dl_sc, acc_sc, *,
+               dims):
+  i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  pl.when(s < dims.nd)(lambda: _accumulate_logits(logits_sc, h_ref, w_ref, s))
+  pl.when(s == dims.nd - 1)(
+      lambda: _store_dlogits(dl_sc, logits_sc, t_ref, lse_ref, g_ref, i, j, dims, False))
 
-  @pl.when(j == 0)
-  def _init():
-    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+  def contract(mask_cols):
+    w = w_ref[...]
+    if mask_cols:  # the dlogits there are 0 already, but 0 * garbage may be NaN
+      w = jnp.where(_vocab_cols(j, dims, w.shape) < dims.v, w, 0)
+    # [bn, bv] x [bd, bv] contracted over bv -> [bn, bd]
+    part = jax.lax.dot_general(dl_sc[...], w, (((1,), (1,)), ((), ())),
+                               preferred_element_type=F32)
+    _accumulate(acc_sc.at[s - dims.use_from], part, j == 0)
 
-  dlogits = _dlogits(h_ref, w_ref, t_ref, lse_ref, g_ref, j, block_v, vocab_size)
-  # [bn, bv] x [D, bv] contracted over bv -> [bn, D]
-  acc_sc[...] += jax.lax.dot_general(dlogits, w_ref[...], (((1,), (1,)), ((), ())),
-                                     preferred_element_type=jnp.float32)
+  pl.when(s >= dims.use_from)(lambda: _edge_split(
+      j == pl.num_programs(1) - 1, dims.v % dims.bv, contract))
 
-  @pl.when(j == pl.num_programs(1) - 1)
+  @pl.when((j == pl.num_programs(1) - 1) & (s == dims.steps - 1))
   def _finalize():
-    dh_ref[...] = acc_sc[...].astype(dh_ref.dtype)
+    for kk in range(dims.nd):
+      dh_ref[:, kk * dims.bd:(kk + 1) * dims.bd] = acc_sc[kk].astype(dh_ref.dtype)
 
 
-def _dw_kernel(h_ref, w_ref, t_ref, lse_ref, g_ref, dw_ref, acc_sc, *, block_v, vocab_size):
-  j, i = pl.program_id(0), pl.program_id(1)
+def _dw_kernel(h_ref, w_ref, t_ref, lse_ref, g_ref, dw_ref, logits_sc, dl_sc, *acc_sc, dims):
+  j, i, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  edge = i == pl.num_programs(1) - 1
+  ragged = dims.n % dims.bn
+  pl.when(s < dims.nd)(lambda: _accumulate_logits(logits_sc, h_ref, w_ref, s))
+  pl.when(s == dims.nd - 1)(lambda: _edge_split(edge, ragged, lambda mask: _store_dlogits(
+      dl_sc, logits_sc, t_ref, lse_ref, g_ref, i, j, dims, mask)))
 
-  @pl.when(i == 0)
-  def _init():
-    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+  def contract(mask_rows):
+    h = h_ref[...]
+    if mask_rows:  # the dlogits there are 0 already, but 0 * garbage may be NaN
+      rows = i * dims.bn + jax.lax.broadcasted_iota(jnp.int32, h.shape, 0)
+      h = jnp.where(rows < dims.n, h, 0)
+    # [bn, bd] x [bn, bv] contracted over bn -> [bd, bv]
+    part = jax.lax.dot_general(h, dl_sc[...], (((0,), (0,)), ((), ())),
+                               preferred_element_type=F32)
+    k = s - dims.use_from
+    if acc_sc:
+      _accumulate(acc_sc[0].at[k], part, i == 0)
+    else:  # a float32 d_weight accumulates in its resident output block
+      _accumulate(dw_ref.at[pl.ds(pl.multiple_of(k * dims.bd, dims.bd), dims.bd), :], part,
+                  i == 0)
 
-  dlogits = _dlogits(h_ref, w_ref, t_ref, lse_ref, g_ref, j, block_v, vocab_size)
-  # [bn, D] x [bn, bv] contracted over bn -> [D, bv]
-  acc_sc[...] += jax.lax.dot_general(h_ref[...], dlogits, (((0,), (0,)), ((), ())),
-                                     preferred_element_type=jnp.float32)
+  pl.when(s >= dims.use_from)(lambda: _edge_split(edge, ragged, contract))
 
-  @pl.when(i == pl.num_programs(1) - 1)
-  def _finalize():
-    dw_ref[...] = acc_sc[...].astype(dw_ref.dtype)
-
-
-def _params(semantics, bs, hidden):
-  return pltpu.CompilerParams(
-      dimension_semantics=semantics,
-      vmem_limit_bytes=bs.vmem_bytes(hidden.shape[1], hidden.dtype.itemsize))
-
-
-def cost_estimate(kernel, hidden, weight, bs) -> pl.CostEstimate:
-  """What `kernel` ("fwd", "dhidden" or "dweight") costs on padded `hidden [N, D]` and
-  `weight [D, V]` (arrays or `jax.ShapeDtypeStruct`s).
-
-  Flops: the forward is one `2 N D V` matmul; each backward kernel recomputes the logits
-  and does one more matmul, `4 N D V`. Transcendentals: one exp per logit (plus, in the
-  forward, one rescale per row and vocabulary block). Bytes: an input block is fetched
-  again whenever its block index changes between grid steps, so the operand indexed by
-  the inner grid axis is re-read once per outer step; the targets are int32 `[N]`, the
-  row statistics (`lse`, the cotangent) f32 `[N, 128]`; outputs are written once.
-  """
-  (N, D), V = hidden.shape, weight.shape[1]
-  nb, vb = N // bs.block_n, V // bs.block_v
-  h, w = N * D * hidden.dtype.itemsize, D * V * weight.dtype.itemsize
-  targets, stats = N * 4, N * LANES * 4
-  if kernel == "fwd":  # grid (N, V): weight re-read per token block; writes logp, lse
-    return pl.CostEstimate(flops=2 * N * D * V, transcendentals=N * V + N * vb,
-                           bytes_accessed=h + nb * w + targets + 2 * stats)
-  if kernel == "dhidden":  # grid (N, V): reads lse and g, writes d_hidden
-    return pl.CostEstimate(flops=4 * N * D * V, transcendentals=N * V,
-                           bytes_accessed=h + nb * w + targets + 2 * stats + h)
-  if kernel == "dweight":  # grid (V, N): token-indexed inputs re-read per vocab block
-    return pl.CostEstimate(flops=4 * N * D * V, transcendentals=N * V,
-                           bytes_accessed=vb * (h + targets + 2 * stats) + w + w)
-  raise ValueError(f"unknown log-prob kernel {kernel!r}")
+  if acc_sc:
+    @pl.when(edge & (s == dims.steps - 1))
+    def _finalize():
+      for kk in range(dims.nd):
+        dw_ref[kk * dims.bd:(kk + 1) * dims.bd, :] = acc_sc[0][kk].astype(dw_ref.dtype)
 
 
-def _forward(hidden, weight, targets, bs, vocab_size, interpret):
-  Np, D = hidden.shape
-  Vp = weight.shape[1]
-  grid = (Np // bs.block_n, Vp // bs.block_v)
-  row = pl.BlockSpec((bs.block_n, LANES), lambda i, j: (i, 0))
+def _params(semantics, bs):
+  return pltpu.CompilerParams(dimension_semantics=semantics,
+                              vmem_limit_bytes=bs.vmem_limit_bytes)
+
+
+def _forward(hidden, weight, targets, bs, interpret):
+  dims = _dims(hidden, weight, bs)
+  grid = (pl.cdiv(dims.n, dims.bn), pl.cdiv(dims.v, dims.bv), dims.nd)
+  row = pl.BlockSpec((dims.bn, LANES), lambda i, j, k: (i, 0))
   logp, lse = pl.pallas_call(
-      functools.partial(_fwd_kernel, block_v=bs.block_v, vocab_size=vocab_size),
+      functools.partial(_fwd_kernel, dims=dims),
       grid=grid,
-      in_specs=[pl.BlockSpec((bs.block_n, D), lambda i, j: (i, 0)),
-                pl.BlockSpec((D, bs.block_v), lambda i, j: (0, j)),
-                pl.BlockSpec((bs.block_n, 1), lambda i, j: (i, 0))],
+      in_specs=[pl.BlockSpec((dims.bn, dims.bd), lambda i, j, k: (i, k)),
+                pl.BlockSpec((dims.bd, dims.bv), lambda i, j, k: (k, j)),
+                pl.BlockSpec((dims.bn, 1), lambda i, j, k: (i, 0))],
       out_specs=[row, row],
-      out_shape=[out_struct((Np, LANES), jnp.float32, hidden, weight)] * 2,
-      scratch_shapes=[pltpu.VMEM((bs.block_n, LANES), jnp.float32)] * 3,
-      compiler_params=_params(("parallel", "arbitrary"), bs, hidden),
+      out_shape=[out_struct((dims.n, LANES), F32, hidden, weight)] * 2,
+      scratch_shapes=[pltpu.VMEM((dims.bn, dims.bv), F32)]
+      + [pltpu.VMEM((dims.bn, LANES), F32)] * 3,
+      compiler_params=_params(("parallel", "arbitrary", "arbitrary"), bs),
       interpret=interpret,
       name="fused_logprobs_fwd",
       cost_estimate=cost_estimate("fwd", hidden, weight, bs),
@@ -207,41 +226,47 @@ def _forward(hidden, weight, targets, bs, vocab_size, interpret):
   return logp[:, 0], lse
 
 
-def _backward(hidden, weight, targets, lse, g, bs, vocab_size, interpret):
-  Np, D = hidden.shape
-  Vp = weight.shape[1]
-  nb, vb = Np // bs.block_n, Vp // bs.block_v
-  g_rows = jnp.broadcast_to(g[:, None], (Np, LANES)).astype(jnp.float32)
+def _backward(hidden, weight, targets, lse, g, bs, interpret):
+  dims = _dims(hidden, weight, bs)
+  nb, vb = pl.cdiv(dims.n, dims.bn), pl.cdiv(dims.v, dims.bv)
+  g_rows = jnp.broadcast_to(g[:, None], (dims.n, LANES)).astype(F32)
   args = (hidden, weight, targets[:, None], lse, g_rows)
+  last_k = lambda s: jnp.minimum(s, dims.nd - 1)  # stays put in phase 1: no re-fetch
+  each_k = lambda s: jax.lax.rem(s, dims.nd)
 
-  def specs(token_block, vocab_block):
-    return [pl.BlockSpec((bs.block_n, D), lambda a, b: (token_block(a, b), 0)),
-            pl.BlockSpec((D, bs.block_v), lambda a, b: (0, vocab_block(a, b))),
-            pl.BlockSpec((bs.block_n, 1), lambda a, b: (token_block(a, b), 0)),
-            pl.BlockSpec((bs.block_n, LANES), lambda a, b: (token_block(a, b), 0)),
-            pl.BlockSpec((bs.block_n, LANES), lambda a, b: (token_block(a, b), 0))]
+  def specs(token_block, vocab_block, h_k, w_k):
+    tok = lambda *a: (token_block(*a), 0)
+    return [pl.BlockSpec((dims.bn, dims.bd), lambda *a: (token_block(*a), h_k(a[2]))),
+            pl.BlockSpec((dims.bd, dims.bv), lambda *a: (w_k(a[2]), vocab_block(*a))),
+            pl.BlockSpec((dims.bn, 1), tok),
+            pl.BlockSpec((dims.bn, LANES), tok),
+            pl.BlockSpec((dims.bn, LANES), tok)]
 
-  kernel_args = dict(block_v=bs.block_v, vocab_size=vocab_size)
+  def scratch(acc_shape, acc=True):
+    return [pltpu.VMEM((dims.bn, dims.bv), F32), pltpu.VMEM((dims.bn, dims.bv), hidden.dtype)
+            ] + ([pltpu.VMEM((dims.nd, *acc_shape), F32)] if acc else [])
+
+  semantics = ("parallel", "arbitrary", "arbitrary")
   dh = pl.pallas_call(
-      functools.partial(_dh_kernel, **kernel_args),
-      grid=(nb, vb),
-      in_specs=specs(lambda i, j: i, lambda i, j: j),
-      out_specs=pl.BlockSpec((bs.block_n, D), lambda i, j: (i, 0)),
+      functools.partial(_dh_kernel, dims=dims),
+      grid=(nb, vb, dims.steps),
+      in_specs=specs(lambda i, j, s: i, lambda i, j, s: j, last_k, each_k),
+      out_specs=pl.BlockSpec((dims.bn, hidden.shape[1]), lambda i, j, s: (i, 0)),
       out_shape=out_struct(hidden.shape, hidden.dtype, *args),
-      scratch_shapes=[pltpu.VMEM((bs.block_n, D), jnp.float32)],
-      compiler_params=_params(("parallel", "arbitrary"), bs, hidden),
+      scratch_shapes=scratch((dims.bn, dims.bd)),
+      compiler_params=_params(semantics, bs),
       interpret=interpret,
       name="fused_logprobs_dhidden",
       cost_estimate=cost_estimate("dhidden", hidden, weight, bs),
   )(*args)
   dw = pl.pallas_call(
-      functools.partial(_dw_kernel, **kernel_args),
-      grid=(vb, nb),
-      in_specs=specs(lambda j, i: i, lambda j, i: j),
-      out_specs=pl.BlockSpec((D, bs.block_v), lambda j, i: (0, j)),
+      functools.partial(_dw_kernel, dims=dims),
+      grid=(vb, nb, dims.steps),
+      in_specs=specs(lambda j, i, s: i, lambda j, i, s: j, each_k, last_k),
+      out_specs=pl.BlockSpec((weight.shape[0], dims.bv), lambda j, i, s: (0, j)),
       out_shape=out_struct(weight.shape, weight.dtype, *args),
-      scratch_shapes=[pltpu.VMEM((D, bs.block_v), jnp.float32)],
-      compiler_params=_params(("parallel", "arbitrary"), bs, hidden),
+      scratch_shapes=scratch((dims.bd, dims.bv), weight.dtype != F32),
+      compiler_params=_params(semantics, bs),
       interpret=interpret,
       name="fused_logprobs_dweight",
       cost_estimate=cost_estimate("dweight", hidden, weight, bs),
@@ -249,24 +274,25 @@ def _backward(hidden, weight, targets, lse, g, bs, vocab_size, interpret):
   return dh, dw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def logprobs_pallas(hidden_NxD, weight_DxV, targets_N, block_sizes, vocab_size, interpret):
-  """Float32 `[N]` log-probs of in-range `targets_N` over the first `vocab_size` columns.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def logprobs_pallas(hidden_NxD, weight_DxV, targets_N, block_sizes, interpret):
+  """Float32 `[N]` log-probs of in-range `targets_N` under `hidden_NxD @ weight_DxV`.
 
-  `hidden_NxD` rows must be a multiple of `block_sizes.block_n` and the weight's columns
-  of `block_sizes.block_v`; `interpret` is False (Mosaic) or a `pltpu.InterpretParams`.
+  Any N and V; D a multiple of `block_sizes.block_d` (checked by the caller with
+  `BlockSizes.check`). `interpret` is False (Mosaic) or a `pltpu.InterpretParams`.
+  Differentiable in hidden and weight (gradients in their dtypes).
   """
-  return _forward(hidden_NxD, weight_DxV, targets_N, block_sizes, vocab_size, interpret)[0]
+  return _forward(hidden_NxD, weight_DxV, targets_N, block_sizes, interpret)[0]
 
 
-def _fwd(hidden, weight, targets, block_sizes, vocab_size, interpret):
-  logp, lse = _forward(hidden, weight, targets, block_sizes, vocab_size, interpret)
+def _fwd(hidden, weight, targets, block_sizes, interpret):
+  logp, lse = _forward(hidden, weight, targets, block_sizes, interpret)
   return logp, (hidden, weight, targets, lse)
 
 
-def _bwd(block_sizes, vocab_size, interpret, res, g):
+def _bwd(block_sizes, interpret, res, g):
   hidden, weight, targets, lse = res
-  dh, dw = _backward(hidden, weight, targets, lse, g, block_sizes, vocab_size, interpret)
+  dh, dw = _backward(hidden, weight, targets, lse, g, block_sizes, interpret)
   return cotangent_for(dh, hidden), cotangent_for(dw, weight), None
 
 

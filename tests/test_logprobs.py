@@ -127,7 +127,7 @@ def test_auto_follows_the_mesh_being_compiled_for():
     return x
 
   for mesh in (Mesh(np.array(jax.devices()[:2]), ("data",)),
-               AbstractMesh((2,), ("data",), abstract_device=TPU_V5E)):
+               AbstractMesh((2,), ("data",), (AxisType.Auto,), abstract_device=TPU_V5E)):
     f = jax.shard_map(record, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
     jax.jit(f).trace(jax.ShapeDtypeStruct((4,), jnp.float32))
   assert seen == [("cpu", "xla"), ("tpu", "pallas")]

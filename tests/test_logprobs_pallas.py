@@ -36,9 +36,31 @@ def _check(h, w, t, g, bs, tol):
 @pytest.mark.parametrize("dtype,bs,tol", [(jnp.float32, SMALL_F32, 1e-5),
                                           (jnp.bfloat16, SMALL_BF16, 2e-2)])
 def test_against_float64_unaligned_sizes(dtype, bs, tol):
-  # N=13 and V=300 are not block multiples: 2 x 3 grid after padding.
+  # N=13 (20) and V=300 are not block multiples: a 2 x 3 grid whose last blocks run past
+  # the arrays. Interpret mode fills what lies past them with NaN, so any unmasked
+  # out-of-range row or column poisons the result.
   h, w, t, g = make_inputs(13 if dtype == jnp.float32 else 20, 32, 300, dtype)
   _check(h, w, t, g, bs, tol)
+
+
+@pytest.mark.parametrize("dtype,block_n,d,block_d,tol", [(jnp.float32, 8, 384, 128, 1e-5),
+                                                         (jnp.bfloat16, 16, 512, 256, 2e-2)])
+def test_hidden_size_split_into_blocks(dtype, block_n, d, block_d, tol):
+  # 3 and 2 hidden blocks with ragged N and V, so the two-phase backward runs on edge
+  # blocks too. Float32 d_weight accumulates in place, bfloat16 in VMEM scratch.
+  h, w, t, g = make_inputs(2 * block_n + 3, d, 260, dtype)
+  _check(h, w, t, g, BlockSizes(block_n, 128, block_d), tol)
+
+
+def test_explicit_tiles_are_checked_before_compiling():
+  h, w, t, _ = make_inputs(8, 256, 128, jnp.float32)
+  with pytest.raises(ValueError, match="block_d=384 must divide the hidden size D=256"):
+    kernels.fused_logprobs(h, w, t, impl="interpret", block_sizes=BlockSizes(8, 128, 384))
+  h, w = jnp.zeros((8, 8192), jnp.float32), jnp.zeros((8192, 128), jnp.float32)
+  # [512, 8192] f32 hidden tiles alone are 2 x 16 MiB: far past any default scoped VMEM.
+  with pytest.raises(ValueError, match=r"needs about \d+\.\d MiB of VMEM for D=8192 float32, "
+                     r"more than 90% of the default scoped VMEM of the smallest TPU"):
+    kernels.fused_logprobs(h, w, t, impl="interpret", block_sizes=BlockSizes(512, 128))
 
 
 def test_large_logits_all_ignored_rows_and_vocab_of_one():
@@ -102,16 +124,17 @@ def test_bad_block_sizes():
 
 
 def test_block_sizes_check_themselves_on_construction():
-  assert BlockSizes.get_default() == BlockSizes(block_n=256, block_v=512)
   assert kernels.DPOLossBlockSizes.get_default() == kernels.DPOLossBlockSizes(block_t=512)
   for bad, message in (((4, 128), "block_n=4 must be a positive multiple of 8"),
                        ((0, 128), "block_n=0 must be a positive multiple of 8"),
                        ((8, 0), "block_v=0 must be a positive multiple of 128"),
-                       ((8, 128.0), "block_v=128.0 must be a positive multiple of 128")):
+                       ((8, 128.0), "block_v=128.0 must be a positive multiple of 128"),
+                       ((8, 128, 100), "block_d=100 must be a positive multiple of 128"),
+                       ((8, 128, None, 0), "vmem_limit_bytes=0 must be a positive int")):
     with pytest.raises(ValueError, match=message):
       BlockSizes(*bad)
   for block_t in (0, 100, -128):
     with pytest.raises(ValueError, match=f"block_t={block_t} must be a positive multiple"):
       kernels.DPOLossBlockSizes(block_t=block_t)
   with pytest.raises(dataclasses.FrozenInstanceError):
-    BlockSizes.get_default().block_n = 8
+    BlockSizes.get_default(2048).block_n = 8

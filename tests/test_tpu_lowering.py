@@ -11,9 +11,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax import export
-from jax.sharding import AbstractDevice, AbstractMesh, PartitionSpec as P
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, PartitionSpec as P
 
 import kernels
+from kernels import logprobs_blocks
 from kernels import logprobs_pallas
 
 TPU_V5E = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
@@ -42,9 +43,10 @@ def test_logprobs_lower_at_production_shapes(N, D, V, dtype):
 
 def _unchecked_block_sizes(block_n, block_v):
   """A `BlockSizes` built past its `__post_init__` checks."""
-  bs = object.__new__(logprobs_pallas.BlockSizes)
-  object.__setattr__(bs, "block_n", block_n)
-  object.__setattr__(bs, "block_v", block_v)
+  bs = object.__new__(kernels.LogprobsBlockSizes)
+  for name, value in dict(block_n=block_n, block_v=block_v, block_d=None,
+                          vmem_limit_bytes=None).items():
+    object.__setattr__(bs, name, value)
   return bs
 
 
@@ -55,7 +57,7 @@ def test_illegal_block_is_rejected_by_the_tpu_lowering(block_sizes):
   args = (jax.ShapeDtypeStruct((64, 256), jnp.float32),
           jax.ShapeDtypeStruct((256, 1000 if block_sizes.block_v == 100 else 1024), jnp.float32),
           jax.ShapeDtypeStruct((64,), jnp.int32))
-  f = lambda h, w, t: logprobs_pallas.logprobs_pallas(h, w, t, block_sizes, 1000, False)
+  f = lambda h, w, t: logprobs_pallas.logprobs_pallas(h, w, t, block_sizes, False)
   with pytest.raises(ValueError, match="divisible by 8 and 128"):
     export.export(jax.jit(f), platforms=["tpu"])(*args)
 
@@ -90,21 +92,30 @@ def _kernels_in(mlir_text):
 
 
 def test_kernel_names_and_cost_estimates_in_the_tpu_module():
-  # N=64, D=128, V=1000 in f32 with 32 x 256 tiles: V pads to 1024, a 2 x 4 grid.
-  # h = 64*128*4 = 32768 B, w = 128*1024*4 = 524288 B, targets 64*4 = 256 B, the two
-  # f32 [64, 128] row statistics 2*32768 = 65536 B.
+  # N=64, D=128, V=1000 in f32 with 32 x 256 tiles: a 2 x 4 grid, the last vocabulary
+  # block ragged (masked, not padded). h = 64*128*4 = 32768 B, w = 128*1000*4 = 512000 B,
+  # targets 64*4 = 256 B, the two f32 [64, 128] row statistics 2*32768 = 65536 B.
   exported = _export_logprobs(64, 128, 1000, jnp.float32,
                               kernels.LogprobsBlockSizes(block_n=32, block_v=256))
   got = _kernels_in(exported.mlir_module())
   assert got == {
-      # 2*64*128*1024 flops; 64*1024 exps + 64 rows * 4 vocab blocks of rescales;
+      # 2*64*128*1000 flops; 64*1000 exps + 64 rows * 4 vocab blocks of rescales;
       # h once, w once per token block (2), targets, logp and lse.
-      "fused_logprobs_fwd": (16777216, 65792, 32768 + 2 * 524288 + 256 + 65536),
-      # logits recomputed + one more matmul: 4*64*128*1024; reads lse, g; writes dh.
-      "fused_logprobs_dhidden": (33554432, 65536, 32768 + 2 * 524288 + 256 + 65536 + 32768),
+      "fused_logprobs_fwd": (16384000, 64256, 32768 + 2 * 512000 + 256 + 65536),
+      # logits recomputed + one more matmul: 4*64*128*1000; reads lse, g; writes dh.
+      "fused_logprobs_dhidden": (32768000, 64000, 32768 + 2 * 512000 + 256 + 65536 + 32768),
       # token-indexed inputs once per vocabulary block (4); w read once, dw written.
-      "fused_logprobs_dweight": (33554432, 65536, 4 * (32768 + 256 + 65536) + 2 * 524288),
+      "fused_logprobs_dweight": (32768000, 64000, 4 * (32768 + 256 + 65536) + 2 * 512000),
   }
+  # Splitting D=256 into 2 blocks (h = 65536 B, w = 1024000 B) re-reads h per
+  # vocabulary block in the forward and walks one operand in both backward phases.
+  h, w = jax.ShapeDtypeStruct((64, 256), jnp.float32), jax.ShapeDtypeStruct((256, 1000),
+                                                                            jnp.float32)
+  split = kernels.LogprobsBlockSizes(block_n=32, block_v=256, block_d=128)
+  cost = lambda k: logprobs_blocks.cost_estimate(k, h, w, split).bytes_accessed
+  assert cost("fwd") == 4 * 65536 + 2 * 1024000 + 256 + 65536
+  assert cost("dhidden") == 4 * 65536 + 2 * 2 * 1024000 + 256 + 65536 + 65536
+  assert cost("dweight") == 2 * 4 * 65536 + 2 * 1024000 + 4 * (256 + 65536) + 1024000
 
   # B=5, T=300 pads to 8 x 384 (one block); six f32 inputs of 8*384*4 = 12288 B, the
   # [8, 128] table 4096 B.
@@ -127,7 +138,7 @@ def test_kernel_names_and_cost_estimates_in_the_tpu_module():
 def test_auto_picks_the_tpu_kernels_when_compiling_for_tpu_from_this_cpu_host():
   # A shard_map over a TPU mesh that has no real devices: "auto" must follow the mesh,
   # not this process's CPU backend.
-  mesh = AbstractMesh((2,), ("data",), abstract_device=TPU_V5E)
+  mesh = AbstractMesh((2,), ("data",), (AxisType.Auto,), abstract_device=TPU_V5E)
   h = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((256, 1024), jnp.bfloat16)
   t = jax.ShapeDtypeStruct((64,), jnp.int32)

@@ -1,0 +1,127 @@
+"""TPU generations: the per-chip facts the kernels size their blocks from, and the
+devices of a TPU slice for compiling ahead of time on a host without one.
+
+VMEM figures are per TensorCore, as a Pallas kernel sees them. `scoped_vmem_bytes` is
+what the compiler grants a kernel that does not set `vmem_limit_bytes`; the kernels
+raise the limit only up to `vmem_bytes` and only when the chip is known. HBM is per
+JAX device (a v4 or v5p megacore chip is one device with two TensorCores).
+"""
+
+import dataclasses
+import importlib.util
+
+import jax
+
+from kernels import dispatch
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """One TPU generation.
+
+  Attributes:
+    name: short name ("v4", "v5e", "v5p", "v6e").
+    device_kinds: `jax.Device.device_kind` strings of this generation.
+    vmem_bytes: VMEM per TensorCore.
+    scoped_vmem_bytes: the compiler's default scoped VMEM limit per kernel.
+    hbm_bytes: HBM per JAX device.
+    topology: `(topology_name, chip_config_name, chips_per_host_bounds)` of an 8-chip
+      (v5e, v6e) or 4-chip (v4, v5p megacore) slice for `aot_devices`.
+  """
+
+  name: str
+  device_kinds: tuple
+  vmem_bytes: int
+  scoped_vmem_bytes: int
+  hbm_bytes: int
+  topology: tuple
+
+
+CHIPS = {
+    "v4": Chip("v4", ("TPU v4",), 16 * MiB, 16 * MiB, 32 * GiB,
+               ("v4:2x2x1", "megacore", (2, 2, 1))),
+    "v5e": Chip("v5e", ("TPU v5 lite", "TPU v5e"), 128 * MiB, 16 * MiB, 16 * GiB,
+                ("v5e:2x4", "default", (2, 2, 1))),
+    "v5p": Chip("v5p", ("TPU v5", "TPU v5p"), 64 * MiB, 16 * MiB, 95 * GiB,
+                ("v5p:2x2x1", "megacore", (2, 2, 1))),
+    "v6e": Chip("v6e", ("TPU v6 lite", "TPU v6e"), 128 * MiB, 32 * MiB, 32 * GiB,
+                ("v6e:2x4", "default", (2, 2, 1))),
+}
+# What the kernels may assume when the generation is unknown at trace time.
+MIN_SCOPED_VMEM_BYTES = min(c.scoped_vmem_bytes for c in CHIPS.values())
+
+
+def get_chip(chip) -> Chip:
+  """A `Chip` from a `Chip`, a name in `CHIPS` or a device kind; ValueError otherwise."""
+  if isinstance(chip, Chip):
+    return chip
+  found = CHIPS.get(chip) or next(
+      (c for c in CHIPS.values() if chip in c.device_kinds), None)
+  if found is None:
+    raise ValueError(f"unknown TPU generation {chip!r}; choose one of {tuple(CHIPS)}")
+  return found
+
+
+def target_chip() -> Chip | None:
+  """The generation the current computation is compiled for, or None when that is not a
+  TPU this module knows (a CPU host lowering without a TPU mesh, or a newer chip).
+
+  The device comes from `dispatch.target_device()` (the context's abstract or concrete
+  mesh), else from `jax.devices()` when the default backend is a TPU.
+  """
+  device = dispatch.target_device()
+  if device is None and jax.default_backend() == "tpu":
+    device = jax.devices()[0]
+  if device is None or device.platform != "tpu":
+    return None
+  kind = getattr(device, "device_kind", None)
+  return next((c for c in CHIPS.values() if kind in c.device_kinds), None)
+
+
+def aot_devices(chip) -> list:
+  """The devices of a `chip` slice (`Chip.topology`) from `jax.experimental.topologies`,
+  for lowering and compiling ahead of time; needs `libtpu`, works with
+  `JAX_PLATFORMS=cpu`. Nothing can run on them."""
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  name, config, bounds = get_chip(chip).topology
+  return list(topologies.get_topology_desc(
+      topology_name=name, platform="tpu", chip_config_name=config,
+      chips_per_host_bounds=bounds, num_slices=1, wrap=(False, False, False)).devices)
+
+
+def has_libtpu() -> bool:
+  """Whether the TPU compiler is importable (ahead-of-time compilation possible)."""
+  return importlib.util.find_spec("libtpu") is not None
+
+
+def compile_for(chip, fn, *shapes, chip_known=True):
+  """Compiles `jax.jit(fn)` ahead of time for one device of a `chip` slice, with nothing
+  allocated: `shapes` are `jax.ShapeDtypeStruct`s (placed on that device here).
+
+  With `chip_known`, traced under a one-device mesh of that chip, so `impl="auto"` and
+  the default tiles resolve as they would on it; without, traced as a CPU host sees it
+  (no mesh: "auto" means xla and the chip is unknown). Returns the
+  `jax.stages.Compiled`; compiler errors propagate."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  device = aot_devices(chip)[0]
+  mesh = jax.sharding.Mesh(np.array([device]), ("aot",))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  placed = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in shapes]
+  if not chip_known:
+    return jax.jit(fn).lower(*placed).compile()
+  with jax.set_mesh(mesh):
+    return jax.jit(fn).lower(*placed).compile()
+
+
+def compiled_stats(compiled) -> dict:
+  """Per-device bytes (`argument`, `output`, `temp`) from the compiled memory analysis
+  and `flops`, `bytes_accessed` from its cost analysis."""
+  memory = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return dict(argument=memory.argument_size_in_bytes, output=memory.output_size_in_bytes,
+              temp=memory.temp_size_in_bytes, flops=cost.get("flops", 0.0),
+              bytes_accessed=cost.get("bytes accessed", 0.0))

@@ -1,0 +1,97 @@
+"""The Pallas kernels compiled by the real TPU compiler, ahead of time, for v4, v5e, v5p
+and v6e (needs `libtpu`: `pip install -e '.[tpu]'`; skipped without it).
+
+Nothing runs: each case is lowered with `jax.ShapeDtypeStruct` inputs under a mesh of
+one device of the chip and compiled, which includes Mosaic's VMEM allocation. Values are
+checked in interpret mode by `test_logprobs_pallas.py`; `benchmarks/logprobs_tpu.py`
+prints the full matrix.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import kernels
+from benchmarks.logprobs_tpu import compile_case
+from kernels import logprobs_blocks
+from kernels import logprobs_pallas
+from kernels import tpu
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not tpu.has_libtpu(), reason="needs libtpu (.[tpu] extra)")]
+
+N = 8192
+CHIPS = sorted(tpu.CHIPS)
+BF16 = jnp.bfloat16
+# (tokens, D, V, dtype): the production bf16 grid on every chip, then float32 and ragged
+# token counts, each on two of the chips.
+GRID = [(N, d, v, BF16) for d in (2048, 4096, 8192) for v in (128256, 256000)]
+EXTRA = [(N, 2048, 128256, jnp.float32), (8000, 2048, 128256, BF16),
+         (N, 4096, 32000, jnp.float32), (4097, 3072, 151936, jnp.float32)]
+CASES = [(chip, *case) for i, chip in enumerate(CHIPS)
+         for case in GRID + [EXTRA[i], EXTRA[(i + 1) % len(EXTRA)]]]
+
+
+@pytest.mark.parametrize("chip,n,d,v,dtype", CASES,
+                         ids=lambda c: str(getattr(c, "__name__", c)))
+def test_fwd_bwd_compiles_with_default_tiles_and_no_more_temp_than_xla(chip, n, d, v, dtype):
+  pallas = compile_case(chip, n, d, v, dtype, "auto")  # "auto" under a TPU mesh
+  xla = compile_case(chip, n, d, v, dtype, "xla")
+  assert pallas["ok"], pallas["error"]
+  assert xla["ok"], xla["error"]
+  assert pallas["temp"] <= xla["temp"], (pallas["temp"], xla["temp"])
+  # The kernels' cost estimates reach the compiled cost analysis: forward 2NDV, each
+  # backward kernel 4NDV (logits recomputed); the few XLA ops around them add < 1%.
+  assert pallas["flops"] == pytest.approx(10 * n * d * v, rel=0.01)
+  h, w = jax.ShapeDtypeStruct((n, d), dtype), jax.ShapeDtypeStruct((d, v), dtype)
+  bs = kernels.LogprobsBlockSizes.get_default(d, dtype, chip, num_tokens=n, vocab_size=v)
+  estimated = sum(logprobs_blocks.cost_estimate(k, h, w, bs).bytes_accessed
+                  for k in ("fwd", "dhidden", "dweight"))
+  assert estimated <= pallas["bytes_accessed"] <= 1.01 * estimated + (64 << 20)
+
+
+@pytest.mark.parametrize("chip", CHIPS)
+def test_tiles_chosen_without_knowing_the_chip_compile_on_every_generation(chip):
+  # Traced as a CPU host sees it (no TPU mesh), compiled for the chip: the defaults must
+  # fit the smallest default scoped VMEM without raising the limit.
+  for d, dtype in ((4096, BF16), (8192, BF16), (4096, jnp.float32)):
+    got = compile_case(chip, N, d, 128256, dtype, "pallas", chip_known=False)
+    assert got["ok"], (d, dtype, got["error"])
+
+
+@pytest.mark.parametrize("d,dtype,bs", [
+    (2048, BF16, kernels.LogprobsBlockSizes(256, 512)),
+    (4096, BF16, kernels.LogprobsBlockSizes(256, 512, 1024)),
+    (2048, jnp.float32, kernels.LogprobsBlockSizes(256, 512)),
+])
+def test_vmem_model_is_at_least_what_the_compiler_allocates(d, dtype, bs):
+  # Tiles past the 16 MiB default: the compiler's error names the scoped allocation it
+  # wanted for the first kernel that does not fit; `vmem_bytes` must not be below it.
+  # Called past the op's own check, which would refuse these tiles first.
+  def f(h, w, t):
+    return jax.grad(lambda h, w: jnp.sum(logprobs_pallas.logprobs_pallas(h, w, t, bs, False)),
+                    argnums=(0, 1))(h, w)
+
+  shapes = (jax.ShapeDtypeStruct((N, d), dtype), jax.ShapeDtypeStruct((d, 128256), dtype),
+            jax.ShapeDtypeStruct((N,), jnp.int32))
+  with pytest.raises(Exception, match="CompileTimeScopedVmemOom") as info:
+    tpu.compile_for("v5e", f, *shapes)
+  wanted = re.search(r"Scoped allocation with size ([\d.]+)M", str(info.value))
+  assert wanted, str(info.value)[:500]
+  assert bs.vmem_bytes(d, dtype) >= float(wanted.group(1)) * 2**20
+
+
+@pytest.mark.parametrize("chip", CHIPS)
+def test_dpo_loss_kernels_compile_up_to_64_pairs_of_8192_tokens(chip):
+  def loss(pc, pr, rc, rr, cm, rm):
+    f = lambda pc, pr: kernels.dpo_loss(pc, pr, rc, rr, chosen_mask=cm, rejected_mask=rm,
+                                        label_smoothing=0.1)[0]
+    return jax.value_and_grad(f, argnums=(0, 1))(pc, pr)
+
+  for b, t in ((64, 8192), (37, 3000), (1, 128)):
+    x = jax.ShapeDtypeStruct((b, t), jnp.float32)
+    m = jax.ShapeDtypeStruct((b, t), jnp.int32)
+    compiled = tpu.compile_for(chip, loss, x, x, x, x, m, m)
+    assert "dpo_loss_fwd" in compiled.as_text()
