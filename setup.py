@@ -21,5 +21,7 @@ setup(
         # The TPU compiler, for ahead-of-time compilation on any host (tests and
         # benchmarks that need it skip without it); jax[tpu] pins the matching libtpu.
         "tpu": ["jax[tpu]>=0.10.2,<0.13"],
+        # Hugging Face checkpoints (tunix_core.hf), imported lazily.
+        "hf": ["safetensors>=0.4,<1", "tokenizers>=0.19,<1", "jinja2>=3.1,<4"],
     },
 )

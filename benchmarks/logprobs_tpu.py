@@ -31,9 +31,10 @@ import kernels  # noqa: E402
 from kernels import tpu  # noqa: E402
 
 
-def _fwd_bwd(impl):
+def _fwd_bwd(impl, logit_softcap=None):
   def f(h, w, t):
-    loss = lambda h, w: jnp.sum(kernels.fused_logprobs(h, w, t, impl=impl))
+    loss = lambda h, w: jnp.sum(kernels.fused_logprobs(h, w, t, impl=impl,
+                                                       logit_softcap=logit_softcap))
     return jax.value_and_grad(loss, argnums=(0, 1))(h, w)
   return f
 
@@ -44,14 +45,14 @@ def io_bytes(n, d, v, dtype) -> int:
   return 2 * (n * d + d * v) * s + n * 4 + 4
 
 
-def compile_case(chip, n, d, v, dtype, impl, chip_known=True) -> dict:
+def compile_case(chip, n, d, v, dtype, impl, chip_known=True, logit_softcap=None) -> dict:
   """Compiles one case; returns `tpu.compiled_stats` plus `ok`, `seconds`, and `error`
   (the compiler's first line) when it does not compile."""
   shapes = (jax.ShapeDtypeStruct((n, d), dtype), jax.ShapeDtypeStruct((d, v), dtype),
             jax.ShapeDtypeStruct((n,), jnp.int32))
   start = time.perf_counter()
   try:
-    stats = tpu.compiled_stats(tpu.compile_for(chip, _fwd_bwd(impl), *shapes,
+    stats = tpu.compiled_stats(tpu.compile_for(chip, _fwd_bwd(impl, logit_softcap), *shapes,
                                                chip_known=chip_known))
     stats.update(ok=True)
   except Exception as e:  # pylint: disable=broad-except  (a table row, not a crash)

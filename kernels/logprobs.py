@@ -34,8 +34,8 @@ def _check_targets_concrete(targets, vocab_size, ignore_index):
 
 
 def fused_logprobs(hidden, weight, targets, *, impl="auto", block_sizes=None,
-                   xla_chunk=None, ignore_index=IGNORE_INDEX):
-  """`log_softmax(hidden @ weight)[targets]` without materialising the logits.
+                   xla_chunk=None, ignore_index=IGNORE_INDEX, logit_softcap=None):
+  """`log_softmax(cap(hidden @ weight))[targets]` without materialising the logits.
 
   Args:
     hidden: `[..., D]` bf16 or f32; differentiable.
@@ -54,6 +54,9 @@ def fused_logprobs(hidden, weight, targets, *, impl="auto", block_sizes=None,
     xla_chunk: the largest vocabulary chunk of the "xla" path, an int (default 4096;
       see `pick_chunk`); ignored by the other impls.
     ignore_index: target value whose position returns 0 and gets zero gradient.
+    logit_softcap: None, or a positive float c: the logits become `c * tanh(logits / c)`
+      before the softmax (Gemma 2's final soft-cap), applied per tile in every impl, and
+      its derivative `1 - tanh^2` enters every backward.
 
   Returns:
     float32 array with the shape of `targets`, differentiable in `hidden` and `weight`
@@ -77,9 +80,16 @@ def fused_logprobs(hidden, weight, targets, *, impl="auto", block_sizes=None,
   if not jnp.issubdtype(targets.dtype, jnp.integer):
     raise ValueError(f"targets must be integer, got {targets.dtype}")
   _check_targets_concrete(targets, weight.shape[1], ignore_index)
+  if logit_softcap is not None:
+    if isinstance(logit_softcap, bool) or not isinstance(logit_softcap, (int, float)) or \
+        not logit_softcap > 0:
+      raise ValueError(f"logit_softcap must be a positive float or None, got "
+                       f"{logit_softcap!r}")
+    logit_softcap = float(logit_softcap)
 
   if impl == "naive":
-    return naive.logprobs_naive(hidden, weight, targets, ignore_index=ignore_index)
+    return naive.logprobs_naive(hidden, weight, targets, ignore_index=ignore_index,
+                                logit_softcap=logit_softcap)
 
   hidden_NxD = hidden.reshape(-1, hidden.shape[-1])
   targets_N = targets.reshape(-1).astype(jnp.int32)
@@ -89,12 +99,12 @@ def fused_logprobs(hidden, weight, targets, *, impl="auto", block_sizes=None,
   safe_N = jnp.where(ignored_N, 0, targets_N)
   if impl == "xla":
     chunk = pick_chunk(weight.shape[1], max_chunk)
-    logp_N = logprobs_xla.logprobs_xla(hidden_NxD, weight, safe_N, chunk)
+    logp_N = logprobs_xla.logprobs_xla(hidden_NxD, weight, safe_N, chunk, logit_softcap)
   elif impl == "pallas":
-    logp_N = _pallas(hidden_NxD, weight, safe_N, block_sizes, interpret=False)
+    logp_N = _pallas(hidden_NxD, weight, safe_N, block_sizes, logit_softcap, interpret=False)
   else:
-    logp_N = common.call_interpret(
-        lambda params: _pallas(hidden_NxD, weight, safe_N, block_sizes, interpret=params))
+    logp_N = common.call_interpret(lambda params: _pallas(
+        hidden_NxD, weight, safe_N, block_sizes, logit_softcap, interpret=params))
   return jnp.where(ignored_N, 0.0, logp_N).reshape(targets.shape)
 
 
@@ -112,10 +122,14 @@ def pick_chunk(vocab_size: int, max_chunk: int) -> int:
   return max_chunk
 
 
-def _pallas(hidden_NxD, weight_DxV, targets_N, block_sizes, interpret):
+def _pallas(hidden_NxD, weight_DxV, targets_N, block_sizes, softcap, interpret):
   """Checks (or picks) the tiles for the chip being compiled for and runs the kernels;
   nothing is padded: ragged N and V are masked inside the kernels."""
   (n, d), v = hidden_NxD.shape, weight_DxV.shape[1]
+  if hidden_NxD.dtype != weight_DxV.dtype:  # the tiles and VMEM budget assume one dtype
+    raise ValueError(f"the Pallas kernels take hidden and weight of one dtype, got "
+                     f"{hidden_NxD.dtype} and {weight_DxV.dtype}; cast the weight to the "
+                     "compute dtype")
   chip = tpu.target_chip()
   if block_sizes is None:
     bs = logprobs_blocks.BlockSizes.get_default(d, hidden_NxD.dtype, chip, num_tokens=n,
@@ -123,4 +137,5 @@ def _pallas(hidden_NxD, weight_DxV, targets_N, block_sizes, interpret):
   else:
     bs = block_sizes
     bs.check(d, hidden_NxD.dtype, chip)
-  return logprobs_pallas.logprobs_pallas(hidden_NxD, weight_DxV, targets_N, bs, interpret)
+  return logprobs_pallas.logprobs_pallas(hidden_NxD, weight_DxV, targets_N, bs, softcap,
+                                         interpret)

@@ -73,15 +73,17 @@ class BlockSizes:
       num_tokens, vocab_size: N and V when known; tiles never exceed them (rounded up to
         the TPU tiling), so small problems get small grids.
 
-    Never raises for a valid D and dtype: when no tiles fit (a huge D without a divisor
-    that is a multiple of 128) it returns the smallest.
+    Never raises for a valid D and dtype: when no tiles fit (a huge D, or one without a
+    divisor that is a multiple of 128) it returns the smallest, unchecked.
     """
     chip = None if chip is None else tpu.get_chip(chip)
     scoped = tpu.MIN_SCOPED_VMEM_BYTES if chip is None else chip.scoped_vmem_bytes
     budget = int((scoped if chip is None else max(scoped, chip.vmem_bytes // 2)) * _HEADROOM)
     n_cap = _round_up(num_tokens, _sublanes(dtype)) if num_tokens else None
     v_cap = _round_up(vocab_size, LANES) if vocab_size else None
-    splits = [None] + [bd for bd in range(d_model - LANES, 0, -LANES) if d_model % bd == 0]
+    # Hidden blocks: multiples of 128 that divide D, largest first (none for D = 2880).
+    splits = [None] + [bd for bd in range(d_model // LANES * LANES, 0, -LANES)
+                       if d_model % bd == 0 and bd < d_model]
     for min_block_d in (512, LANES):  # rather smaller tiles than a sliver of D
       for bn, bv in _CANDIDATES:
         bn, bv = min(bn, n_cap or bn), min(bv, v_cap or bv)
@@ -94,9 +96,9 @@ class BlockSizes:
             limit = None if need <= scoped * _HEADROOM else _round_up(
                 int(need / _HEADROOM), 1 << 20)
             return dataclasses.replace(bs, vmem_limit_bytes=limit)
-    # Nothing fits (a huge D without a divisor that is a multiple of 128): the smallest
-    # tiles, so tracing never fails; the compiler has the last word.
-    return cls(_sublanes(dtype), LANES)
+    # Nothing fits (a huge D, or one without a divisor that is a multiple of 128): the
+    # smallest tiles, so tracing never fails; the compiler has the last word.
+    return cls(_sublanes(dtype), LANES, splits[-1])
 
   def vmem_bytes(self, d_model, dtype) -> int:
     """VMEM the largest of the three kernels needs: double-buffered input and output
@@ -144,13 +146,14 @@ class BlockSizes:
           "BlockSizes.get_default(d_model, dtype, chip)")
 
 
-def cost_estimate(kernel, hidden, weight, bs) -> pl.CostEstimate:
+def cost_estimate(kernel, hidden, weight, bs, softcap=None) -> pl.CostEstimate:
   """What `kernel` ("fwd", "dhidden" or "dweight") costs on `hidden [N, D]` and
   `weight [D, V]` (arrays or `jax.ShapeDtypeStruct`s) with tiles `bs`.
 
   Flops: the forward is one `2 N D V` matmul; each backward kernel recomputes the logits
   and does one more matmul, `4 N D V`. Transcendentals: one exp per logit (plus, in the
-  forward, one rescale per row and vocabulary block). Bytes: Pallas fetches an input
+  forward, one rescale per row and vocabulary block), and one tanh per logit with a
+  `softcap`. Bytes: Pallas fetches an input
   block again whenever its block index changes between grid steps, so the operand the
   inner axes walk is re-read once per outer block (and twice, once per phase, where
   the backward walks it in both); targets are int32 `[N]`, the row statistics (`lse`,
@@ -161,16 +164,22 @@ def cost_estimate(kernel, hidden, weight, bs) -> pl.CostEstimate:
   split = bs.block_d is not None and bs.block_d < d
   h, w = n * d * hidden.dtype.itemsize, d * v * weight.dtype.itemsize
   targets, stats = n * 4, n * LANES * 4
+  per_logit = n * v * (1 if softcap is None else 2)
+  # An operand walked by the inner axes is fetched once in all when those axes have a
+  # single block (its block index then never changes).
+  w_again = nb if split or vb > 1 else 1
   if kernel == "fwd":  # grid (N, V, D)
     h_reads = vb * h if split else h
-    return pl.CostEstimate(flops=2 * n * d * v, transcendentals=n * v + n * vb,
-                           bytes_accessed=h_reads + nb * w + targets + 2 * stats)
+    return pl.CostEstimate(flops=2 * n * d * v, transcendentals=per_logit + n * vb,
+                           bytes_accessed=h_reads + w_again * w + targets + 2 * stats)
   if kernel == "dhidden":  # grid (N, V, steps): reads lse and g, writes d_hidden
-    h_reads, w_reads = (vb * h, 2 * nb * w) if split else (h, nb * w)
-    return pl.CostEstimate(flops=4 * n * d * v, transcendentals=n * v,
+    h_reads, w_reads = (vb * h, 2 * nb * w) if split else (h, w_again * w)
+    return pl.CostEstimate(flops=4 * n * d * v, transcendentals=per_logit,
                            bytes_accessed=h_reads + w_reads + targets + 2 * stats + h)
   if kernel == "dweight":  # grid (V, N, steps): token-indexed inputs re-read per vocab block
-    h_reads, w_reads = (2 * vb * h, nb * w) if split else (vb * h, w)
-    return pl.CostEstimate(flops=4 * n * d * v, transcendentals=n * v,
-                           bytes_accessed=h_reads + w_reads + vb * (targets + 2 * stats) + w)
+    rows_again = vb if split or nb > 1 else 1
+    h_reads, w_reads = (2 * vb * h, nb * w) if split else (rows_again * h, w)
+    return pl.CostEstimate(
+        flops=4 * n * d * v, transcendentals=per_logit,
+        bytes_accessed=h_reads + w_reads + rows_again * (targets + 2 * stats) + w)
   raise ValueError(f"unknown log-prob kernel {kernel!r}")

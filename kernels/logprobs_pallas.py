@@ -13,9 +13,10 @@ after the last one they fold into an online log-sum-exp (running max, running su
 target logit) kept lane-replicated `[bn, 128]`, as flash attention keeps its row
 statistics.
 
-Backward: each kernel recomputes a logit tile from the saved log-sum-exp and forms
-`g * (onehot - softmax)` (phase 0, over the hidden blocks), then contracts it with every
-hidden block of the other operand (phase 1), accumulating in float32 VMEM:
+Backward: each kernel recomputes a logit tile from h and w (phase 0, over the hidden
+blocks), turns it into `g * (onehot - softmax)` with the saved log-sum-exp, then
+contracts that with every hidden block of the other operand (phase 1), accumulating in
+float32 VMEM:
 `fused_logprobs_dhidden` over grid `(N/bn, V/bv, steps)` into `[bn, D]`,
 `fused_logprobs_dweight` over grid `(V/bv, N/bn, steps)` into `[D, bv]`, where `steps`
 is 1 when `block_d == D` (both phases in one step) and `2 D / bd` otherwise. `d_weight`
@@ -54,17 +55,18 @@ class _Dims(NamedTuple):
   bd: int
   nd: int  # hidden blocks
   steps: int  # backward steps per (token, vocabulary) tile: 1 or 2 * nd
+  softcap: float | None  # logits become softcap * tanh(logits / softcap)
 
   @property
   def use_from(self):  # first phase-1 step
     return self.steps - self.nd
 
 
-def _dims(hidden, weight, bs):
+def _dims(hidden, weight, bs, softcap):
   (n, d), v = hidden.shape, weight.shape[1]
   bd = d if bs.block_d is None else bs.block_d
   nd = d // bd
-  return _Dims(n, v, bs.block_n, bs.block_v, bd, nd, 1 if nd == 1 else 2 * nd)
+  return _Dims(n, v, bs.block_n, bs.block_v, bd, nd, 1 if nd == 1 else 2 * nd, softcap)
 
 
 def _edge_split(is_edge, ragged, body):
@@ -92,12 +94,18 @@ def _vocab_cols(j, dims, shape):
 
 
 def _masked_logits(logits_sc, j, dims):
-  """The finished float32 logit tile, columns past V set to MASK_VALUE; and column ids."""
-  logits = logits_sc[...]
+  """The finished float32 logit tile (soft-capped), columns past V set to MASK_VALUE;
+  its column ids; and d capped / d raw (None without a cap)."""
+  logits, dcap = logits_sc[...], None
+  if dims.softcap is not None:
+    tanh = jnp.tanh(logits * (1.0 / dims.softcap))
+    logits, dcap = dims.softcap * tanh, 1.0 - tanh * tanh
   cols = _vocab_cols(j, dims, logits.shape)
   if dims.v % dims.bv:
     logits = jnp.where(cols < dims.v, logits, MASK_VALUE)
-  return logits, cols
+    if dcap is not None:  # garbage there may be NaN, and 0 * NaN is NaN
+      dcap = jnp.where(cols < dims.v, dcap, 0.0)
+  return logits, cols, dcap
 
 
 def _fwd_kernel(h_ref, w_ref, t_ref, logp_ref, lse_ref, logits_sc, m_sc, l_sc, t_sc, *, dims):
@@ -114,7 +122,7 @@ def _fwd_kernel(h_ref, w_ref, t_ref, logp_ref, lse_ref, logits_sc, m_sc, l_sc, t
 
   @pl.when(last_k)
   def _fold():
-    logits, cols = _masked_logits(logits_sc, j, dims)
+    logits, cols, _ = _masked_logits(logits_sc, j, dims)
     m_old = m_sc[...]                                                   # [bn, 128]
     m_new = jnp.maximum(m_old, jnp.max(logits, axis=1, keepdims=True))  # [bn, 128]
     p_sum = jnp.sum(jnp.exp(logits - m_new[:, :1]), axis=1, keepdims=True)
@@ -132,10 +140,12 @@ def _fwd_kernel(h_ref, w_ref, t_ref, logp_ref, lse_ref, logits_sc, m_sc, l_sc, t
 def _store_dlogits(dl_sc, logits_sc, t_ref, lse_ref, g_ref, i, j, dims, mask_rows):
   """`g * (onehot - softmax)` of the tile into `dl_sc`, in the input dtype for the MXU;
   rows past N zeroed when `mask_rows` (their statistics are garbage)."""
-  logits, cols = _masked_logits(logits_sc, j, dims)
+  logits, cols, dcap = _masked_logits(logits_sc, j, dims)
   p = jnp.exp(logits - lse_ref[:, :1])  # masked columns: exp(-huge) = 0
   onehot = (cols == t_ref[...]).astype(F32)
   dl = g_ref[:, :1] * (onehot - p)
+  if dcap is not None:
+    dl = dl * dcap
   if mask_rows:
     rows = i * dims.bn + jax.lax.broadcasted_iota(jnp.int32, dl.shape, 0)
     dl = jnp.where(rows < dims.n, dl, 0.0)
@@ -186,7 +196,9 @@ def _dw_kernel(h_ref, w_ref, t_ref, lse_ref, g_ref, dw_ref, logits_sc, dl_sc, *a
     k = s - dims.use_from
     if acc_sc:
       _accumulate(acc_sc[0].at[k], part, i == 0)
-    else:  # a float32 d_weight accumulates in its resident output block
+    elif dims.nd == 1:  # a float32 d_weight accumulates in its resident output block
+      _accumulate(dw_ref, part, i == 0)
+    else:
       _accumulate(dw_ref.at[pl.ds(pl.multiple_of(k * dims.bd, dims.bd), dims.bd), :], part,
                   i == 0)
 
@@ -204,8 +216,8 @@ def _params(semantics, bs):
                               vmem_limit_bytes=bs.vmem_limit_bytes)
 
 
-def _forward(hidden, weight, targets, bs, interpret):
-  dims = _dims(hidden, weight, bs)
+def _forward(hidden, weight, targets, bs, softcap, interpret):
+  dims = _dims(hidden, weight, bs, softcap)
   grid = (pl.cdiv(dims.n, dims.bn), pl.cdiv(dims.v, dims.bv), dims.nd)
   row = pl.BlockSpec((dims.bn, LANES), lambda i, j, k: (i, 0))
   logp, lse = pl.pallas_call(
@@ -221,13 +233,13 @@ def _forward(hidden, weight, targets, bs, interpret):
       compiler_params=_params(("parallel", "arbitrary", "arbitrary"), bs),
       interpret=interpret,
       name="fused_logprobs_fwd",
-      cost_estimate=cost_estimate("fwd", hidden, weight, bs),
+      cost_estimate=cost_estimate("fwd", hidden, weight, bs, softcap),
   )(hidden, weight, targets[:, None])
   return logp[:, 0], lse
 
 
-def _backward(hidden, weight, targets, lse, g, bs, interpret):
-  dims = _dims(hidden, weight, bs)
+def _backward(hidden, weight, targets, lse, g, bs, softcap, interpret):
+  dims = _dims(hidden, weight, bs, softcap)
   nb, vb = pl.cdiv(dims.n, dims.bn), pl.cdiv(dims.v, dims.bv)
   g_rows = jnp.broadcast_to(g[:, None], (dims.n, LANES)).astype(F32)
   args = (hidden, weight, targets[:, None], lse, g_rows)
@@ -257,7 +269,7 @@ def _backward(hidden, weight, targets, lse, g, bs, interpret):
       compiler_params=_params(semantics, bs),
       interpret=interpret,
       name="fused_logprobs_dhidden",
-      cost_estimate=cost_estimate("dhidden", hidden, weight, bs),
+      cost_estimate=cost_estimate("dhidden", hidden, weight, bs, softcap),
   )(*args)
   dw = pl.pallas_call(
       functools.partial(_dw_kernel, dims=dims),
@@ -269,30 +281,31 @@ def _backward(hidden, weight, targets, lse, g, bs, interpret):
       compiler_params=_params(semantics, bs),
       interpret=interpret,
       name="fused_logprobs_dweight",
-      cost_estimate=cost_estimate("dweight", hidden, weight, bs),
+      cost_estimate=cost_estimate("dweight", hidden, weight, bs, softcap),
   )(*args)
   return dh, dw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def logprobs_pallas(hidden_NxD, weight_DxV, targets_N, block_sizes, interpret):
-  """Float32 `[N]` log-probs of in-range `targets_N` under `hidden_NxD @ weight_DxV`.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def logprobs_pallas(hidden_NxD, weight_DxV, targets_N, block_sizes, softcap, interpret):
+  """Float32 `[N]` log-probs of in-range `targets_N` under `hidden_NxD @ weight_DxV`,
+  soft-capped to `softcap * tanh(logits / softcap)` unless `softcap` is None.
 
   Any N and V; D a multiple of `block_sizes.block_d` (checked by the caller with
   `BlockSizes.check`). `interpret` is False (Mosaic) or a `pltpu.InterpretParams`.
   Differentiable in hidden and weight (gradients in their dtypes).
   """
-  return _forward(hidden_NxD, weight_DxV, targets_N, block_sizes, interpret)[0]
+  return _forward(hidden_NxD, weight_DxV, targets_N, block_sizes, softcap, interpret)[0]
 
 
-def _fwd(hidden, weight, targets, block_sizes, interpret):
-  logp, lse = _forward(hidden, weight, targets, block_sizes, interpret)
+def _fwd(hidden, weight, targets, block_sizes, softcap, interpret):
+  logp, lse = _forward(hidden, weight, targets, block_sizes, softcap, interpret)
   return logp, (hidden, weight, targets, lse)
 
 
-def _bwd(block_sizes, interpret, res, g):
+def _bwd(block_sizes, softcap, interpret, res, g):
   hidden, weight, targets, lse = res
-  dh, dw = _backward(hidden, weight, targets, lse, g, block_sizes, interpret)
+  dh, dw = _backward(hidden, weight, targets, lse, g, block_sizes, softcap, interpret)
   return cotangent_for(dh, hidden), cotangent_for(dw, weight), None
 
 

@@ -20,18 +20,23 @@ from kernels.common import cotangent_for
 from kernels.common import vary_like
 
 
-def _tile(hidden_NxD, weight_DxV, targets_N, c, chunk):
-  """Chunk `c`: float32 logits `[N, C]`, its first column, its weight slice `[D, C]`, the
-  one-hot of the targets in it, and a `[C]` mask that is False on columns an earlier
-  chunk already covered (None when chunks tile V exactly)."""
+def _tile(hidden_NxD, weight_DxV, targets_N, c, chunk, softcap):
+  """Chunk `c`: float32 logits `[N, C]` (soft-capped), d capped / d raw (None without a
+  cap), its first column, its weight slice `[D, C]`, the one-hot of the targets in it,
+  and a `[C]` mask that is False on columns an earlier chunk already covered (None when
+  chunks tile V exactly)."""
   V = weight_DxV.shape[1]
   start = jnp.minimum(c * chunk, V - chunk)
   w_DxC = _weight_chunk(weight_DxV, start, chunk)
   logits_NxC = jnp.dot(hidden_NxD, w_DxC, preferred_element_type=jnp.float32)
+  dcap_NxC = None
+  if softcap is not None:
+    tanh_NxC = jnp.tanh(logits_NxC / softcap)
+    logits_NxC, dcap_NxC = softcap * tanh_NxC, 1.0 - tanh_NxC * tanh_NxC
   cols_C = start + jnp.arange(chunk)
   onehot_NxC = cols_C[None] == targets_N[:, None]
   fresh_C = None if V % chunk == 0 else cols_C >= c * chunk
-  return logits_NxC, start, w_DxC, onehot_NxC, fresh_C
+  return logits_NxC, dcap_NxC, start, w_DxC, onehot_NxC, fresh_C
 
 
 def _weight_chunk(weight_DxV, start, chunk):
@@ -46,12 +51,13 @@ def _weight_chunk(weight_DxV, start, chunk):
       jnp.zeros((weight_DxV.shape[0], chunk), weight_DxV.dtype), weight_DxV))
 
 
-def _forward(hidden_NxD, weight_DxV, targets_N, chunk):
+def _forward(hidden_NxD, weight_DxV, targets_N, chunk, softcap):
   N, V = hidden_NxD.shape[0], weight_DxV.shape[1]
 
   def body(carry, c):
     m_N, s_N, t_N = carry
-    logits_NxC, _, _, onehot_NxC, fresh_C = _tile(hidden_NxD, weight_DxV, targets_N, c, chunk)
+    logits_NxC, _, _, _, onehot_NxC, fresh_C = _tile(hidden_NxD, weight_DxV, targets_N, c,
+                                                     chunk, softcap)
     if fresh_C is not None:
       logits_NxC = jnp.where(fresh_C[None], logits_NxC, -jnp.inf)
       onehot_NxC = onehot_NxC & fresh_C[None]
@@ -68,33 +74,38 @@ def _forward(hidden_NxD, weight_DxV, targets_N, chunk):
   return t_N - lse_N, lse_N
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def logprobs_xla(hidden_NxD, weight_DxV, targets_N, chunk):
-  """`log_softmax(hidden @ weight)[targets]`, float32 `[N]`; `chunk <= V` columns per step.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def logprobs_xla(hidden_NxD, weight_DxV, targets_N, chunk, softcap=None):
+  """`log_softmax(hidden @ weight)[targets]`, float32 `[N]`; `chunk <= V` columns per step;
+  logits soft-capped to `softcap * tanh(logits / softcap)` unless `softcap` is None.
 
   Targets must be in range. Rows to ignore are the caller's business: pass any valid
   id and zero their cotangent (as `kernels.fused_logprobs` does).
   """
-  return _forward(hidden_NxD, weight_DxV, targets_N, chunk)[0]
+  return _forward(hidden_NxD, weight_DxV, targets_N, chunk, softcap)[0]
 
 
-def _fwd(hidden_NxD, weight_DxV, targets_N, chunk):
-  logp_N, lse_N = _forward(hidden_NxD, weight_DxV, targets_N, chunk)
+def _fwd(hidden_NxD, weight_DxV, targets_N, chunk, softcap):
+  logp_N, lse_N = _forward(hidden_NxD, weight_DxV, targets_N, chunk, softcap)
   return logp_N, (hidden_NxD, weight_DxV, targets_N, lse_N)
 
 
-def _bwd(chunk, res, g_N):
+def _bwd(chunk, softcap, res, g_N):
   hidden_NxD, weight_DxV, targets_N, lse_N = res
   g_N = g_N.astype(jnp.float32)
   dtype = hidden_NxD.dtype
 
   def body(carry, c):
     dh_NxD, dw_DxV = carry
-    logits_NxC, start, w_DxC, onehot_NxC, fresh_C = _tile(hidden_NxD, weight_DxV, targets_N,
-                                                          c, chunk)
-    # d logp / d logits = onehot - softmax, scaled by the incoming cotangent.
+    logits_NxC, dcap_NxC, start, w_DxC, onehot_NxC, fresh_C = _tile(
+        hidden_NxD, weight_DxV, targets_N, c, chunk, softcap)
+    # d logp / d logits = onehot - softmax, scaled by the incoming cotangent (and by the
+    # cap's derivative: the softmax is over the capped logits).
     p_NxC = jnp.exp(logits_NxC - lse_N[:, None])
-    dlogits_NxC = (g_N[:, None] * (onehot_NxC - p_NxC)).astype(dtype)
+    dlogits_NxC = g_N[:, None] * (onehot_NxC - p_NxC)
+    if dcap_NxC is not None:
+      dlogits_NxC = dlogits_NxC * dcap_NxC
+    dlogits_NxC = dlogits_NxC.astype(dtype)
     # d_weight columns are independent, so an overlapped column is just rewritten with
     # the same value; d_hidden sums over columns, so the overlap is masked there.
     dw_DxC = jnp.dot(hidden_NxD.T, dlogits_NxC, preferred_element_type=jnp.float32)

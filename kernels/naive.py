@@ -12,14 +12,17 @@ import jax.numpy as jnp
 from kernels.dispatch import IGNORE_INDEX
 
 
-def logprobs_naive(hidden, weight, targets, *, ignore_index=IGNORE_INDEX):
-  """`log_softmax(hidden @ weight)[targets]` in float32, 0 where `targets == ignore_index`.
+def logprobs_naive(hidden, weight, targets, *, ignore_index=IGNORE_INDEX, logit_softcap=None):
+  """`log_softmax(hidden @ weight)[targets]` in float32, 0 where `targets == ignore_index`;
+  the logits soft-capped to `c * tanh(logits / c)` first when `logit_softcap=c`.
 
   hidden `[..., D]`, weight `[D, V]`, targets `[...]` int; returns float32 `[...]`,
   differentiable by plain autodiff through the materialised logits.
   """
   logits = jnp.einsum("...d,dv->...v", hidden, weight,
                       preferred_element_type=jnp.float32)
+  if logit_softcap is not None:
+    logits = logit_softcap * jnp.tanh(logits / logit_softcap)
   logp = jax.nn.log_softmax(logits, axis=-1)
   ignored = targets == ignore_index
   safe = jnp.where(ignored, 0, targets)

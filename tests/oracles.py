@@ -9,9 +9,12 @@ import numpy as np
 from kernels import IGNORE_INDEX
 
 
-def numpy_logprobs(h, w, t, ignore_index=IGNORE_INDEX):
-  """Float64 log_softmax(h @ w)[t] (0 where ignored), the logits and their log-sum-exp."""
+def numpy_logprobs(h, w, t, ignore_index=IGNORE_INDEX, softcap=None):
+  """Float64 log_softmax(cap(h @ w))[t] (0 where ignored), the (capped) logits and their
+  log-sum-exp; `cap(z) = softcap * tanh(z / softcap)`, the identity for None."""
   logits = np.asarray(h, np.float64) @ np.asarray(w, np.float64)
+  if softcap is not None:
+    logits = softcap * np.tanh(logits / softcap)
   m = logits.max(-1, keepdims=True)
   lse = m[..., 0] + np.log(np.exp(logits - m).sum(-1))
   ignored = t == ignore_index
@@ -20,13 +23,15 @@ def numpy_logprobs(h, w, t, ignore_index=IGNORE_INDEX):
   return np.where(ignored, 0.0, picked), logits, lse
 
 
-def numpy_logprob_grads(h, w, t, g, ignore_index=IGNORE_INDEX):
+def numpy_logprob_grads(h, w, t, g, ignore_index=IGNORE_INDEX, softcap=None):
   """Float64 gradients `(d_hidden, d_weight)` of `numpy_logprobs` for a cotangent g."""
-  _, logits, lse = numpy_logprobs(h, w, t, ignore_index)
+  _, logits, lse = numpy_logprobs(h, w, t, ignore_index, softcap)
   p = np.exp(logits - lse[..., None])
   ignored = t == ignore_index
   onehot = np.eye(w.shape[1])[np.where(ignored, 0, t)]
   dlogits = np.where(ignored, 0.0, g)[..., None] * (onehot - p)
+  if softcap is not None:  # d(c tanh(z / c)) / dz = 1 - tanh(z / c)^2 = 1 - (capped / c)^2
+    dlogits = dlogits * (1.0 - (logits / softcap) ** 2)
   h64, w64 = np.asarray(h, np.float64), np.asarray(w, np.float64)
   dh = dlogits @ w64.T
   dw = h64.reshape(-1, h64.shape[-1]).T @ dlogits.reshape(-1, w64.shape[1])

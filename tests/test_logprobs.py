@@ -38,6 +38,28 @@ def test_against_float64(impl, dtype, tol, N, D, V, chunk):
   np.testing.assert_array_equal(np.asarray(out)[np.asarray(t) == IGNORE_INDEX], 0.0)
 
 
+@pytest.mark.parametrize("impl,kw", [("xla", dict(xla_chunk=16)), ("naive", {}),
+                                     ("interpret", dict(block_sizes=kernels.LogprobsBlockSizes(
+                                         8, 128, 128)))])
+def test_logit_softcap_against_float64(impl, kw):
+  # Logits ~ N(0, 3^2) under a cap of 2: tanh saturates, so the cap moves the log-probs by
+  # far more than the tolerance. The interpret case has ragged N and V and 2 hidden blocks.
+  h, w, t, g = make_inputs(13, 256, 300, jnp.float32, scale=3.0)
+  f = lambda h, w: kernels.fused_logprobs(h, w, t, impl=impl, logit_softcap=2.0, **kw)
+  out, vjp = jax.vjp(f, h, w)
+  dh, dw = vjp(g)
+  h64, w64, t64 = np.asarray(h), np.asarray(w), np.asarray(t)
+  want = numpy_logprobs(h64, w64, t64, softcap=2.0)[0]
+  want_dh, want_dw = numpy_logprob_grads(h64, w64, t64, np.asarray(g), softcap=2.0)
+  assert np.abs(want - numpy_logprobs(h64, w64, t64)[0]).max() > 1.0  # the cap bites
+  assert rel_error(out, want) <= 1e-5
+  assert rel_error(dh, want_dh) <= 1e-5
+  assert rel_error(dw, want_dw) <= 1e-5
+  for bad in (0.0, -1.0, "30", True):
+    with pytest.raises(ValueError, match="logit_softcap must be a positive float"):
+      kernels.fused_logprobs(h, w, t, impl=impl, logit_softcap=bad, **kw)
+
+
 def test_large_logits_and_all_ignored_rows():
   h, w, t, g = make_inputs(12, 16, 50, jnp.float32, scale=1e3 * 4)  # logits ~ 1e3
   t = t.at[:4].set(IGNORE_INDEX)

@@ -18,7 +18,7 @@ HIDDEN_SIZES = (2048, 2304, 3072, 4096, 5120, 8192)
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_unknown_chip_defaults_fit_the_smallest_scoped_vmem(dtype):
-  for d in HIDDEN_SIZES + (128, 96):
+  for d in HIDDEN_SIZES + (128, 96, 2880, 1728):  # the last two: no 128-multiple divisor
     bs = BlockSizes.get_default(d, dtype)
     assert bs.vmem_limit_bytes is None, bs  # never raised when the chip is unknown
     assert bs.vmem_bytes(d, dtype) <= 0.9 * 16 * MiB, (d, bs)

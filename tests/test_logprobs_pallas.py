@@ -119,6 +119,8 @@ def test_bad_block_sizes():
   with pytest.raises(ValueError, match="block_n=8 must be a positive multiple of 16"):
     kernels.fused_logprobs(h.astype(jnp.bfloat16), w.astype(jnp.bfloat16), t,
                            impl="interpret", block_sizes=BlockSizes(8, 128))
+  with pytest.raises(ValueError, match="hidden and weight of one dtype, got float32 and"):
+    kernels.fused_logprobs(h, w.astype(jnp.bfloat16), t, impl="interpret")
   with pytest.raises(TypeError, match="must be a BlockSizes"):
     kernels.fused_logprobs(h, w, t, impl="interpret", block_sizes=128)
 

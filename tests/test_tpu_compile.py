@@ -61,6 +61,13 @@ def test_tiles_chosen_without_knowing_the_chip_compile_on_every_generation(chip)
     assert got["ok"], (d, dtype, got["error"])
 
 
+@pytest.mark.parametrize("chip", CHIPS)
+def test_soft_capped_gemma2_head_compiles(chip):
+  # Gemma 2 2B's head: D=2304, V=256000, final logits capped at 30.
+  got = compile_case(chip, N, 2304, 256000, BF16, "auto", logit_softcap=30.0)
+  assert got["ok"], got["error"]
+
+
 @pytest.mark.parametrize("d,dtype,bs", [
     (2048, BF16, kernels.LogprobsBlockSizes(256, 512)),
     (4096, BF16, kernels.LogprobsBlockSizes(256, 512, 1024)),
@@ -71,8 +78,8 @@ def test_vmem_model_is_at_least_what_the_compiler_allocates(d, dtype, bs):
   # wanted for the first kernel that does not fit; `vmem_bytes` must not be below it.
   # Called past the op's own check, which would refuse these tiles first.
   def f(h, w, t):
-    return jax.grad(lambda h, w: jnp.sum(logprobs_pallas.logprobs_pallas(h, w, t, bs, False)),
-                    argnums=(0, 1))(h, w)
+    loss = lambda h, w: jnp.sum(logprobs_pallas.logprobs_pallas(h, w, t, bs, None, False))
+    return jax.grad(loss, argnums=(0, 1))(h, w)
 
   shapes = (jax.ShapeDtypeStruct((N, d), dtype), jax.ShapeDtypeStruct((d, 128256), dtype),
             jax.ShapeDtypeStruct((N,), jnp.int32))

@@ -57,7 +57,7 @@ def test_illegal_block_is_rejected_by_the_tpu_lowering(block_sizes):
   args = (jax.ShapeDtypeStruct((64, 256), jnp.float32),
           jax.ShapeDtypeStruct((256, 1000 if block_sizes.block_v == 100 else 1024), jnp.float32),
           jax.ShapeDtypeStruct((64,), jnp.int32))
-  f = lambda h, w, t: logprobs_pallas.logprobs_pallas(h, w, t, block_sizes, False)
+  f = lambda h, w, t: logprobs_pallas.logprobs_pallas(h, w, t, block_sizes, None, False)
   with pytest.raises(ValueError, match="divisible by 8 and 128"):
     export.export(jax.jit(f), platforms=["tpu"])(*args)
 

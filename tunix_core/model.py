@@ -17,6 +17,8 @@ RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
+ROPE_TYPES = ("default", "llama3")
+
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -37,6 +39,14 @@ class ModelConfig:
   head_dim: int = 32
   mlp_dim: int = 384
   rope_theta: float = 10_000.0
+  # Rotary frequency scaling: "default" (none) or "llama3" (Llama 3.1+): wavelengths
+  # longer than original_max_positions / low_freq_factor are divided by rope_factor,
+  # shorter than original_max_positions / high_freq_factor kept, smoothly in between.
+  rope_type: str = "default"
+  rope_factor: float = 1.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_positions: int = 8192
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
   param_dtype: str = "float32"
@@ -57,6 +67,9 @@ class ModelConfig:
       if getattr(self, name) not in DTYPES:
         raise ValueError(f"ModelConfig.{name} must be one of {sorted(DTYPES)}, "
                          f"got {getattr(self, name)!r}")
+    if self.rope_type not in ROPE_TYPES:
+      raise ValueError(f"ModelConfig.rope_type must be one of {ROPE_TYPES}, "
+                       f"got {self.rope_type!r}")
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"ModelConfig.remat must be one of {sorted(REMAT_POLICIES)}, "
                        f"got {self.remat!r}")
@@ -153,10 +166,24 @@ def rms_norm(x_BxTxD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
   return (x * scale_D.astype(jnp.float32)).astype(x_BxTxD.dtype)
 
 
-def apply_rope(x_BxTxHxK: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(cfg: ModelConfig) -> jax.Array:
+  """Float32 `[head_dim / 2]` rotary frequencies, with `cfg.rope_type`'s scaling."""
+  half = cfg.head_dim // 2
+  freqs_K = cfg.rope_theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  if cfg.rope_type == "llama3":
+    wavelen_K = 2 * jnp.pi / freqs_K
+    low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    orig = cfg.rope_original_max_positions
+    smooth_K = (orig / wavelen_K - low) / (high - low)
+    blended_K = (1 - smooth_K) * freqs_K / cfg.rope_factor + smooth_K * freqs_K
+    freqs_K = jnp.where(wavelen_K > orig / low, freqs_K / cfg.rope_factor,
+                        jnp.where(wavelen_K < orig / high, freqs_K, blended_K))
+  return freqs_K
+
+
+def apply_rope(x_BxTxHxK: jax.Array, positions_BxT: jax.Array, freqs_K: jax.Array
+               ) -> jax.Array:
   """Rotary embedding on the last axis, rotating its two halves against each other."""
-  half = x_BxTxHxK.shape[-1] // 2
-  freqs_K = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
   angles_BxTxK = positions_BxT[..., None].astype(jnp.float32) * freqs_K
   sin, cos = jnp.sin(angles_BxTxK)[:, :, None, :], jnp.cos(angles_BxTxK)[:, :, None, :]
   x1, x2 = jnp.split(x_BxTxHxK.astype(jnp.float32), 2, axis=-1)
@@ -172,8 +199,8 @@ def attention(x_BxTxD, layer, positions_BxT, mask_BxT, cfg: ModelConfig):
   q_BxTxHxK = (x_BxTxD @ layer["wq"]).reshape(B, T, H, K)
   k_BxTxVxK = (x_BxTxD @ layer["wk"]).reshape(B, T, KV, K)
   v_BxTxVxK = (x_BxTxD @ layer["wv"]).reshape(B, T, KV, K)
-  q_BxTxHxK = apply_rope(q_BxTxHxK, positions_BxT, cfg.rope_theta)
-  k_BxTxVxK = apply_rope(k_BxTxVxK, positions_BxT, cfg.rope_theta)
+  q_BxTxHxK = apply_rope(q_BxTxHxK, positions_BxT, rope_frequencies(cfg))
+  k_BxTxVxK = apply_rope(k_BxTxVxK, positions_BxT, rope_frequencies(cfg))
   q_BxTxVxGxK = q_BxTxHxK.reshape(B, T, KV, G, K)
   scores_BxVxGxTxS = jnp.einsum("btvgk,bsvk->bvgts", q_BxTxVxGxK, k_BxTxVxK,
                                 preferred_element_type=jnp.float32) / jnp.sqrt(K)
@@ -219,3 +246,13 @@ def forward(params: dict, tokens_BxT: jax.Array, mask_BxT: jax.Array | None,
     layer_fn = jax.checkpoint(layer_fn, policy=REMAT_POLICIES[cfg.remat])
   x_BxTxD, _ = jax.lax.scan(layer_fn, x_BxTxD, params["layers"])
   return rms_norm(x_BxTxD, params["final_norm"], cfg.norm_eps)
+
+
+def logits(params: dict, tokens_BxT: jax.Array, mask_BxT: jax.Array | None,
+           cfg: ModelConfig) -> jax.Array:
+  """Float32 `[B, T, V]` logits, for evaluation and tests only: training never builds
+  them (`kernels.fused_logprobs` applies the head per tile). Same arguments as
+  `forward`; differentiable in `params`."""
+  hidden_BxTxD = forward(params, tokens_BxT, mask_BxT, cfg)
+  head_DxV = lm_head(params, cfg).astype(hidden_BxTxD.dtype)
+  return jnp.einsum("btd,dv->btv", hidden_BxTxD, head_DxV, preferred_element_type=jnp.float32)
