@@ -38,7 +38,28 @@ FIXTURES = {
         num_attention_heads=4, num_key_value_heads=4, intermediate_size=128,
         rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.3,
         rope_theta=100000.0),
+    # Qwen2: q/k/v biases (random here, so they matter), GQA, untied.
+    "qwen2": dict(
+        model_type="qwen2", vocab_size=136, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.3,
+        rope_theta=1000000.0, use_sliding_window=False),
+    # Qwen3: per-head q/k RMSNorm before RoPE, explicit head_dim, tied.
+    "qwen3": dict(
+        model_type="qwen3", vocab_size=152, hidden_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, intermediate_size=80,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.3,
+        rope_theta=1000000.0, use_sliding_window=False),
 }
+
+
+def _randomize_norms_and_biases(model):
+  """`transformers` starts norm scales at 1 and biases at 0: move them so a loader that
+  dropped or swapped one would change the logits."""
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith("bias") or "norm" in name:
+        p.add_(0.3 * torch.randn_like(p))
 
 
 # ChatML, as Qwen writes it (no BOS token); our own wording of the template.
@@ -89,9 +110,10 @@ def main():
   make_tokenizer(os.path.join(ROOT, "tokenizer"))
   for name, kwargs in FIXTURES.items():
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**kwargs)
+    config = transformers.AutoConfig.for_model(**kwargs)
     config._attn_implementation = "eager"  # pylint: disable=protected-access
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    _randomize_norms_and_biases(model)
     out_dir = os.path.join(ROOT, name)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, (2, TOKENS), np.int32)

@@ -22,7 +22,7 @@ from tunix_core import model as model_lib
 
 pytest.importorskip("safetensors")
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf")
-NAMES = ("llama3", "llama_tied")
+NAMES = ("llama3", "llama_tied", "qwen2", "qwen3")
 
 
 def _rel(got, want):
@@ -44,14 +44,17 @@ def test_logits_match_transformers_on_the_committed_fixtures(name):
   assert _rel(_logits(d), want) <= 1e-5
 
 
-def test_every_config_option_moves_the_logits():
+@pytest.mark.parametrize("name,changes", [
+    ("llama3", (dict(rope_type="default"), dict(rope_theta=5e4), dict(norm_eps=1e-1))),
+    ("qwen2", (dict(qkv_bias=False),)), ("qwen3", (dict(qk_norm=False),))])
+def test_every_config_option_moves_the_logits(name, changes):
   # The fixtures would not catch a feature we ignore unless ignoring it changes the
   # logits by far more than the tolerance.
-  d = os.path.join(FIXTURES, "llama3")
+  d = os.path.join(FIXTURES, name)
   cfg = hf.read_config(d)
   params = hf.load_params(d, cfg)
   want = np.load(os.path.join(d, "logits.npy"))
-  for change in (dict(rope_type="default"), dict(rope_theta=5e4), dict(norm_eps=1e-1)):
+  for change in changes:
     moved = np.abs(_logits(d, dataclasses.replace(cfg, **change), params) - want)
     assert moved.max() > 0.1, change
 

@@ -18,7 +18,7 @@ import numpy as np
 from tunix_core import hf_tokenizer
 from tunix_core import model as model_lib
 
-FAMILIES = ("llama", "mistral")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "llama3")
 PREFIX = "model."
 # Our per-layer leaf -> (HF name under `model.layers.{i}.`, transposed).
@@ -33,6 +33,11 @@ LAYER_TENSORS = {
     "w_up": ("mlp.up_proj.weight", True),
     "w_down": ("mlp.down_proj.weight", True),
 }
+# Present only when the config asks for them.
+BIAS_TENSORS = {"bq": ("self_attn.q_proj.bias", False), "bk": ("self_attn.k_proj.bias", False),
+                "bv": ("self_attn.v_proj.bias", False)}
+QK_NORM_TENSORS = {"q_norm": ("self_attn.q_norm.weight", False),
+                   "k_norm": ("self_attn.k_norm.weight", False)}
 SHARD_BYTES = 5 << 30  # `save_params` splits files above this, as `transformers` does
 
 
@@ -73,8 +78,13 @@ def read_config(model_dir: str, **overrides) -> model_lib.ModelConfig:
   family = config.get("model_type")
   if family not in FAMILIES:
     raise HFError(f"model_type {family!r} is not supported; supported: {FAMILIES}")
-  for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
-                    ("sliding_window", None)):
+  checks = [("hidden_act", "silu"), ("mlp_bias", False)]
+  # Qwen configs carry a sliding_window that only applies with use_sliding_window.
+  checks.append(("use_sliding_window", False) if family.startswith("qwen")
+                else ("sliding_window", None))
+  if family != "qwen2":  # Qwen2 always has q/k/v biases and no attention_bias key
+    checks.append(("attention_bias", False))
+  for key, want in checks:
     if config.get(key, want) != want:
       raise HFError(f"{family} config has {key}={config[key]!r}; only {want!r} is supported")
   heads = config["num_attention_heads"]
@@ -84,7 +94,8 @@ def read_config(model_dir: str, **overrides) -> model_lib.ModelConfig:
       num_kv_heads=config.get("num_key_value_heads") or heads,
       head_dim=config.get("head_dim") or config["hidden_size"] // heads,
       mlp_dim=config["intermediate_size"], norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-      tie_embeddings=bool(config.get("tie_word_embeddings", False)), **_rope(config))
+      tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+      qkv_bias=family == "qwen2", qk_norm=family == "qwen3", **_rope(config))
   fields.update(overrides)
   return model_lib.ModelConfig(**fields)
 
@@ -122,7 +133,9 @@ def expected_tensors(cfg: model_lib.ModelConfig) -> dict:
          PREFIX + "norm.weight": (("final_norm",), None, False, shapes[("final_norm",)])}
   if not cfg.tie_embeddings:
     out["lm_head.weight"] = (("lm_head",), None, True, shapes[("lm_head",)][::-1])
-  for leaf, (name, transposed) in LAYER_TENSORS.items():
+  layer_tensors = {**LAYER_TENSORS, **(BIAS_TENSORS if cfg.qkv_bias else {}),
+                   **(QK_NORM_TENSORS if cfg.qk_norm else {})}
+  for leaf, (name, transposed) in layer_tensors.items():
     per_layer = shapes[("layers", leaf)][1:]
     for i in range(cfg.num_layers):
       out[f"{PREFIX}layers.{i}.{name}"] = (("layers", leaf), i, transposed,
@@ -205,14 +218,29 @@ def _hf_config(cfg: model_lib.ModelConfig, dtype: str) -> dict:
                 low_freq_factor=cfg.rope_low_freq_factor,
                 high_freq_factor=cfg.rope_high_freq_factor,
                 original_max_position_embeddings=cfg.rope_original_max_positions)
-  return dict(
-      architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=cfg.vocab_size,
+  family, arch = (("qwen2", "Qwen2ForCausalLM") if cfg.qkv_bias else
+                  ("qwen3", "Qwen3ForCausalLM") if cfg.qk_norm else ("llama", "LlamaForCausalLM"))
+  config = dict(
+      architectures=[arch], model_type=family, vocab_size=cfg.vocab_size,
       hidden_size=cfg.d_model, num_hidden_layers=cfg.num_layers,
       num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
       head_dim=cfg.head_dim, intermediate_size=cfg.mlp_dim, hidden_act="silu",
       rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, rope_scaling=rope,
-      tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False,
-      torch_dtype=dtype)
+      tie_word_embeddings=cfg.tie_embeddings, torch_dtype=dtype)
+  if family != "qwen2":
+    config.update(attention_bias=False, mlp_bias=False)
+  return config
+
+
+def _merged_config(src: dict, ours: dict) -> dict:
+  """The source `config.json` with our fields, in the source's dialect (transformers 5
+  writes `rope_parameters` and `dtype`; the rope settings themselves never change)."""
+  ours = {k: v for k, v in ours.items() if k != "architectures"}
+  if "rope_parameters" in src:
+    ours = {k: v for k, v in ours.items() if k not in ("rope_theta", "rope_scaling")}
+  if "dtype" in src:
+    ours["dtype"] = ours.pop("torch_dtype")
+  return {**src, **ours}
 
 
 def save_params(params: dict, cfg: model_lib.ModelConfig, out_dir: str, *, src_dir=None,
@@ -252,7 +280,7 @@ def save_params(params: dict, cfg: model_lib.ModelConfig, out_dir: str, *, src_d
   config = _hf_config(cfg, dtype)
   if src_dir and os.path.isfile(os.path.join(src_dir, "config.json")):
     with open(os.path.join(src_dir, "config.json")) as f:
-      config = {**json.load(f), **{k: v for k, v in config.items() if k != "architectures"}}
+      config = _merged_config(json.load(f), config)
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(config, f, indent=2)
   for file in TOKENIZER_FILES:

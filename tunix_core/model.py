@@ -1,9 +1,11 @@
 """A decoder-only, Llama-style transformer as pure functions over a params pytree.
 
-Token embedding, RMSNorm, rotary position embeddings, grouped-query attention and a
-SwiGLU MLP; layers are stacked along a leading axis and run with `lax.scan`. The
-forward pass stops at the final norm: it returns hidden states `[B, T, D]` and the LM
-head is applied by `kernels.fused_logprobs`, so no `[B, T, V]` logits exist here.
+Token embedding, RMSNorm, rotary position embeddings (optionally llama3-scaled),
+grouped-query attention (optionally with q/k/v biases, Qwen2, or per-head q/k norms,
+Qwen3) and a SwiGLU MLP; layers are stacked along a leading axis and run with
+`lax.scan`. The forward pass stops at the final norm: it returns hidden states
+`[B, T, D]` and the LM head is applied by `kernels.fused_logprobs`, so no `[B, T, V]`
+logits exist here (`logits` builds them, for evaluation and tests only).
 """
 
 import dataclasses
@@ -48,6 +50,8 @@ class ModelConfig:
   rope_high_freq_factor: float = 4.0
   rope_original_max_positions: int = 8192
   norm_eps: float = 1e-5
+  qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
+  qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3)
   tie_embeddings: bool = False
   param_dtype: str = "float32"
   compute_dtype: str = "float32"
@@ -122,6 +126,12 @@ def init_params(key: jax.Array, cfg: ModelConfig) -> dict:
       },
       "final_norm": jnp.ones((D,), dtype),
   }
+  if cfg.qkv_bias:
+    params["layers"].update(bq=jnp.zeros((L, q_dim), dtype), bk=jnp.zeros((L, kv_dim), dtype),
+                            bv=jnp.zeros((L, kv_dim), dtype))
+  if cfg.qk_norm:
+    params["layers"].update(q_norm=jnp.ones((L, cfg.head_dim), dtype),
+                            k_norm=jnp.ones((L, cfg.head_dim), dtype))
   if not cfg.tie_embeddings:
     params["lm_head"] = dense((D, cfg.vocab_size), D)
   return params
@@ -150,6 +160,10 @@ def param_specs(cfg: ModelConfig, model_axis: str | None = None) -> dict:
       },
       "final_norm": P(None),
   }
+  if cfg.qkv_bias:
+    specs["layers"].update(bq=P(None, m), bk=P(None, m), bv=P(None, m))
+  if cfg.qk_norm:
+    specs["layers"].update(q_norm=P(None, None), k_norm=P(None, None))
   if not cfg.tie_embeddings:
     specs["lm_head"] = P(None, m)
   return specs
@@ -196,9 +210,14 @@ def attention(x_BxTxD, layer, positions_BxT, mask_BxT, cfg: ModelConfig):
   B, T, _ = x_BxTxD.shape
   H, KV, K = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   G = H // KV
-  q_BxTxHxK = (x_BxTxD @ layer["wq"]).reshape(B, T, H, K)
-  k_BxTxVxK = (x_BxTxD @ layer["wk"]).reshape(B, T, KV, K)
-  v_BxTxVxK = (x_BxTxD @ layer["wv"]).reshape(B, T, KV, K)
+  q, k, v = x_BxTxD @ layer["wq"], x_BxTxD @ layer["wk"], x_BxTxD @ layer["wv"]
+  if cfg.qkv_bias:
+    q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
+  q_BxTxHxK, k_BxTxVxK = q.reshape(B, T, H, K), k.reshape(B, T, KV, K)
+  v_BxTxVxK = v.reshape(B, T, KV, K)
+  if cfg.qk_norm:
+    q_BxTxHxK = rms_norm(q_BxTxHxK, layer["q_norm"], cfg.norm_eps)
+    k_BxTxVxK = rms_norm(k_BxTxVxK, layer["k_norm"], cfg.norm_eps)
   q_BxTxHxK = apply_rope(q_BxTxHxK, positions_BxT, rope_frequencies(cfg))
   k_BxTxVxK = apply_rope(k_BxTxVxK, positions_BxT, rope_frequencies(cfg))
   q_BxTxVxGxK = q_BxTxHxK.reshape(B, T, KV, G, K)
