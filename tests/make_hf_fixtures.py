@@ -38,6 +38,12 @@ FIXTURES = {
         num_attention_heads=4, num_key_value_heads=4, intermediate_size=128,
         rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.3,
         rope_theta=100000.0),
+    # Mistral: every layer attends to a sliding window of 8 of the 40 tokens.
+    "mistral": dict(
+        model_type="mistral", vocab_size=128, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.3,
+        rope_theta=10000.0, sliding_window=8),
     # Qwen2: q/k/v biases (random here, so they matter), GQA, untied.
     "qwen2": dict(
         model_type="qwen2", vocab_size=136, hidden_size=64, num_hidden_layers=2,

@@ -22,7 +22,7 @@ from tunix_core import model as model_lib
 
 pytest.importorskip("safetensors")
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf")
-NAMES = ("llama3", "llama_tied", "qwen2", "qwen3")
+NAMES = ("llama3", "llama_tied", "mistral", "qwen2", "qwen3")
 
 
 def _rel(got, want):
@@ -44,9 +44,11 @@ def test_logits_match_transformers_on_the_committed_fixtures(name):
   assert _rel(_logits(d), want) <= 1e-5
 
 
+@pytest.mark.slow  # a guard on the fixtures themselves, not on the code
 @pytest.mark.parametrize("name,changes", [
     ("llama3", (dict(rope_type="default"), dict(rope_theta=5e4), dict(norm_eps=1e-1))),
-    ("qwen2", (dict(qkv_bias=False),)), ("qwen3", (dict(qk_norm=False),))])
+    ("mistral", (dict(sliding_window=0),)), ("qwen2", (dict(qkv_bias=False),)),
+    ("qwen3", (dict(qk_norm=False),))])
 def test_every_config_option_moves_the_logits(name, changes):
   # The fixtures would not catch a feature we ignore unless ignoring it changes the
   # logits by far more than the tolerance.
@@ -83,7 +85,9 @@ def test_config_errors_name_the_problem(tmp_path):
                           (dict(rope_parameters=dict(rope_type="yarn", factor=2.0)),
                            "rope type 'yarn' is not supported"),
                           (dict(hidden_act="gelu"), "hidden_act='gelu'"),
-                          (dict(model_type="mistral", sliding_window=4096), "sliding_window")):
+                          (dict(sliding_window=4096), "sliding_window=4096"),
+                          (dict(model_type="qwen2", use_sliding_window=True),
+                           "use_sliding_window=True")):
     (tmp_path / "config.json").write_text(json.dumps({**base, **change}))
     with pytest.raises(hf.HFError, match=message):
       hf.read_config(str(tmp_path))
@@ -226,3 +230,14 @@ def test_live_tokenizer_equals_transformers():
     for g in (False, True):
       assert ours.apply_chat_template(chat, add_generation_prompt=g) == \
           theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=g)
+
+
+def test_sliding_window_counts_real_tokens_so_padding_changes_nothing():
+  d = os.path.join(FIXTURES, "mistral")
+  cfg = hf.read_config(d)
+  params = hf.load_params(d, cfg)
+  tokens = np.load(os.path.join(d, "tokens.npy"))
+  padded = np.concatenate([np.zeros((2, 5), np.int32), tokens], axis=1)
+  mask = np.concatenate([np.zeros((2, 5), np.int32), np.ones_like(tokens)], axis=1)
+  got = np.asarray(model_lib.logits(params, padded, mask, cfg))[:, 5:]
+  assert _rel(got, np.load(os.path.join(d, "logits.npy"))) <= 1e-5

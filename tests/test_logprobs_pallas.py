@@ -43,8 +43,9 @@ def test_against_float64_unaligned_sizes(dtype, bs, tol):
   _check(h, w, t, g, bs, tol)
 
 
-@pytest.mark.parametrize("dtype,block_n,d,block_d,tol", [(jnp.float32, 8, 384, 128, 1e-5),
-                                                         (jnp.bfloat16, 16, 512, 256, 2e-2)])
+@pytest.mark.parametrize("dtype,block_n,d,block_d,tol", [
+    (jnp.float32, 8, 384, 128, 1e-5),
+    pytest.param(jnp.bfloat16, 16, 512, 256, 2e-2, marks=pytest.mark.slow)])
 def test_hidden_size_split_into_blocks(dtype, block_n, d, block_d, tol):
   # 3 and 2 hidden blocks with ragged N and V, so the two-phase backward runs on edge
   # blocks too. Float32 d_weight accumulates in place, bfloat16 in VMEM scratch.
@@ -63,6 +64,7 @@ def test_explicit_tiles_are_checked_before_compiling():
     kernels.fused_logprobs(h, w, t, impl="interpret", block_sizes=BlockSizes(512, 128))
 
 
+@pytest.mark.slow  # 8 s of interpret mode; the fast tier keeps the unaligned-size tests
 def test_large_logits_all_ignored_rows_and_vocab_of_one():
   h, w, t, g = make_inputs(16, 32, 200, jnp.float32, scale=4e3)  # logits ~ 1e3
   t = t.at[:8].set(IGNORE_INDEX)  # the whole first token block is ignored

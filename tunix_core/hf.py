@@ -1,9 +1,9 @@
 """Hugging Face checkpoints in and out: `config.json` to `ModelConfig`, safetensors to the
 params pytree and back.
 
-This round covers the Llama family (`model_type` "llama": Llama 2, 3 and 3.x with
-explicit `head_dim`, `llama3` rope scaling and tied embeddings; and "mistral" without a
-sliding window). Anything else in a config is a named `HFError`, never a silent
+This round covers `model_type` "llama" (Llama 2, 3 and 3.x with explicit `head_dim`,
+`llama3` rope scaling and tied embeddings), "mistral" (sliding-window attention), "qwen2"
+(q/k/v biases) and "qwen3" (per-head q/k norms). Anything else in a config is a named `HFError`, never a silent
 approximation. `safetensors` is imported lazily (the `hf` extra).
 
 Layouts: HF `Linear` weights are `[out, in]`; ours are `[in, out]` with layers stacked on
@@ -79,9 +79,12 @@ def read_config(model_dir: str, **overrides) -> model_lib.ModelConfig:
   if family not in FAMILIES:
     raise HFError(f"model_type {family!r} is not supported; supported: {FAMILIES}")
   checks = [("hidden_act", "silu"), ("mlp_bias", False)]
-  # Qwen configs carry a sliding_window that only applies with use_sliding_window.
-  checks.append(("use_sliding_window", False) if family.startswith("qwen")
-                else ("sliding_window", None))
+  # Qwen configs carry a sliding_window that only applies with use_sliding_window (to
+  # some layers); Mistral's applies to every layer, Llama has none.
+  if family.startswith("qwen"):
+    checks.append(("use_sliding_window", False))
+  elif family == "llama":
+    checks.append(("sliding_window", None))
   if family != "qwen2":  # Qwen2 always has q/k/v biases and no attention_bias key
     checks.append(("attention_bias", False))
   for key, want in checks:
@@ -95,7 +98,9 @@ def read_config(model_dir: str, **overrides) -> model_lib.ModelConfig:
       head_dim=config.get("head_dim") or config["hidden_size"] // heads,
       mlp_dim=config["intermediate_size"], norm_eps=float(config.get("rms_norm_eps", 1e-6)),
       tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-      qkv_bias=family == "qwen2", qk_norm=family == "qwen3", **_rope(config))
+      qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
+      sliding_window=(config.get("sliding_window") or 0) if family == "mistral" else 0,
+      **_rope(config))
   fields.update(overrides)
   return model_lib.ModelConfig(**fields)
 
@@ -219,7 +224,9 @@ def _hf_config(cfg: model_lib.ModelConfig, dtype: str) -> dict:
                 high_freq_factor=cfg.rope_high_freq_factor,
                 original_max_position_embeddings=cfg.rope_original_max_positions)
   family, arch = (("qwen2", "Qwen2ForCausalLM") if cfg.qkv_bias else
-                  ("qwen3", "Qwen3ForCausalLM") if cfg.qk_norm else ("llama", "LlamaForCausalLM"))
+                  ("qwen3", "Qwen3ForCausalLM") if cfg.qk_norm else
+                  ("mistral", "MistralForCausalLM") if cfg.sliding_window else
+                  ("llama", "LlamaForCausalLM"))
   config = dict(
       architectures=[arch], model_type=family, vocab_size=cfg.vocab_size,
       hidden_size=cfg.d_model, num_hidden_layers=cfg.num_layers,
@@ -229,6 +236,8 @@ def _hf_config(cfg: model_lib.ModelConfig, dtype: str) -> dict:
       tie_word_embeddings=cfg.tie_embeddings, torch_dtype=dtype)
   if family != "qwen2":
     config.update(attention_bias=False, mlp_bias=False)
+  if family == "mistral":
+    config.update(sliding_window=cfg.sliding_window)
   return config
 
 

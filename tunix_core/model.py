@@ -52,6 +52,9 @@ class ModelConfig:
   norm_eps: float = 1e-5
   qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
   qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3)
+  # Each query attends to at most this many keys, itself included (Mistral); 0: all.
+  # Counted in real tokens (positions), so padding never shrinks the window.
+  sliding_window: int = 0
   tie_embeddings: bool = False
   param_dtype: str = "float32"
   compute_dtype: str = "float32"
@@ -71,6 +74,8 @@ class ModelConfig:
       if getattr(self, name) not in DTYPES:
         raise ValueError(f"ModelConfig.{name} must be one of {sorted(DTYPES)}, "
                          f"got {getattr(self, name)!r}")
+    if self.sliding_window < 0:
+      raise ValueError(f"ModelConfig.sliding_window must be >= 0, got {self.sliding_window}")
     if self.rope_type not in ROPE_TYPES:
       raise ValueError(f"ModelConfig.rope_type must be one of {ROPE_TYPES}, "
                        f"got {self.rope_type!r}")
@@ -225,6 +230,9 @@ def attention(x_BxTxD, layer, positions_BxT, mask_BxT, cfg: ModelConfig):
                                 preferred_element_type=jnp.float32) / jnp.sqrt(K)
   causal_TxS = jnp.tril(jnp.ones((T, T), dtype=bool))
   allowed_BxTxS = causal_TxS[None] & (mask_BxT[:, None, :] > 0)
+  if cfg.sliding_window:
+    distance_BxTxS = positions_BxT[:, :, None] - positions_BxT[:, None, :]
+    allowed_BxTxS &= distance_BxTxS < cfg.sliding_window
   # A finite fill keeps fully masked rows (padding queries) free of NaN.
   scores_BxVxGxTxS = jnp.where(allowed_BxTxS[:, None, None], scores_BxVxGxTxS, -1e30)
   probs = jax.nn.softmax(scores_BxVxGxTxS, axis=-1).astype(x_BxTxD.dtype)
