@@ -23,5 +23,7 @@ setup(
         "tpu": ["jax[tpu]>=0.10.2,<0.13"],
         # Hugging Face checkpoints (tunix_core.hf), imported lazily.
         "hf": ["safetensors>=0.4,<1", "tokenizers>=0.19,<1", "jinja2>=3.1,<4"],
+        # llama.cpp GGUF files to HF directories (tunix_core.hf_gguf), imported lazily.
+        "gguf": ["gguf>=0.10,<1"],
     },
 )

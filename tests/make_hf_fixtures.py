@@ -2,7 +2,7 @@
 logits `transformers` gives for them, so CI can check parity without torch.
 
     pip install torch==2.13.0 transformers safetensors   # CPU-only torch on Python 3.11
-    python tests/make_hf_fixtures.py
+    python tests/make_hf_fixtures.py [NAME ...]   # default: all of them
 
 Each fixture directory holds what `save_pretrained` writes (`config.json`,
 `model.safetensors`, float32), `tokens.npy` (int32 `[2, T]`), `logits.npy` (float32
@@ -56,6 +56,32 @@ FIXTURES = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=24, intermediate_size=80,
         rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.3,
         rope_theta=1000000.0, use_sliding_window=False),
+    # Gemma: (1 + w) norms, sqrt(d)-scaled tied embeddings, GeGLU, multi-query attention.
+    "gemma": dict(
+        model_type="gemma", vocab_size=128, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, intermediate_size=96,
+        hidden_act="gelu_pytorch_tanh", rms_norm_eps=1e-6, initializer_range=0.3,
+        rope_theta=10000.0),
+    # Gemma 2: pre and post norms, query_pre_attn_scalar != head_dim, both soft-caps small
+    # enough to bite, layers alternating sliding (window 8) and global.
+    "gemma2": dict(
+        model_type="gemma2", vocab_size=120, hidden_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+        hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, initializer_range=0.3,
+        query_pre_attn_scalar=40, sliding_window=8, attn_logit_softcapping=4.0,
+        final_logit_softcapping=3.0, rope_theta=10000.0),
+    # Gemma 3 text: q/k norms, 1 global layer per 2 here (5 : 1 in the real models), local
+    # layers with their own unscaled rope theta, global ones linearly scaled.
+    "gemma3_text": dict(
+        model_type="gemma3_text", vocab_size=136, hidden_size=48, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=80,
+        hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, initializer_range=0.3,
+        query_pre_attn_scalar=24, sliding_window=8, final_logit_softcapping=None,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                     "full_attention"],
+        rope_parameters={"full_attention": dict(rope_type="linear", factor=4.0,
+                                                rope_theta=1000000.0),
+                         "sliding_attention": dict(rope_type="default", rope_theta=10000.0)}),
 }
 
 
@@ -112,9 +138,11 @@ def make_tokenizer(out_dir):
   print("tokenizer", len(hf_tok))
 
 
-def main():
-  make_tokenizer(os.path.join(ROOT, "tokenizer"))
-  for name, kwargs in FIXTURES.items():
+def main(names):
+  if not names:
+    make_tokenizer(os.path.join(ROOT, "tokenizer"))
+  for name in names or FIXTURES:
+    kwargs = FIXTURES[name]
     torch.manual_seed(0)
     config = transformers.AutoConfig.for_model(**kwargs)
     config._attn_implementation = "eager"  # pylint: disable=protected-access
@@ -137,4 +165,5 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  import sys  # pylint: disable=g-import-not-at-top
+  main(sys.argv[1:])  # fixture names; none: the tokenizer and every fixture

@@ -120,3 +120,300 @@ def test_shipped_data_regenerates_identically(tmp_path):
       assert sorted(p["rejected"].split()) == sorted(p["chosen"].split())
     else:
       assert int(p["chosen"]) == max(digits) > int(p["rejected"])
+
+
+# --- Hugging Face tokenizers, TRL's preference formats -----------------------------------
+
+HF_TOKENIZER = os.path.join(REPO, "tests", "fixtures", "hf", "tokenizer")  # ChatML BPE, no BOS
+TRL_FIXTURE = os.path.join(REPO, "tests", "fixtures", "trl", "expected.json")
+
+
+def _hf_tok(model_dir=HF_TOKENIZER):
+  pytest.importorskip("tokenizers")
+  pytest.importorskip("jinja2")
+  from tunix_core import hf_tokenizer  # pylint: disable=g-import-not-at-top
+  return hf_tokenizer.HFTokenizer(model_dir)
+
+
+def _trl_fixture():
+  with open(TRL_FIXTURE, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def _msgs(*role_content):
+  return [{"role": r, "content": c} for r, c in role_content]
+
+
+def _expected_row(bos, prompt_ids, response_ids, pad, max_length):
+  """The documented layout, by hand: seq = bos + prompt + response (no truncation)."""
+  seq = bos + prompt_ids + response_ids
+  n, first = len(seq) - 1, len(bos) + len(prompt_ids) - 1
+  tokens = seq[:-1] + [pad] * (max_length - n)
+  targets = [IGN] * first + seq[first + 1:] + [IGN] * (max_length - n)
+  mask = [0] * first + [1] * (n - first) + [0] * (max_length - n)
+  return tokens, targets, mask, [1] * n + [0] * (max_length - n)
+
+
+def _assert_rows(ds, i, bos, prompt_ids, responses, pad):
+  for j, response in enumerate(responses):  # j: chosen, rejected
+    want = _expected_row(bos, prompt_ids, response, pad, ds.tokens.shape[-1])
+    for name, w in zip(("tokens", "targets", "loss_mask", "attention_mask"), want):
+      np.testing.assert_array_equal(getattr(ds, name)[i, j], w, err_msg=f"pair {i} {name}")
+
+
+def _trl_response(want, key):
+  """The response ids we build: TRL's joint split, or the response alone on a mismatch."""
+  return want[f"{key}_ids"] if want[f"{key}_prefix_match"] else want[f"{key}_alone_ids"]
+
+
+def test_rows_match_trl_construction_recorded_by_transformers(tmp_path):
+  fixture = _trl_fixture()
+  tok = _hf_tok()
+  path = _write(tmp_path, [json.dumps(p, ensure_ascii=False) for p in fixture["pairs"]])
+  ds = data.load_dataset(path, tok, max_length=96, max_prompt_length=64,
+                         vocab_size=tok.vocab_size)
+  assert len(ds) == len(fixture["pairs"]) and ds.num_dropped == 0
+  for i, want in enumerate(fixture["expected"]):
+    _assert_rows(ds, i, [], want["prompt_ids"],
+                 [_trl_response(want, k) for k in ("chosen", "rejected")], tok.pad_id)
+  mismatched = sum(not w[f"{k}_prefix_match"] for w in fixture["expected"]
+                   for k in ("chosen", "rejected"))
+  assert ds.num_prefix_mismatch == mismatched == 3
+
+
+@pytest.mark.slow  # imports transformers (when installed)
+def test_live_trl_construction_with_transformers(tmp_path):
+  transformers = pytest.importorskip("transformers")
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  spec = importlib.util.spec_from_file_location(
+      "make_trl_fixtures", os.path.join(REPO, "tests", "make_trl_fixtures.py"))
+  script = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(script)
+  hf_tok = transformers.AutoTokenizer.from_pretrained(HF_TOKENIZER)
+  fixture = _trl_fixture()
+  pairs = fixture["pairs"] + [  # and pairs the fixture does not hold
+      {"prompt": _msgs(("user", "a new question, never seen")),
+       "chosen": _msgs(("assistant", "  spaces and  doubles")),
+       "rejected": _msgs(("assistant", "no"))},
+      {"prompt": "quick brown", "chosen": " fox jumps", "rejected": " dog"}]
+  expected = [script.reference(hf_tok, p) for p in pairs]
+  assert expected[:len(fixture["pairs"])] == fixture["expected"]  # the fixture is current
+  ds = data.load_dataset(_write(tmp_path, [json.dumps(p) for p in pairs]), _hf_tok(), 96, 64)
+  for i, want in enumerate(expected):
+    _assert_rows(ds, i, [], want["prompt_ids"],
+                 [_trl_response(want, k) for k in ("chosen", "rejected")], hf_tok.pad_token_id)
+
+
+def test_plain_pairs_split_the_joint_tokens_at_the_seam(tmp_path):
+  tok = _hf_tok()
+  ids = {s: tok.encode(s) for s in ("Hello", "Hello ", "Hello world", " world", "world",
+                                    "the ", "the quick", "quick")}
+  # One text, two seams: "Hello" | " world" and "Hello " | "world" both split the joint
+  # ids [He ll o Ġ wor ld], 3 or 4 ids in.
+  assert ids["Hello world"] == ids["Hello"] + ids[" world"] == ids["Hello "] + ids["world"]
+  # "the " | "quick": the joint ids [the Ġqu ick] do not start with the prompt's [the Ġ];
+  # TRL's cut would leave [ick]; we keep [the Ġ] and the response alone, [qu ick].
+  assert ids["the quick"][:len(ids["the "])] != ids["the "]
+  path = _write(tmp_path, [_pair("Hello", " world", " world"), _pair("Hello ", "world", "quick"),
+                           _pair("the ", "quick", "quick<|im_end|>")])
+  ds = data.load_dataset(path, tok, 16, 8)
+  eos = [tok.eos_id]
+  _assert_rows(ds, 0, [], ids["Hello"], [ids[" world"] + eos] * 2, tok.pad_id)
+  _assert_rows(ds, 1, [], ids["Hello "], [ids["world"] + eos, ids["quick"] + eos], tok.pad_id)
+  _assert_rows(ds, 2, [], ids["the "], [ids["quick"] + eos] * 2, tok.pad_id)  # one EOS only
+  assert ds.num_prefix_mismatch == 3  # "Hello quick", and both responses of "the "
+
+
+def _metaspace_tokenizer(tmp_path):
+  """A SentencePiece-style BPE (Llama 2's `Metaspace`: a text's start gets a "▁"), with
+  BOS <s> (1) and EOS </s> (2)."""
+  tokenizers = pytest.importorskip("tokenizers")
+  pieces = ["<unk>", "<s>", "</s>", "▁", "H", "e", "l", "o", "w", "r", "d"]
+  merges = [("H", "e"), ("l", "l"), ("He", "ll"), ("Hell", "o"), ("▁", "Hello"),
+            ("w", "o"), ("wo", "r"), ("wor", "l"), ("worl", "d"), ("▁", "world")]
+  vocab = {p: i for i, p in enumerate(pieces + ["".join(m) for m in merges])}
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, merges, unk_token="<unk>"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace(prepend_scheme="first")
+  tok.add_special_tokens(["<s>", "</s>"])
+  d = tmp_path / "metaspace"
+  d.mkdir()
+  tok.save(str(d / "tokenizer.json"))
+  (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+  return _hf_tok(str(d)), vocab
+
+
+def test_joint_split_avoids_the_space_a_separate_encoding_prepends(tmp_path):
+  # "Hello" | "world" (no space): alone, "world" would be "▁world", a word of its own;
+  # in the joint "▁Helloworld" = [▁Hello, world] the split gives "world", as TRL does.
+  tok, v = _metaspace_tokenizer(tmp_path)
+  assert tok.encode("world") == [v["▁world"]] and tok.bos_id == 1 and tok.eos_id == 2
+  assert tok.encode("Helloworld") == [v["▁Hello"], v["world"]]
+  ds = data.load_dataset(_write(tmp_path, [_pair("Hello", "world", " world")]), tok, 8, 4)
+  _assert_rows(ds, 0, [1], [v["▁Hello"]], [[v["world"], 2], [v["▁world"], 2]], tok.pad_id)
+  assert ds.num_prefix_mismatch == 0
+
+
+def _with_bos_tokenizer(tmp_path, template_prefix="{{ bos_token }}"):
+  """The fixture tokenizer with `<|endoftext|>` (id 0) as BOS, written by the template."""
+  d = tmp_path / "tok_bos"
+  d.mkdir()
+  (d / "tokenizer.json").write_bytes(open(os.path.join(HF_TOKENIZER, "tokenizer.json"),
+                                          "rb").read())
+  config = json.load(open(os.path.join(HF_TOKENIZER, "tokenizer_config.json")))
+  config.update(bos_token="<|endoftext|>", pad_token=None,
+                chat_template=template_prefix + config["chat_template"])
+  (d / "tokenizer_config.json").write_text(json.dumps(config))
+  return _hf_tok(str(d))
+
+
+def test_bos_only_when_the_tokenizer_has_one_and_kept_by_truncation(tmp_path):
+  # No BOS and an empty prompt: the first response id has nothing before it to be scored
+  # from, so scoring starts at the second ("wor" predicts "ld").
+  ds = data.load_dataset(_write(tmp_path, [_pair("", "world", "world")], "nobos.jsonl"),
+                         _hf_tok(), 8, 4)
+  wor, ld = _hf_tok().encode("world")
+  np.testing.assert_array_equal(ds.tokens[0, 0], [wor, ld, 0, 0, 0, 0, 0, 0])
+  np.testing.assert_array_equal(ds.targets[0, 0], [ld, 2, IGN, IGN, IGN, IGN, IGN, IGN])
+  np.testing.assert_array_equal(ds.attention_mask[0, 0], [1, 1, 0, 0, 0, 0, 0, 0])
+  tok = _with_bos_tokenizer(tmp_path)
+  assert tok.bos_id == 0 and tok.pad_id == tok.eos_id == 2
+  ds = data.load_dataset(_write(tmp_path, [_pair("Hello", " world", " world")]), tok, 16, 8)
+  _assert_rows(ds, 0, [0], tok.encode("Hello"), [tok.encode(" world") + [2]] * 2, 2)
+  # A conversational prompt cut to its last 4 ids keeps the BOS its template wrote.
+  prompt = _msgs(("user", "Hi?"))
+  line = json.dumps({"prompt": prompt, "chosen": _msgs(("assistant", "4")),
+                     "rejected": _msgs(("assistant", "5"))})
+  ds = data.load_dataset(_write(tmp_path, [line], "chat.jsonl"), tok, 16, 4)
+  prompt_ids = tok.encode(tok.apply_chat_template(prompt, add_generation_prompt=True))
+  assert prompt_ids[0] == 0 and len(prompt_ids) > 5
+  for j, digit in enumerate("45"):
+    response = tok.encode(f"{digit}<|im_end|>\n")
+    want = _expected_row([0], prompt_ids[-4:], response, 2, 16)
+    np.testing.assert_array_equal(ds.tokens[0, j], want[0])
+    np.testing.assert_array_equal(ds.loss_mask[0, j], want[2])
+
+
+def test_chat_template_override_and_mismatch_fallback(tmp_path):
+  tok = _hf_tok()
+  # A template whose generation prompt opens a "<think>" the rendered reply lacks (as
+  # DeepSeek-R1's does): the response is the text after the common prefix.
+  jinja = tmp_path / "think.jinja"
+  jinja.write_text("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content']"
+                   " + '<|im_end|>\\n' }}{% endfor %}"
+                   "{% if add_generation_prompt %}"
+                   "{{ '<|im_start|>assistant\\n<think>' }}{% endif %}")
+  think = data.with_chat_template(tok, str(jinja))
+  assert think.chat_template == jinja.read_text() and tok.chat_template != think.chat_template
+  line = json.dumps({"prompt": _msgs(("user", "Hi?")), "chosen": _msgs(("assistant", "4")),
+                     "rejected": _msgs(("assistant", ""))})
+  path = _write(tmp_path, [line, line.replace('"content": ""', '"content": "5"')])
+  ds = data.load_dataset(path, think, 48, 32)
+  assert len(ds) == 1 and ds.num_dropped == 1  # the empty reply is dropped
+  prompt_ids = tok.encode("<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n<think>")
+  _assert_rows(ds, 0, [], prompt_ids, [tok.encode(f"{d}<|im_end|>\n") for d in "45"],
+               tok.pad_id)
+  assert ds.num_prefix_mismatch == 2
+  assert data.with_chat_template(tok, "auto") is tok
+  assert data.with_chat_template(tok, "none").chat_template is None
+  assert data.with_chat_template(TOK, "none") is TOK
+  with pytest.raises(data.DataError, match="ByteTokenizer cannot render chat templates"):
+    data.with_chat_template(TOK, str(jinja))
+  with pytest.raises(data.DataError, match="nope.jinja: cannot read the chat template"):
+    data.with_chat_template(tok, str(tmp_path / "nope.jinja"))
+
+
+def test_conversational_pair_without_chat_template(tmp_path):
+  line = json.dumps({"prompt": _msgs(("user", "Hi?")), "chosen": _msgs(("assistant", "a")),
+                     "rejected": _msgs(("assistant", "b"))})
+  path = _write(tmp_path, [_pair("p", "c", "r"), line])
+  for tok in (TOK, data.with_chat_template(_hf_tok(), "none")):
+    with pytest.raises(data.DataError, match="pairs.jsonl:2: a conversational pair "
+                       r"\(message lists\) needs a chat template and the tokenizer has none"):
+      data.load_dataset(path, tok, 16, 8)
+  assert _hf_tok().chat_template is not None
+
+
+def test_failing_chat_template_names_the_line(tmp_path):
+  tok = _hf_tok()
+  jinja = tmp_path / "strict.jinja"
+  jinja.write_text("{% if messages[0]['role'] == 'system' %}"
+                   "{{ raise_exception('no system messages') }}{% endif %}{{ 'x' }}")
+  line = json.dumps({"prompt": _msgs(("system", "s"), ("user", "u")),
+                     "chosen": _msgs(("assistant", "a")), "rejected": _msgs(("assistant", "b"))})
+  with pytest.raises(data.DataError, match="pairs.jsonl:1: the chat template failed "
+                     r"\(TokenizerError: chat template: no system messages\)"):
+    data.load_dataset(_write(tmp_path, [line]), data.with_chat_template(tok, str(jinja)), 16, 8)
+
+
+_A = '[{"role": "assistant", "content": "a"}]'
+_U = '[{"role": "user", "content": "u"}]'
+
+
+@pytest.mark.parametrize("line,message", [
+    (f'{{"prompt": {_U}, "chosen": "a", "rejected": {_A}}}',
+     r"field 'chosen' must be a list of one assistant message \(the prompt is a message list\), "
+     "got str"),
+    (f'{{"prompt": {_U}, "chosen": {_A}, "rejected": [{_A[1:-1]}, {_A[1:-1]}]}}',
+     "field 'rejected' must be a list of one assistant message .* got 2 messages"),
+    (f'{{"prompt": {_U}, "chosen": {_U}, "rejected": {_A}}}',
+     "field 'chosen' must hold an 'assistant' message, got 'user'"),
+    (f'{{"prompt": [{{"role": "user"}}], "chosen": {_A}, "rejected": {_A}}}',
+     "field 'prompt' message 0 must be an object with string 'role' and 'content'"),
+    (f'{{"prompt": {_U}, "chosen": [{{"role": "assistant", "content": [1]}}], '
+     f'"rejected": {_A}}}', "field 'chosen' message 0 must be an object"),
+    (f'{{"prompt": [{_U[1:-1]}, "hi"], "chosen": {_A}, "rejected": {_A}}}',
+     "field 'prompt' message 1 must be an object"),
+    (f'{{"prompt": [], "chosen": {_A}, "rejected": {_A}}}',
+     "field 'prompt' is an empty message list"),
+    (f'{{"prompt": 5, "chosen": {_A}, "rejected": {_A}}}',
+     "field 'prompt' must be a string or a list of messages, got int"),
+    (f'{{"prompt": "p", "chosen": {_A}, "rejected": "r"}}',
+     "field 'chosen' must be a string, got list"),
+])
+def test_malformed_message_lists_name_file_and_line(tmp_path, line, message):
+  json.loads(line)  # the line itself is valid JSON
+  path = _write(tmp_path, [_pair("p", "c", "r"), line])
+  with pytest.raises(data.DataError, match=f"pairs.jsonl:2: {message}"):
+    data.read_jsonl(path)
+  pairs, skipped = data.read_jsonl(path, skip_bad_lines=True)
+  assert len(pairs) == 1 and skipped == 1
+  assert len(data.load_dataset(path, TOK, 16, 8, skip_bad_lines=True)) == 1
+
+
+def test_token_ids_beyond_the_model_vocabulary(tmp_path):
+  tok = _hf_tok()
+  path = _write(tmp_path, [_pair("a", "b", "c"), _pair("Hello", " world", " doubles")])
+  low = max(tok.encode("abc") + [tok.eos_id, tok.pad_id])
+  high = max(tok.encode("Hello world doubles"))
+  assert low < 100 < high
+  with pytest.raises(data.DataError, match=f"pairs.jsonl:2: token id {high} is not below "
+                     "the model's vocabulary size 100"):
+    data.load_dataset(path, tok, 16, 8, vocab_size=100)
+  assert len(data.load_dataset(path, tok, 16, 8, vocab_size=high + 1)) == 2
+  with pytest.raises(data.DataError, match="pairs.jsonl: the tokenizer's pad id 258 is not "
+                     "below the model's vocabulary size 258"):
+    data.load_dataset(path, TOK, 16, 8, vocab_size=258)
+  with pytest.raises(data.DataError, match="x.jsonl:1: token id 257 is not below"):
+    data.load_dataset(_write(tmp_path, [_pair("a", "b", "c")], "x.jsonl"), _Pad0(), 16, 8,
+                      vocab_size=257)
+
+
+class _Pad0(data.ByteTokenizer):
+  pad_id = 0
+
+
+def test_byte_rows_of_the_shipped_data_are_bos_prompt_response_eos():
+  # Byte tokenizer rows stay exactly [BOS] + UTF-8 prompt + UTF-8 response + EOS.
+  path = os.path.join(REPO, "data", "eval.jsonl")
+  pairs, _ = data.read_jsonl(path)
+  ds = data.load_dataset(path, TOK, 48, 24, vocab_size=TOK.vocab_size)
+  assert len(ds) == len(pairs) and ds.num_prefix_mismatch == ds.num_dropped == 0
+  assert all(a.dtype == np.int32 for a in (ds.tokens, ds.targets, ds.loss_mask))
+  for i, p in enumerate(pairs):
+    prompt = list(p["prompt"].encode())[-24:]
+    for j, key in enumerate(("chosen", "rejected")):
+      seq = ([BOS] + prompt + list(p[key].encode()) + [EOS])[:49]
+      n = len(seq) - 1
+      assert ds.tokens[i, j].tolist() == seq[:-1] + [PAD] * (48 - n)
+      assert ds.targets[i, j].tolist() == [IGN] * len(prompt) + seq[1 + len(prompt):] + \
+          [IGN] * (48 - n)

@@ -22,7 +22,7 @@ from tunix_core import model as model_lib
 
 pytest.importorskip("safetensors")
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf")
-NAMES = ("llama3", "llama_tied", "mistral", "qwen2", "qwen3")
+NAMES = ("llama3", "llama_tied", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 
 
 def _rel(got, want):
@@ -48,7 +48,14 @@ def test_logits_match_transformers_on_the_committed_fixtures(name):
 @pytest.mark.parametrize("name,changes", [
     ("llama3", (dict(rope_type="default"), dict(rope_theta=5e4), dict(norm_eps=1e-1))),
     ("mistral", (dict(sliding_window=0),)), ("qwen2", (dict(qkv_bias=False),)),
-    ("qwen3", (dict(qk_norm=False),))])
+    ("qwen3", (dict(qk_norm=False),)),
+    ("gemma", (dict(norm_offset=0.0), dict(embed_scale=False), dict(mlp_activation="silu"))),
+    ("gemma2", (dict(post_norms=False, params="drop_post_norms"), dict(attn_softcap=0.0),
+                dict(final_softcap=0.0), dict(query_pre_attn_scalar=0.0),
+                dict(layer_types=("full_attention",) * 3))),
+    ("gemma3_text", (dict(rope_local_theta=0.0), dict(rope_type="default"),
+                     dict(qk_norm=False, params="drop_qk_norms"),
+                     dict(layer_types=("sliding_attention",) * 4)))])
 def test_every_config_option_moves_the_logits(name, changes):
   # The fixtures would not catch a feature we ignore unless ignoring it changes the
   # logits by far more than the tolerance.
@@ -57,7 +64,13 @@ def test_every_config_option_moves_the_logits(name, changes):
   params = hf.load_params(d, cfg)
   want = np.load(os.path.join(d, "logits.npy"))
   for change in changes:
-    moved = np.abs(_logits(d, dataclasses.replace(cfg, **change), params) - want)
+    p = params
+    drop = change.pop("params", None)
+    if drop:  # the config without a feature has fewer weights
+      names = {"drop_post_norms": ("post_attn_norm", "post_mlp_norm"),
+               "drop_qk_norms": ("q_norm", "k_norm")}[drop]
+      p = {**params, "layers": {k: v for k, v in params["layers"].items() if k not in names}}
+    moved = np.abs(_logits(d, dataclasses.replace(cfg, **change), p) - want)
     assert moved.max() > 0.1, change
 
 
@@ -89,6 +102,51 @@ def test_config_errors_name_the_problem(tmp_path):
                           (dict(model_type="qwen2", use_sliding_window=True),
                            "use_sliding_window=True")):
     (tmp_path / "config.json").write_text(json.dumps({**base, **change}))
+    with pytest.raises(hf.HFError, match=message):
+      hf.read_config(str(tmp_path))
+
+
+def test_gemma_layer_patterns_defaults_and_the_multimodal_wrapper(tmp_path):
+  # Which layers slide comes from layer_types or, in older configs, from
+  # sliding_window_pattern; a multimodal Gemma 3 reads as its text part, its vision tower
+  # left out of the weights.
+  from safetensors.numpy import load_file, save_file
+  d = os.path.join(FIXTURES, "gemma3_text")
+  cfg = hf.read_config(d)
+  config = json.load(open(os.path.join(d, "config.json")))
+  legacy = {k: v for k, v in config.items() if k not in ("layer_types", "rope_parameters")}
+  legacy.update(sliding_window_pattern=2, rope_theta=1e6, rope_local_base_freq=1e4,
+                rope_scaling=dict(rope_type="linear", factor=4.0))
+  (tmp_path / "config.json").write_text(json.dumps(legacy))
+  assert hf.read_config(str(tmp_path)) == cfg
+  legacy["sliding_window_pattern"] = 4
+  (tmp_path / "config.json").write_text(json.dumps(legacy))
+  assert hf.read_config(str(tmp_path)).layer_types == (
+      ("sliding_attention",) * 3 + ("full_attention",))
+  wrapped = tmp_path / "mm"
+  wrapped.mkdir()
+  (wrapped / "config.json").write_text(json.dumps(
+      {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+       "text_config": config, "vision_config": {"hidden_size": 8}}))
+  tensors = {"model.language_model." + k[len("model."):]: v
+             for k, v in load_file(os.path.join(d, "model.safetensors")).items()}
+  tensors["model.vision_tower.patch.weight"] = np.zeros((8, 3), np.float32)
+  save_file(tensors, str(wrapped / "model.safetensors"))
+  assert hf.read_config(str(wrapped)) == cfg
+  assert _rel(_logits(str(wrapped), tokens_from=d), np.load(os.path.join(d, "logits.npy"))) <= 1e-5
+  gemma2 = json.load(open(os.path.join(FIXTURES, "gemma2", "config.json")))
+  for key in ("layer_types", "attn_logit_softcapping", "final_logit_softcapping",
+              "query_pre_attn_scalar", "sliding_window"):
+    gemma2.pop(key)
+  (tmp_path / "config.json").write_text(json.dumps(gemma2))
+  defaults = hf.read_config(str(tmp_path))
+  assert (defaults.attn_softcap, defaults.final_softcap, defaults.query_pre_attn_scalar,
+          defaults.sliding_window, defaults.layer_types) == (
+              50.0, 30.0, 256.0, 4096, ("sliding_attention", "full_attention") * 1 +
+              ("sliding_attention",))
+  for change, message in ((dict(hidden_activation="gelu_new"), "hidden_activation='gelu_new'"),
+                          (dict(use_bidirectional_attention=True), "use_bidirectional")):
+    (tmp_path / "config.json").write_text(json.dumps({**gemma2, **change}))
     with pytest.raises(hf.HFError, match=message):
       hf.read_config(str(tmp_path))
 

@@ -8,6 +8,7 @@ a jinja2 sandbox with the options and helpers `transformers` gives them (`trim_b
 """
 
 import datetime
+import functools
 import json
 import os
 
@@ -87,6 +88,7 @@ class HFTokenizer:
         **{k: v for k, v in self.special_tokens.items() if v is not None})
 
 
+@functools.lru_cache(maxsize=8)  # a dataset renders one template thousands of times
 def _compile(template: str):
   from jinja2.sandbox import ImmutableSandboxedEnvironment  # pylint: disable=g-import-not-at-top
 

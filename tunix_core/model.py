@@ -1,142 +1,75 @@
-"""A decoder-only, Llama-style transformer as pure functions over a params pytree.
+"""A decoder-only transformer as pure functions over a params pytree.
 
-Token embedding, RMSNorm, rotary position embeddings (optionally llama3-scaled),
-grouped-query attention (optionally with q/k/v biases, Qwen2, or per-head q/k norms,
-Qwen3) and a SwiGLU MLP; layers are stacked along a leading axis and run with
-`lax.scan`. The forward pass stops at the final norm: it returns hidden states
-`[B, T, D]` and the LM head is applied by `kernels.fused_logprobs`, so no `[B, T, V]`
-logits exist here (`logits` builds them, for evaluation and tests only).
+Token embedding, RMSNorm, rotary position embeddings, grouped-query attention and a
+gated MLP, with the per-family options of `ModelConfig` (Llama, Mistral, Qwen2, Qwen3,
+Gemma 1/2/3; see `tunix_core.model_config`). Layers are stacked along a leading axis and
+run with `lax.scan`; what differs between layers (sliding window or not, Gemma 3's local
+rope) travels through the scan as arrays built from the config, not as Python branches.
+The forward pass stops at the final norm: it returns hidden states `[B, T, D]` and the LM
+head is applied by `kernels.fused_logprobs`, so no `[B, T, V]` logits exist here (`logits`
+builds them, for evaluation and tests only).
 """
-
-import dataclasses
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
-RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
+from tunix_core import model_config
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-ROPE_TYPES = ("default", "llama3")
-
-REMAT_POLICIES = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-  """Shapes and numerics of the model. Hashable, so it can be a jit static argument."""
-
-  vocab_size: int = 259
-  d_model: int = 128
-  num_layers: int = 2
-  num_heads: int = 4
-  num_kv_heads: int = 2
-  head_dim: int = 32
-  mlp_dim: int = 384
-  rope_theta: float = 10_000.0
-  # Rotary frequency scaling: "default" (none) or "llama3" (Llama 3.1+): wavelengths
-  # longer than original_max_positions / low_freq_factor are divided by rope_factor,
-  # shorter than original_max_positions / high_freq_factor kept, smoothly in between.
-  rope_type: str = "default"
-  rope_factor: float = 1.0
-  rope_low_freq_factor: float = 1.0
-  rope_high_freq_factor: float = 4.0
-  rope_original_max_positions: int = 8192
-  norm_eps: float = 1e-5
-  qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
-  qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3)
-  # Each query attends to at most this many keys, itself included (Mistral); 0: all.
-  # Counted in real tokens (positions), so padding never shrinks the window.
-  sliding_window: int = 0
-  tie_embeddings: bool = False
-  param_dtype: str = "float32"
-  compute_dtype: str = "float32"
-  remat: RematPolicy = "none"
-
-  def __post_init__(self):
-    for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
-                 "head_dim", "mlp_dim"):
-      if getattr(self, name) <= 0:
-        raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
-    if self.num_heads % self.num_kv_heads:
-      raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
-                       f"({self.num_kv_heads})")
-    if self.head_dim % 2:
-      raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-    for name in ("param_dtype", "compute_dtype"):
-      if getattr(self, name) not in DTYPES:
-        raise ValueError(f"ModelConfig.{name} must be one of {sorted(DTYPES)}, "
-                         f"got {getattr(self, name)!r}")
-    if self.sliding_window < 0:
-      raise ValueError(f"ModelConfig.sliding_window must be >= 0, got {self.sliding_window}")
-    if self.rope_type not in ROPE_TYPES:
-      raise ValueError(f"ModelConfig.rope_type must be one of {ROPE_TYPES}, "
-                       f"got {self.rope_type!r}")
-    if self.remat not in REMAT_POLICIES:
-      raise ValueError(f"ModelConfig.remat must be one of {sorted(REMAT_POLICIES)}, "
-                       f"got {self.remat!r}")
+# The config lives in its own module; these names are part of this module's API.
+ModelConfig = model_config.ModelConfig
+RematPolicy = model_config.RematPolicy
+DTYPES = model_config.DTYPES
+ROPE_TYPES = model_config.ROPE_TYPES
+MLP_ACTIVATIONS = model_config.MLP_ACTIVATIONS
+LAYER_TYPES = model_config.LAYER_TYPES
+REMAT_POLICIES = model_config.REMAT_POLICIES
+PRESETS = model_config.PRESETS
+preset = model_config.preset
 
 
-PRESETS = {
-    # CPU-sized: trains on the shipped data in minutes on two cores.
-    "tiny": ModelConfig(),
-    # GPT-3 "small" / Pythia-160m-like shapes with a Llama vocabulary of 32k.
-    "125m": ModelConfig(vocab_size=32_000, d_model=768, num_layers=12, num_heads=12,
-                        num_kv_heads=12, head_dim=64, mlp_dim=2048, tie_embeddings=True),
-    # TinyLlama-1.1B shapes.
-    "1b": ModelConfig(vocab_size=32_000, d_model=2048, num_layers=22, num_heads=32,
-                      num_kv_heads=4, head_dim=64, mlp_dim=5632),
-}
-
-
-def preset(name: str, **overrides) -> ModelConfig:
-  """Returns the named preset, with any fields replaced by `overrides`."""
-  if name not in PRESETS:
-    raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
-  return dataclasses.replace(PRESETS[name], **overrides)
+def _layer_leaves(cfg: ModelConfig) -> dict:
+  """`{per-layer leaf: (shape without [L], PartitionSpec without L given model axis m)}`."""
+  D, F = cfg.d_model, cfg.mlp_dim
+  q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  leaves = {"attn_norm": ((D,), "norm"), "wq": ((D, q_dim), "col"),
+            "wk": ((D, kv_dim), "col"), "wv": ((D, kv_dim), "col"),
+            "wo": ((q_dim, D), "row"), "mlp_norm": ((D,), "norm"),
+            "w_gate": ((D, F), "col"), "w_up": ((D, F), "col"), "w_down": ((F, D), "row")}
+  if cfg.qkv_bias:
+    leaves.update(bq=((q_dim,), "bias"), bk=((kv_dim,), "bias"), bv=((kv_dim,), "bias"))
+  if cfg.qk_norm:
+    leaves.update(q_norm=((cfg.head_dim,), "norm"), k_norm=((cfg.head_dim,), "norm"))
+  if cfg.post_norms:
+    leaves.update(post_attn_norm=((D,), "norm"), post_mlp_norm=((D,), "norm"))
+  return leaves
 
 
 def init_params(key: jax.Array, cfg: ModelConfig) -> dict:
-  """Random params: normal(0, 1/sqrt(fan_in)) matrices, unit norm scales.
+  """Random params: normal(0, 1/sqrt(fan_in)) matrices, zero biases, norm scales that
+  multiply by one (1, or 0 under Gemma's `norm_offset=1`).
 
   Layer weights carry a leading `[L]` axis so the forward can scan over layers.
   """
   dtype = DTYPES[cfg.param_dtype]
-  L, D, F = cfg.num_layers, cfg.d_model, cfg.mlp_dim
-  q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-  keys = iter(jax.random.split(key, 9))
+  L, D = cfg.num_layers, cfg.d_model
+  leaves = _layer_leaves(cfg)
+  keys = iter(jax.random.split(key, len(leaves) + 2))
 
   def dense(shape, fan_in):
     return (jax.random.normal(next(keys), shape, jnp.float32) / jnp.sqrt(fan_in)).astype(dtype)
 
-  params = {
-      "embed": dense((cfg.vocab_size, D), 1.0),
-      "layers": {
-          "attn_norm": jnp.ones((L, D), dtype),
-          "wq": dense((L, D, q_dim), D),
-          "wk": dense((L, D, kv_dim), D),
-          "wv": dense((L, D, kv_dim), D),
-          "wo": dense((L, q_dim, D), q_dim),
-          "mlp_norm": jnp.ones((L, D), dtype),
-          "w_gate": dense((L, D, F), D),
-          "w_up": dense((L, D, F), D),
-          "w_down": dense((L, F, D), F),
-      },
-      "final_norm": jnp.ones((D,), dtype),
-  }
-  if cfg.qkv_bias:
-    params["layers"].update(bq=jnp.zeros((L, q_dim), dtype), bk=jnp.zeros((L, kv_dim), dtype),
-                            bv=jnp.zeros((L, kv_dim), dtype))
-  if cfg.qk_norm:
-    params["layers"].update(q_norm=jnp.ones((L, cfg.head_dim), dtype),
-                            k_norm=jnp.ones((L, cfg.head_dim), dtype))
+  def leaf(shape, kind):
+    if kind == "norm":
+      return jnp.full((L,) + shape, 1.0 - cfg.norm_offset, dtype)
+    if kind == "bias":
+      return jnp.zeros((L,) + shape, dtype)
+    return dense((L,) + shape, shape[0])
+
+  params = {"embed": dense((cfg.vocab_size, D), 1.0),
+            "layers": {name: leaf(*spec) for name, spec in leaves.items()},
+            "final_norm": jnp.full((D,), 1.0 - cfg.norm_offset, dtype)}
   if not cfg.tie_embeddings:
     params["lm_head"] = dense((D, cfg.vocab_size), D)
   return params
@@ -150,25 +83,11 @@ def param_specs(cfg: ModelConfig, model_axis: str | None = None) -> dict:
   Megatron-style; norm scales stay replicated.
   """
   m = model_axis
-  specs = {
-      "embed": P(m, None),
-      "layers": {
-          "attn_norm": P(None, None),
-          "wq": P(None, None, m),
-          "wk": P(None, None, m),
-          "wv": P(None, None, m),
-          "wo": P(None, m, None),
-          "mlp_norm": P(None, None),
-          "w_gate": P(None, None, m),
-          "w_up": P(None, None, m),
-          "w_down": P(None, m, None),
-      },
-      "final_norm": P(None),
-  }
-  if cfg.qkv_bias:
-    specs["layers"].update(bq=P(None, m), bk=P(None, m), bv=P(None, m))
-  if cfg.qk_norm:
-    specs["layers"].update(q_norm=P(None, None), k_norm=P(None, None))
+  by_kind = {"norm": P(None, None), "bias": P(None, m), "col": P(None, None, m),
+             "row": P(None, m, None)}
+  specs = {"embed": P(m, None),
+           "layers": {name: by_kind[kind] for name, (_, kind) in _layer_leaves(cfg).items()},
+           "final_norm": P(None)}
   if not cfg.tie_embeddings:
     specs["lm_head"] = P(None, m)
   return specs
@@ -179,25 +98,43 @@ def lm_head(params: dict, cfg: ModelConfig) -> jax.Array:
   return params["embed"].T if cfg.tie_embeddings else params["lm_head"]
 
 
-def rms_norm(x_BxTxD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x_BxTxD: jax.Array, scale_D: jax.Array, eps: float, offset: float = 0.0
+             ) -> jax.Array:
+  """RMSNorm in float32, scaled by `offset + scale_D` before the cast back (as Gemma
+  and Llama both do in float32)."""
   x = x_BxTxD.astype(jnp.float32)
   x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-  return (x * scale_D.astype(jnp.float32)).astype(x_BxTxD.dtype)
+  return (x * (offset + scale_D.astype(jnp.float32))).astype(x_BxTxD.dtype)
 
 
-def rope_frequencies(cfg: ModelConfig) -> jax.Array:
-  """Float32 `[head_dim / 2]` rotary frequencies, with `cfg.rope_type`'s scaling."""
+def rope_frequencies(cfg: ModelConfig, local: bool = False) -> np.ndarray:
+  """Float32 `[head_dim / 2]` rotary frequencies: `cfg.rope_type`'s scaling of
+  `rope_theta`, or for a local (sliding) layer with `rope_local_theta` set, that theta
+  unscaled."""
   half = cfg.head_dim // 2
-  freqs_K = cfg.rope_theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  if cfg.rope_type == "llama3":
-    wavelen_K = 2 * jnp.pi / freqs_K
-    low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
-    orig = cfg.rope_original_max_positions
-    smooth_K = (orig / wavelen_K - low) / (high - low)
-    blended_K = (1 - smooth_K) * freqs_K / cfg.rope_factor + smooth_K * freqs_K
-    freqs_K = jnp.where(wavelen_K > orig / low, freqs_K / cfg.rope_factor,
-                        jnp.where(wavelen_K < orig / high, freqs_K, blended_K))
-  return freqs_K
+  theta = cfg.rope_local_theta if local and cfg.rope_local_theta else cfg.rope_theta
+  freqs_K = (theta ** (-np.arange(half, dtype=np.float64) * 2 / cfg.head_dim)
+             ).astype(np.float32)
+  if local and cfg.rope_local_theta or cfg.rope_type == "default":
+    return freqs_K
+  if cfg.rope_type == "linear":
+    return freqs_K / np.float32(cfg.rope_factor)
+  wavelen_K = 2 * np.pi / freqs_K
+  low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+  orig = cfg.rope_original_max_positions
+  smooth_K = (orig / wavelen_K - low) / (high - low)
+  blended_K = (1 - smooth_K) * freqs_K / cfg.rope_factor + smooth_K * freqs_K
+  return np.where(wavelen_K > orig / low, freqs_K / cfg.rope_factor,
+                  np.where(wavelen_K < orig / high, freqs_K, blended_K)).astype(np.float32)
+
+
+def layer_settings(cfg: ModelConfig) -> dict:
+  """What differs between layers, as arrays scanned with the layer params:
+  `window` int32 `[L]` (keys each query may see; 0: all) and `freqs` float32
+  `[L, head_dim / 2]` (rotary frequencies). Constants, not params."""
+  sliding = cfg.sliding_layers()
+  return {"window": np.array([cfg.sliding_window if s else 0 for s in sliding], np.int32),
+          "freqs": np.stack([rope_frequencies(cfg, local=s) for s in sliding])}
 
 
 def apply_rope(x_BxTxHxK: jax.Array, positions_BxT: jax.Array, freqs_K: jax.Array
@@ -210,8 +147,14 @@ def apply_rope(x_BxTxHxK: jax.Array, positions_BxT: jax.Array, freqs_K: jax.Arra
   return out.astype(x_BxTxHxK.dtype)
 
 
-def attention(x_BxTxD, layer, positions_BxT, mask_BxT, cfg: ModelConfig):
-  """Causal grouped-query attention; keys where `mask_BxT` is 0 are never attended."""
+def softcap(x: jax.Array, cap: float) -> jax.Array:
+  """`cap * tanh(x / cap)`; the identity for `cap == 0`."""
+  return cap * jnp.tanh(x / cap) if cap else x
+
+
+def attention(x_BxTxD, layer, setting, positions_BxT, mask_BxT, cfg: ModelConfig):
+  """Causal grouped-query attention; keys where `mask_BxT` is 0 are never attended, nor
+  keys `setting["window"]` or more positions back (when it is not 0)."""
   B, T, _ = x_BxTxD.shape
   H, KV, K = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   G = H // KV
@@ -221,18 +164,21 @@ def attention(x_BxTxD, layer, positions_BxT, mask_BxT, cfg: ModelConfig):
   q_BxTxHxK, k_BxTxVxK = q.reshape(B, T, H, K), k.reshape(B, T, KV, K)
   v_BxTxVxK = v.reshape(B, T, KV, K)
   if cfg.qk_norm:
-    q_BxTxHxK = rms_norm(q_BxTxHxK, layer["q_norm"], cfg.norm_eps)
-    k_BxTxVxK = rms_norm(k_BxTxVxK, layer["k_norm"], cfg.norm_eps)
-  q_BxTxHxK = apply_rope(q_BxTxHxK, positions_BxT, rope_frequencies(cfg))
-  k_BxTxVxK = apply_rope(k_BxTxVxK, positions_BxT, rope_frequencies(cfg))
+    q_BxTxHxK = rms_norm(q_BxTxHxK, layer["q_norm"], cfg.norm_eps, cfg.norm_offset)
+    k_BxTxVxK = rms_norm(k_BxTxVxK, layer["k_norm"], cfg.norm_eps, cfg.norm_offset)
+  q_BxTxHxK = apply_rope(q_BxTxHxK, positions_BxT, setting["freqs"])
+  k_BxTxVxK = apply_rope(k_BxTxVxK, positions_BxT, setting["freqs"])
   q_BxTxVxGxK = q_BxTxHxK.reshape(B, T, KV, G, K)
-  scores_BxVxGxTxS = jnp.einsum("btvgk,bsvk->bvgts", q_BxTxVxGxK, k_BxTxVxK,
-                                preferred_element_type=jnp.float32) / jnp.sqrt(K)
+  scale = (cfg.query_pre_attn_scalar or K) ** -0.5
+  scores_BxVxGxTxS = softcap(jnp.einsum("btvgk,bsvk->bvgts", q_BxTxVxGxK, k_BxTxVxK,
+                                        preferred_element_type=jnp.float32) * scale,
+                             cfg.attn_softcap)
   causal_TxS = jnp.tril(jnp.ones((T, T), dtype=bool))
   allowed_BxTxS = causal_TxS[None] & (mask_BxT[:, None, :] > 0)
   if cfg.sliding_window:
     distance_BxTxS = positions_BxT[:, :, None] - positions_BxT[:, None, :]
-    allowed_BxTxS &= distance_BxTxS < cfg.sliding_window
+    window = setting["window"]
+    allowed_BxTxS &= (window == 0) | (distance_BxTxS < window)
   # A finite fill keeps fully masked rows (padding queries) free of NaN.
   scores_BxVxGxTxS = jnp.where(allowed_BxTxS[:, None, None], scores_BxVxGxTxS, -1e30)
   probs = jax.nn.softmax(scores_BxVxGxTxS, axis=-1).astype(x_BxTxD.dtype)
@@ -240,8 +186,20 @@ def attention(x_BxTxD, layer, positions_BxT, mask_BxT, cfg: ModelConfig):
   return out_BxTxVxGxK.reshape(B, T, H * K) @ layer["wo"]
 
 
-def mlp(x_BxTxD, layer):
-  return (jax.nn.silu(x_BxTxD @ layer["w_gate"]) * (x_BxTxD @ layer["w_up"])) @ layer["w_down"]
+def mlp(x_BxTxD, layer, cfg: ModelConfig):
+  gate = x_BxTxD @ layer["w_gate"]
+  gate = (jax.nn.silu(gate) if cfg.mlp_activation == "silu"
+          else jax.nn.gelu(gate, approximate=True))
+  return (gate * (x_BxTxD @ layer["w_up"])) @ layer["w_down"]
+
+
+def embed(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig) -> jax.Array:
+  """Token embeddings `[B, T, D]` in the compute dtype; Gemma's sqrt(d_model) factor is
+  rounded to the param dtype and applied in it, as `transformers` does."""
+  x_BxTxD = params["embed"][tokens_BxT]
+  if cfg.embed_scale:
+    x_BxTxD = x_BxTxD * jnp.asarray(np.sqrt(np.float32(cfg.d_model)), x_BxTxD.dtype)
+  return x_BxTxD.astype(DTYPES[cfg.compute_dtype])
 
 
 def forward(params: dict, tokens_BxT: jax.Array, mask_BxT: jax.Array | None,
@@ -260,26 +218,34 @@ def forward(params: dict, tokens_BxT: jax.Array, mask_BxT: jax.Array | None,
     mask_BxT = jnp.ones(tokens_BxT.shape, jnp.int32)
   compute = DTYPES[cfg.compute_dtype]
   positions_BxT = jnp.maximum(jnp.cumsum(mask_BxT, axis=-1) - 1, 0)
-  x_BxTxD = params["embed"].astype(compute)[tokens_BxT]
+  eps, offset = cfg.norm_eps, cfg.norm_offset
 
-  def layer_fn(x_BxTxD, layer):
+  def layer_fn(x_BxTxD, layer_and_setting):
+    layer, setting = layer_and_setting
     layer = jax.tree.map(lambda w: w.astype(compute), layer)
-    h = rms_norm(x_BxTxD, layer["attn_norm"], cfg.norm_eps)
-    x_BxTxD = x_BxTxD + attention(h, layer, positions_BxT, mask_BxT, cfg)
-    h = rms_norm(x_BxTxD, layer["mlp_norm"], cfg.norm_eps)
-    return x_BxTxD + mlp(h, layer), None
+    h = attention(rms_norm(x_BxTxD, layer["attn_norm"], eps, offset), layer, setting,
+                  positions_BxT, mask_BxT, cfg)
+    if cfg.post_norms:
+      h = rms_norm(h, layer["post_attn_norm"], eps, offset)
+    x_BxTxD = x_BxTxD + h
+    h = mlp(rms_norm(x_BxTxD, layer["mlp_norm"], eps, offset), layer, cfg)
+    if cfg.post_norms:
+      h = rms_norm(h, layer["post_mlp_norm"], eps, offset)
+    return x_BxTxD + h, None
 
   if cfg.remat != "none":
     layer_fn = jax.checkpoint(layer_fn, policy=REMAT_POLICIES[cfg.remat])
-  x_BxTxD, _ = jax.lax.scan(layer_fn, x_BxTxD, params["layers"])
-  return rms_norm(x_BxTxD, params["final_norm"], cfg.norm_eps)
+  x_BxTxD, _ = jax.lax.scan(layer_fn, embed(params, tokens_BxT, cfg),
+                            (params["layers"], layer_settings(cfg)))
+  return rms_norm(x_BxTxD, params["final_norm"], eps, offset)
 
 
 def logits(params: dict, tokens_BxT: jax.Array, mask_BxT: jax.Array | None,
            cfg: ModelConfig) -> jax.Array:
-  """Float32 `[B, T, V]` logits, for evaluation and tests only: training never builds
-  them (`kernels.fused_logprobs` applies the head per tile). Same arguments as
-  `forward`; differentiable in `params`."""
+  """Float32 `[B, T, V]` logits with `final_softcap` applied, for evaluation and tests
+  only: training never builds them (`kernels.fused_logprobs` applies the head and the cap
+  per tile). Same arguments as `forward`; differentiable in `params`."""
   hidden_BxTxD = forward(params, tokens_BxT, mask_BxT, cfg)
   head_DxV = lm_head(params, cfg).astype(hidden_BxTxD.dtype)
-  return jnp.einsum("btd,dv->btv", hidden_BxTxD, head_DxV, preferred_element_type=jnp.float32)
+  return softcap(jnp.einsum("btd,dv->btv", hidden_BxTxD, head_DxV,
+                            preferred_element_type=jnp.float32), cfg.final_softcap)
