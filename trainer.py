@@ -17,6 +17,8 @@ from absl import flags
 from tunix_core import checkpoint
 from tunix_core import config as config_lib
 from tunix_core import data as data_lib
+from tunix_core import hf_config
+from tunix_core import hf_tokenizer
 from tunix_core import logs
 from tunix_core import preemption
 from tunix_core import step as step_lib
@@ -79,8 +81,23 @@ flags.DEFINE_integer("max_prompt_length", _DEF["max_prompt_length"], "Prompt tok
 flags.DEFINE_bool("skip_bad_lines", _DEF["skip_bad_lines"], "Skip malformed JSONL lines and "
                   "report their count instead of failing.")
 # Model.
-_define_choice("model", "Model preset (tiny: CPU-sized; 125m; 1b).")
-_define_choice("compute_dtype", "Activation/matmul dtype; params stay float32.")
+_define_choice("model", "Model preset (tiny: CPU-sized; 125m; 1b); ignored with "
+               "--hf_model_dir.")
+flags.DEFINE_string("hf_model_dir", _DEF["hf_model_dir"], "A Hugging Face model directory "
+                    "(config.json, safetensors, tokenizer.json): its config, tokenizer and "
+                    "weights are the initial policy and the reference (reloaded from here "
+                    "on a resume). Llama, Mistral, Qwen2/3 and Gemma 1/2/3.")
+flags.DEFINE_string("chat_template", _DEF["chat_template"], "For conversational pairs: "
+                    "auto (the tokenizer's own), none (conversational pairs are an error), "
+                    "or a path to a jinja template file.")
+_define_choice("param_dtype", "Dtype of the trained params and the optimizer's view of them.")
+_define_choice("ref_dtype", "Dtype of the frozen reference params (auto: --param_dtype); "
+               "bfloat16 halves their memory.")
+flags.DEFINE_string("export_hf_dir", _DEF["export_hf_dir"], "After the last step, write the "
+                    "policy here as a Hugging Face directory (with --hf_model_dir's config "
+                    "and tokenizer files); empty: no export.")
+_define_choice("export_dtype", "Dtype of the exported weights (auto: --param_dtype).")
+_define_choice("compute_dtype", "Activation/matmul dtype; params keep --param_dtype.")
 _define_choice("remat", "Rematerialisation policy of each layer in the backward pass.")
 # Optimizer.
 _define_choice("optimizer", "adamw, rmsprop (the DPO paper's) or sgd.")
@@ -187,7 +204,8 @@ def main(argv):
     fail(f"error: {e} (library messages in {log_path})", CHECKPOINT_WRITE_EXIT_CODE)
   except step_lib.NonFiniteStep as e:
     fail(f"error: {e}", NONFINITE_EXIT_CODE)
-  except (config_lib.ConfigError, data_lib.DataError, checkpoint.CheckpointError) as e:
+  except (config_lib.ConfigError, data_lib.DataError, checkpoint.CheckpointError,
+          hf_config.HFError, hf_tokenizer.TokenizerError) as e:
     fail(f"error: {e}", 1)
   except preemption.Preempted as e:
     fail(f"{e}; exiting with status {PREEMPTED_EXIT_CODE}", PREEMPTED_EXIT_CODE)

@@ -13,6 +13,8 @@ from tunix_core import model as model_lib
 from tunix_core import optim
 
 RESUME_MODES = ("auto", "never", "required")
+# --chat_template values besides a path to a jinja file.
+CHAT_TEMPLATES = ("auto", "none")
 # What a step with a non-finite loss, metric or gradient norm does: end the run (its
 # update is never applied) or skip its update and count it.
 NONFINITE_ACTIONS = ("stop", "skip")
@@ -20,7 +22,7 @@ NONFINITE_ACTIONS = ("stop", "skip")
 # Settings that must not change across a resume (the model's own fields are checked
 # separately): they decide the data order or the meaning of the optimizer state.
 RESUME_FIELDS = ("max_length", "max_prompt_length", "seed", "batch_size", "optimizer",
-                 "train_data")
+                 "train_data", "chat_template")
 
 
 class ConfigError(ValueError):
@@ -35,6 +37,12 @@ class TrainConfig:
   train_data: str
   eval_data: str = ""
   model: str = "tiny"
+  hf_model_dir: str = ""
+  chat_template: str = "auto"
+  param_dtype: str = "float32"
+  ref_dtype: str = "auto"
+  export_hf_dir: str = ""
+  export_dtype: str = "auto"
   compute_dtype: str = "float32"
   remat: str = "none"
   max_length: int = 64
@@ -104,15 +112,38 @@ class TrainConfig:
       need(name == "eval_data" and not path or os.path.isfile(path),
            f"--{name}={path!r}: no such file")
     need(not (self.eval_every and not self.eval_data), "--eval_every needs --eval_data")
+    need(not self.hf_model_dir or os.path.isfile(os.path.join(self.hf_model_dir, "config.json")),
+         f"--hf_model_dir={self.hf_model_dir!r} is not a Hugging Face model directory "
+         "(no config.json)")
+    need(self.chat_template in CHAT_TEMPLATES or os.path.isfile(self.chat_template),
+         f"--chat_template={self.chat_template!r} is neither {CHAT_TEMPLATES} nor a file")
+    need(not (self.export_hf_dir and os.path.isfile(self.export_hf_dir)),
+         f"--export_hf_dir={self.export_hf_dir!r} is a file")
 
   def model_config(self) -> model_lib.ModelConfig:
-    return model_lib.preset(self.model, compute_dtype=self.compute_dtype, remat=self.remat)
+    """The preset's config, or with `--hf_model_dir` the checkpoint's (`hf.HFError` if it
+    cannot be represented exactly)."""
+    overrides = dict(param_dtype=self.param_dtype, compute_dtype=self.compute_dtype,
+                     remat=self.remat)
+    if self.hf_model_dir:
+      from tunix_core import hf_config  # pylint: disable=g-import-not-at-top
+      return hf_config.read_config(self.hf_model_dir, **overrides)
+    return model_lib.preset(self.model, **overrides)
+
+  def ref_param_dtype(self) -> str:
+    return self.param_dtype if self.ref_dtype == "auto" else self.ref_dtype
+
+  def export_param_dtype(self) -> str:
+    return self.param_dtype if self.export_dtype == "auto" else self.export_dtype
 
 
 # The allowed values of each choice setting, taken from the module that implements it;
 # the trainer builds its `DEFINE_enum` flags from this table.
 CHOICES = {
     "model": tuple(model_lib.PRESETS),
+    "param_dtype": tuple(model_lib.DTYPES),
+    "ref_dtype": ("auto",) + tuple(model_lib.DTYPES),
+    "export_dtype": ("auto",) + tuple(model_lib.DTYPES),
     "compute_dtype": tuple(model_lib.DTYPES),
     "remat": tuple(model_lib.REMAT_POLICIES),
     "optimizer": optim.OPTIMIZERS,

@@ -221,3 +221,9 @@ def save_params(params: dict, cfg: model_lib.ModelConfig, out_dir: str, *, src_d
   for file in TOKENIZER_FILES:
     if src_dir and os.path.isfile(os.path.join(src_dir, file)):
       shutil.copy(os.path.join(src_dir, file), os.path.join(out_dir, file))
+
+
+if __name__ == "__main__":
+  import sys  # pylint: disable=g-import-not-at-top
+  from tunix_core import export  # pylint: disable=g-import-not-at-top
+  sys.exit(export.main(sys.argv[1:]))

@@ -23,7 +23,8 @@ def sequence_logps(params, batch: dict, mcfg: model_lib.ModelConfig, impl: str) 
                                    rows(batch["attention_mask"]), mcfg)
   head_DxV = model_lib.lm_head(params, mcfg).astype(hidden_RxTxD.dtype)
   logps_RxT = kernels.fused_logprobs(hidden_RxTxD, head_DxV, rows(batch["targets"]),
-                                     impl=impl, ignore_index=kernels.IGNORE_INDEX)
+                                     impl=impl, ignore_index=kernels.IGNORE_INDEX,
+                                     logit_softcap=mcfg.final_softcap or None)
   return logps_RxT.reshape(two, B, T).swapaxes(0, 1)
 
 

@@ -8,6 +8,7 @@ is tried; under `--resume=required` it is an error.
 """
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ from tunix_core.checkpoint import fingerprints
 
 def config_mismatch(saved: dict, current: dict, fields) -> str | None:
   """A message naming the first field in `fields` whose saved value differs, or None."""
+  current = json.loads(json.dumps(current))  # as the metadata stores it: tuples as lists
   for field in fields:
     if field in saved and saved[field] != current.get(field):
       return (f"checkpoint was written with {field}={saved[field]!r} but this run has "
@@ -65,7 +67,8 @@ def _unreadable(e: Exception) -> _Unusable:
   return _Unusable(f"is unreadable ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
 
 
-def _load(steps, ckpt: Checkpointer, step: int, cfg, log) -> tuple[dict, dict]:
+def _load(steps, ckpt: Checkpointer, step: int, cfg, log, source: dict
+          ) -> tuple[dict, dict]:
   """`(state, meta)` of `step`, checked; `_Unusable` if damaged, `ConfigError` if it was
   written by a different run configuration."""
   try:
@@ -76,7 +79,8 @@ def _load(steps, ckpt: Checkpointer, step: int, cfg, log) -> tuple[dict, dict]:
   mismatch = (config_mismatch(meta["model_config"], dataclasses.asdict(mcfg),
                               [f.name for f in dataclasses.fields(mcfg)])
               or config_mismatch(meta["config"], dataclasses.asdict(cfg),
-                                 config_lib.RESUME_FIELDS))
+                                 config_lib.RESUME_FIELDS)
+              or config_mismatch(meta.get("source", {}), source, ("hf_fingerprint",)))
   if mismatch:
     raise config_lib.ConfigError(f"cannot resume from step {step}: {mismatch}")
   try:
@@ -91,14 +95,16 @@ def _load(steps, ckpt: Checkpointer, step: int, cfg, log) -> tuple[dict, dict]:
   return state, meta
 
 
-def resume(steps, ckpt: Checkpointer, cfg, log) -> tuple[dict | None, dict | None]:
+def resume(steps, ckpt: Checkpointer, cfg, log, source: dict | None = None
+           ) -> tuple[dict | None, dict | None]:
   """`(state, meta)` of the checkpoint `cfg.resume` says to resume from, on the mesh of
   `steps`, or `(None, None)` for a fresh start.
 
   Steps are tried newest first. Under "auto" a step that is unreadable or fails
   verification is reported in one line, moved aside (`Checkpointer.reject`) and the next
   older one is tried; under "required" it is a `CheckpointError`. A step written by a
-  different configuration is a `ConfigError` in either mode.
+  different configuration (or, per `source`, from different pretrained weights) is a
+  `ConfigError` in either mode.
   """
   existing = ckpt.steps()
   if cfg.resume == "never":
@@ -109,7 +115,7 @@ def resume(steps, ckpt: Checkpointer, cfg, log) -> tuple[dict | None, dict | Non
     return None, None
   for step in reversed(existing):
     try:
-      state, meta = _load(steps, ckpt, step, cfg, log)
+      state, meta = _load(steps, ckpt, step, cfg, log, source or {})
     except _Unusable as e:
       msg = f"checkpoint step {step} in {ckpt.directory} {e}"
       if cfg.resume == "required":

@@ -123,8 +123,9 @@ class StepFunctions:
     return jax.jit(lambda k: model_lib.init_params(k, self.mcfg),
                    out_shardings=self.replicated)(key)
 
-  def init_state(self, key: jax.Array) -> dict:
-    params = self.init_params(key)
+  def init_state(self, key: jax.Array, params: dict | None = None) -> dict:
+    """A fresh train state around `params` (default: initialised from `key`)."""
+    params = self.init_params(key) if params is None else params
     return {"params": params, "opt_state": self._init_opt(params),
             "step": jax.device_put(jnp.zeros((), jnp.int32), self.replicated),
             "nonfinite": self.put_nonfinite([0, 0, 0])}

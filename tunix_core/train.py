@@ -15,8 +15,10 @@ from jax.sharding import Mesh
 
 from tunix_core import checkpoint
 from tunix_core import data as data_lib
+from tunix_core import hf_source
 from tunix_core import evaluate as evaluate_lib
 from tunix_core import metrics as metrics_lib
+from tunix_core import model as model_lib
 from tunix_core import preemption
 from tunix_core import ref_cache
 from tunix_core import resume
@@ -25,16 +27,20 @@ from tunix_core.config import ConfigError
 from tunix_core.config import TrainConfig
 
 
-def _load_data(cfg: TrainConfig, tok: data_lib.Tokenizer, log):
+def _load_data(cfg: TrainConfig, tok: data_lib.Tokenizer, vocab_size: int, log):
   """`(train_set, eval_set or None)`, encoded; logs their sizes."""
   def load(path):
     return data_lib.load_dataset(path, tok, cfg.max_length, cfg.max_prompt_length,
-                                 cfg.skip_bad_lines)
+                                 cfg.skip_bad_lines, vocab_size=vocab_size)
   train_set = load(cfg.train_data)
   eval_set = load(cfg.eval_data) if cfg.eval_data else None
+  mismatches = train_set.num_prefix_mismatch + (eval_set.num_prefix_mismatch if eval_set
+                                                else 0)
   log(f"data: {len(train_set)} train pairs ({train_set.num_dropped} dropped, "
       f"{train_set.num_skipped_lines} bad lines skipped)"
-      + (f", {len(eval_set)} eval pairs" if eval_set else ""))
+      + (f", {len(eval_set)} eval pairs" if eval_set else "")
+      + (f"; {mismatches} responses tokenized apart from their prompt (the joint "
+         "tokens did not start with the prompt's)" if mismatches else ""))
   if eval_set is not None and len(eval_set) < cfg.batch_size:
     raise ConfigError(f"--eval_data has {len(eval_set)} pairs, fewer than --batch_size")
   return train_set, eval_set
@@ -75,28 +81,30 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
     os.makedirs(cfg.output_dir, exist_ok=True)
   except OSError as e:
     raise ConfigError(f"--output_dir={cfg.output_dir!r} cannot be created: {e}") from None
-  tok = data_lib.ByteTokenizer()
   mcfg = cfg.model_config()
-  if tok.vocab_size > mcfg.vocab_size:
-    raise ConfigError(f"tokenizer vocabulary ({tok.vocab_size}) exceeds the model's "
-                      f"({mcfg.vocab_size})")
-  train_set, eval_set = _load_data(cfg, tok, log)
+  tok = hf_source.tokenizer(cfg)
+  train_set, eval_set = _load_data(cfg, tok, mcfg.vocab_size, log)
 
   steps = step_lib.StepFunctions(cfg, Mesh(np.array(devices), ("data",)), mcfg)
   key = jax.random.PRNGKey(cfg.seed)
   ckpt = checkpoint.Checkpointer(os.path.join(cfg.output_dir, "checkpoints"), keep=cfg.keep,
                                  keep_period=cfg.keep_period or None)
-  state, meta = resume.resume(steps, ckpt, cfg, log)
+  source = hf_source.source(cfg)
+  state, meta = resume.resume(steps, ckpt, cfg, log, source=source)
   start = 0 if meta is None else meta["step"]
-  # The reference is the frozen initial policy (rebuilt from the seed on a resume), in
-  # its own buffers, so donating the train state never invalidates it.
+  # The reference is the frozen initial policy (on a resume: the pretrained weights
+  # reloaded, or the init rebuilt from the seed), in its own buffers, so donating the
+  # train state never invalidates it.
+  ref_dtype = model_lib.DTYPES[cfg.ref_param_dtype()]
   if state is None:
-    state = steps.init_state(key)
-    ref_params = jax.tree.map(jnp.copy, state["params"])
+    state = steps.init_state(key, hf_source.initial_params(cfg, steps))
+    ref_params = jax.tree.map(lambda x: jnp.array(x, ref_dtype, copy=True), state["params"])
   else:
-    ref_params = steps.init_params(key)
+    ref_params = hf_source.initial_params(cfg, steps, ref_dtype) or steps.init_params(key)
+    ref_params = jax.tree.map(lambda x: x.astype(ref_dtype), ref_params)
   num_params = sum(x.size for x in jax.tree.leaves(state["params"]))
-  log(f"model: {cfg.model} ({num_params:,} params) on {len(devices)} "
+  log(f"model: {cfg.hf_model_dir or cfg.model} ({num_params:,} params, "
+      f"{cfg.param_dtype}) on {len(devices)} "
       f"{devices[0].platform} device(s) in {jax.process_count()} process(es)")
   train_ref, eval_ref = _precompute_refs(cfg, steps, ref_params, train_set, eval_set, log)
   if cfg.precompute_ref_logps:
@@ -121,7 +129,7 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
     step_lib.check_finite(health, cfg.on_nonfinite, log)
     digest = checkpoint.save_state(
         ckpt, step, state, data_state=it.get_state(), num_shards=steps.num_devices,
-        rng_key=key, config=cfg, model_config=mcfg, nonfinite=health)
+        rng_key=key, config=cfg, model_config=mcfg, nonfinite=health, source=source)
     log(f"checkpoint step {step}: saving asynchronously (content digest {digest})")
 
   try:
@@ -158,4 +166,6 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
   progress.close()
   ckpt.close()
   log(f"done: steps {start + 1}-{cfg.steps} in {progress.elapsed()}")
+  if cfg.export_hf_dir:
+    hf_source.export(cfg, mcfg, state["params"], log)
   return {"train": progress.last_train, "eval": progress.last_eval, "state": state}
