@@ -57,7 +57,7 @@ def _psum_mean(plan):
 
 
 @pytest.mark.parametrize("impl", ["xla", "ring"])
-@pytest.mark.parametrize("bucket_bytes", [64, 4096, 2**20])
+@pytest.mark.parametrize("bucket_bytes", [pytest.param(64, marks=pytest.mark.slow), 4096, 2**20])
 def test_sync_equals_psum_mean(impl, bucket_bytes):
   for integer_valued, tol in ((True, 0.0), (False, 1e-6)):
     stacked = _tree(jax.random.PRNGKey(0), integer_valued)

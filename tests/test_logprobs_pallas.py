@@ -34,7 +34,8 @@ def _check(h, w, t, g, bs, tol):
 
 
 @pytest.mark.parametrize("dtype,bs,tol", [(jnp.float32, SMALL_F32, 1e-5),
-                                          (jnp.bfloat16, SMALL_BF16, 2e-2)])
+                                          pytest.param(jnp.bfloat16, SMALL_BF16, 2e-2,
+                                                       marks=pytest.mark.slow)])
 def test_against_float64_unaligned_sizes(dtype, bs, tol):
   # N=13 (20) and V=300 are not block multiples: a 2 x 3 grid whose last blocks run past
   # the arrays. Interpret mode fills what lies past them with NaN, so any unmasked

@@ -91,7 +91,7 @@ def test_causal():
   assert np.abs(np.asarray(a[:, 6:] - b[:, 6:])).max() > 1e-3
 
 
-@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("side", [pytest.param("left", marks=pytest.mark.slow), "right"])
 def test_padding_leaves_real_positions_unchanged(side):
   params = model.init_params(jax.random.PRNGKey(0), CFG)
   tokens = _tokens(jax.random.PRNGKey(1), B=1, T=7)

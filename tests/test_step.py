@@ -72,6 +72,7 @@ def _two_steps(cfg):
   return rows
 
 
+@pytest.mark.slow  # 12 s; the trainer tests cover the step in the fast tier too
 def test_golden_step_metrics(tmp_path):
   rows = _two_steps(_config(tmp_path))
   version = jax.__version__
