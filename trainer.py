@@ -14,6 +14,7 @@ import jax
 from absl import app
 from absl import flags
 
+from tunix_core import aot
 from tunix_core import checkpoint
 from tunix_core import config as config_lib
 from tunix_core import data as data_lib
@@ -121,6 +122,13 @@ _define_choice("logprob_impl", "kernels.fused_logprobs impl: auto (pallas when "
 _define_choice("loss_impl", "kernels.dpo_loss impl: auto (pallas when compiled for "
                "TPU, else xla), xla, pallas, interpret or naive (the oracle).")
 
+# Ahead-of-time compilation.
+flags.DEFINE_bool("compile_only", _DEF["compile_only"], "Compile the train step of these "
+                  "flags for --target_topology and print its per-device memory and cost "
+                  "analysis, allocating nothing; exit 0 if it fits, 1 if not.")
+_define_choice("target_topology", "Devices --compile_only compiles for: local (this "
+               "host's) or a TPU slice (needs libtpu, works on any host).")
+
 # Terminal.
 flags.DEFINE_bool("library_logging", False, "Show the INFO logging of JAX, Orbax and other "
                   "libraries on stderr (for debugging); by default at most a few of their "
@@ -199,6 +207,8 @@ def main(argv):
 
   try:
     init_distributed()
+    if cfg.compile_only:
+      sys.exit(aot.compile_only(cfg, cfg.target_topology))
     train_lib.train(cfg)
   except checkpoint.CheckpointWriteError as e:
     fail(f"error: {e} (library messages in {log_path})", CHECKPOINT_WRITE_EXIT_CODE)

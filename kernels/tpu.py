@@ -50,6 +50,16 @@ CHIPS = {
     "v6e": Chip("v6e", ("TPU v6 lite", "TPU v6e"), 128 * MiB, 32 * MiB, 32 * GiB,
                 ("v6e:2x4", "default", (2, 2, 1))),
 }
+# Named slices for `--target_topology`: (chip, topology_name, chip_config_name,
+# chips_per_host_bounds). "v4-8" and "v5p-8" count TensorCores, as their slice names
+# do: 4 megacore chips, 4 JAX devices.
+TOPOLOGIES = {
+    "v4-8": ("v4", "v4:2x2x1", "megacore", (2, 2, 1)),
+    "v5e-8": ("v5e", "v5e:2x4", "default", (2, 2, 1)),
+    "v5e-16": ("v5e", "v5e:4x4", "default", (2, 2, 1)),
+    "v5p-8": ("v5p", "v5p:2x2x1", "megacore", (2, 2, 1)),
+    "v6e-8": ("v6e", "v6e:2x4", "default", (2, 2, 1)),
+}
 # What the kernels may assume when the generation is unknown at trace time.
 MIN_SCOPED_VMEM_BYTES = min(c.scoped_vmem_bytes for c in CHIPS.values())
 
@@ -92,6 +102,18 @@ def aot_devices(chip) -> list:
       chips_per_host_bounds=bounds, num_slices=1, wrap=(False, False, False)).devices)
 
 
+def topology_devices(name: str) -> tuple[Chip, list]:
+  """`(chip, devices)` of a named slice in `TOPOLOGIES`, for compiling ahead of time
+  (needs `libtpu`; works with `JAX_PLATFORMS=cpu`)."""
+  if name not in TOPOLOGIES:
+    raise ValueError(f"unknown TPU topology {name!r}; choose one of {tuple(TOPOLOGIES)}")
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  chip, topology, config, bounds = TOPOLOGIES[name]
+  return CHIPS[chip], list(topologies.get_topology_desc(
+      topology_name=topology, platform="tpu", chip_config_name=config,
+      chips_per_host_bounds=bounds, num_slices=1, wrap=(False, False, False)).devices)
+
+
 def has_libtpu() -> bool:
   """Whether the TPU compiler is importable (ahead-of-time compilation possible)."""
   return importlib.util.find_spec("libtpu") is not None
@@ -117,11 +139,13 @@ def compile_for(chip, fn, *shapes, chip_known=True):
 
 
 def compiled_stats(compiled) -> dict:
-  """Per-device bytes (`argument`, `output`, `temp`) from the compiled memory analysis
+  """Per-device bytes (`argument`, `output`, `temp`, and `alias`: outputs written into
+  donated arguments, counted in both) from the compiled memory analysis
   and `flops`, `bytes_accessed` from its cost analysis."""
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   return dict(argument=memory.argument_size_in_bytes, output=memory.output_size_in_bytes,
-              temp=memory.temp_size_in_bytes, flops=cost.get("flops", 0.0),
+              temp=memory.temp_size_in_bytes,
+              alias=getattr(memory, "alias_size_in_bytes", 0), flops=cost.get("flops", 0.0),
               bytes_accessed=cost.get("bytes accessed", 0.0))

@@ -199,7 +199,23 @@ def test_load_places_leaves_with_the_given_shardings():
   shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), specs)
   placed = hf.load_params(d, cfg, shardings=shardings)
   assert placed["layers"]["wq"].sharding == shardings["layers"]["wq"]
-  jax.tree.map(np.testing.assert_array_equal, placed, hf.load_params(d, cfg))
+  whole = hf.load_params(d, cfg)
+  jax.tree.map(np.testing.assert_array_equal, placed, whole)
+  # Every device reads its own block, cut on any axes (layers, in, out, transposed or
+  # not): split every leaf over a 4 x 2 mesh wherever a dimension divides.
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
+
+  def spec(x):
+    axes, free = [], ["a", "b"]
+    for dim in x.shape:
+      axis = next((a for a in free if dim % mesh.shape[a] == 0), None)
+      axes.append(axis)
+      free = [a for a in free if a != axis]
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*axes))
+
+  blocks = hf.load_params(d, cfg, shardings=jax.tree.map(spec, whole), dtype=np.float32)
+  assert len(blocks["layers"]["wq"].sharding.device_set) == 8
+  jax.tree.map(np.testing.assert_array_equal, blocks, whole)
 
 
 @pytest.mark.slow  # imports torch (when installed)

@@ -8,6 +8,7 @@ import dataclasses
 import os
 
 import kernels
+from kernels import tpu
 from tunix_core import collectives
 from tunix_core import model as model_lib
 from tunix_core import optim
@@ -76,6 +77,8 @@ class TrainConfig:
   resume: str = "auto"
   verify_checkpoint: bool = True
   on_nonfinite: str = "stop"
+  compile_only: bool = False
+  target_topology: str = "local"
 
   def validate(self, num_devices: int) -> None:
     """Raises ConfigError with one line naming the offending setting."""
@@ -154,4 +157,5 @@ CHOICES = {
     "grad_sync_dtype": tuple(collectives.COMM_DTYPES),
     "resume": RESUME_MODES,
     "on_nonfinite": NONFINITE_ACTIONS,
+    "target_topology": ("local",) + tuple(tpu.TOPOLOGIES),
 }

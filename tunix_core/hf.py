@@ -12,6 +12,7 @@ weights are stored as the checkpoint has them (Gemma's centred on 0, `norm_offse
 """
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -128,11 +129,12 @@ def load_params(model_dir: str, cfg: model_lib.ModelConfig, *, dtype=None,
     cfg: its `ModelConfig` (`read_config`).
     dtype: dtype of the returned leaves (default `cfg.param_dtype`).
     shardings: optional pytree of `jax.sharding.Sharding`s with the params' structure;
-      each leaf is then placed with `jax.make_array_from_callback`, so each device's
-      slice is cut from the host copy of that one leaf.
+      each leaf is then placed with `jax.make_array_from_callback`, each device's
+      block read from the files alone (sliced before it is read).
 
-  Tensors are read from the memory-mapped files one stacked leaf at a time, so the host
-  holds at most one leaf beyond the files' page cache. A missing, unexpected or
+  Tensors are read from the memory-mapped files one stacked leaf (or, with `shardings`,
+  one device's block of it) at a time, so the host holds at most that beyond the files'
+  page cache. A missing, unexpected or
   mis-shaped tensor is an `HFError` naming it (a tied checkpoint that also stores
   `lm_head.weight` is accepted, the copy ignored).
   """
@@ -149,33 +151,52 @@ def load_params(model_dir: str, cfg: model_lib.ModelConfig, *, dtype=None,
   dtype = np.dtype(model_lib.DTYPES[cfg.param_dtype] if dtype is None else dtype)
   by_leaf = {}
   for name, (leaf, layer, transposed, shape) in wanted.items():
-    by_leaf.setdefault(leaf, []).append((name, layer, transposed, shape))
+    by_leaf.setdefault(leaf, []).append((layer or 0, name, transposed))
   params = {}
   with contextlib.ExitStack() as stack:
     handles = {}
+
+    def tensor(name):
+      """The lazily sliceable tensor `name`: only what is indexed is read."""
+      path, stored = files[name]
+      if path not in handles:
+        handles[path] = stack.enter_context(safe_open(path, framework="numpy"))
+      return handles[path].get_slice(stored)
+
+    for name, (_, _, _, shape) in wanted.items():  # headers only
+      if tuple(tensor(name).get_shape()) != tuple(shape):
+        raise HFError(f"tensor {name} has shape {tuple(tensor(name).get_shape())}, "
+                      f"expected {tuple(shape)}")
     for leaf, tensors in by_leaf.items():
-      array = np.empty(shapes[leaf], dtype)
-      for name, layer, transposed, shape in tensors:
-        path, stored = files[name]
-        if path not in handles:
-          handles[path] = stack.enter_context(safe_open(path, framework="numpy"))
-        value = handles[path].get_tensor(stored)
-        if value.shape != tuple(shape):
-          raise HFError(f"tensor {name} has shape {value.shape}, expected {tuple(shape)}")
-        array[(...,) if layer is None else layer] = value.T if transposed else value
+      tensors = [(name, transposed) for _, name, transposed in sorted(tensors)]
+      stacked = wanted[tensors[0][0]][1] is not None
+      read = functools.partial(_read_block, tensor, tensors, stacked, len(shapes[leaf]), dtype)
       node = params
       for key in leaf[:-1]:
         node = node.setdefault(key, {})
       if shardings is None:
-        node[leaf[-1]] = jax.numpy.asarray(array)
+        node[leaf[-1]] = jax.numpy.asarray(read(()))
       else:
         sharding = shardings
         for key in leaf:
           sharding = sharding[key]
-        node[leaf[-1]] = jax.make_array_from_callback(array.shape, sharding,
-                                                      lambda index, a=array: a[index])
-      del array
+        node[leaf[-1]] = jax.make_array_from_callback(shapes[leaf], sharding, read)
   return params
+
+
+def _read_block(tensor, tensors, stacked: bool, ndim: int, dtype, index) -> np.ndarray:
+  """Block `index` (a tuple of slices, as `make_array_from_callback` passes it) of one
+  of our leaves, read from its HF tensors (`[(name, transposed)]`, in layer order when
+  `stacked`): each HF tensor is sliced before it is read, so a device's block costs only
+  its own bytes."""
+  index = tuple(index) + (slice(None),) * (ndim - len(index))
+  layers, index = (range(len(tensors))[index[0]], index[1:]) if stacked else ([0], index)
+  blocks = []
+  for i in layers:
+    name, transposed = tensors[i]
+    block = tensor(name)[index[::-1] if transposed else index]
+    blocks.append(block.T if transposed else block)
+  return (np.stack(blocks) if stacked else blocks[0]).astype(dtype, copy=False)
 
 
 def save_params(params: dict, cfg: model_lib.ModelConfig, out_dir: str, *, src_dir=None,

@@ -131,6 +131,9 @@ PRESETS = {
     # TinyLlama-1.1B shapes.
     "1b": ModelConfig(vocab_size=32_000, d_model=2048, num_layers=22, num_heads=32,
                       num_kv_heads=4, head_dim=64, mlp_dim=5632),
+    # Llama-2-7B shapes.
+    "7b": ModelConfig(vocab_size=32_000, d_model=4096, num_layers=32, num_heads=32,
+                      num_kv_heads=32, head_dim=128, mlp_dim=11_008),
 }
 
 

@@ -1,0 +1,101 @@
+"""`--compile_only`: the exact train step of a run's flags compiled for a target
+topology, and whether it fits, without allocating anything.
+
+With `libtpu` installed, `--target_topology=v5e-8` (or any name in
+`kernels.tpu.TOPOLOGIES`) gives the devices of that TPU slice on any host, even with
+`JAX_PLATFORMS=cpu`; the step is lowered with `jax.ShapeDtypeStruct` inputs sharded on a
+mesh of them and compiled by the real TPU compiler (Pallas kernels included). Nothing is
+initialised or loaded: the params, optimizer state, reference and batch are abstract
+(with `--precompute_ref_logps` the reference log-probs are an abstract input too), and
+`--hf_model_dir` contributes only its `config.json`. Settings are validated against the
+target's device count, and `impl="auto"` resolves as that platform would run it.
+`--target_topology=local` compiles for this host's devices instead.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kernels import tpu
+from tunix_core import model as model_lib
+from tunix_core import step as step_lib
+from tunix_core import zero
+
+GiB = 1 << 30
+
+
+def target_devices(name: str) -> tuple[tpu.Chip | None, list]:
+  """`(chip or None for local devices, devices)` of a `--target_topology`."""
+  if name == "local":
+    return None, jax.devices()
+  if not tpu.has_libtpu():
+    raise RuntimeError("compiling for a TPU topology needs libtpu: pip install "
+                       "'jax[tpu]' (the `tpu` extra)")
+  return tpu.topology_devices(name)
+
+
+def abstract_inputs(steps: step_lib.StepFunctions) -> tuple:
+  """`(state, ref_params, batch)` of `steps.train_step` as sharded ShapeDtypeStructs."""
+  cfg, mesh = steps.cfg, steps.mesh
+  spec = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+  params = jax.tree.map(lambda x: spec(x, steps.replicated), steps.param_shapes)
+  opt_state, _ = zero.abstract_opt_state(steps.tx, steps.param_shapes, steps.num_devices,
+                                         steps.plan.bucket_bytes, mesh)
+  scalar = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=steps.replicated)
+  state = {"params": params, "opt_state": opt_state, "step": scalar(()),
+           "nonfinite": scalar((3,))}
+  ref_params = None
+  if not (cfg.reference_free or cfg.precompute_ref_logps):
+    ref_dtype = model_lib.DTYPES[cfg.ref_param_dtype()]
+    ref_params = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, ref_dtype, sharding=steps.replicated),
+        steps.param_shapes)
+  pairs = NamedSharding(mesh, P("data"))
+  shape = (cfg.batch_size, 2, cfg.max_length)
+  batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=pairs)
+           for k in ("tokens", "targets", "loss_mask", "attention_mask")}
+  if cfg.precompute_ref_logps:
+    batch["ref_logps"] = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=pairs)
+  return state, ref_params, batch
+
+
+def _gib(n: int) -> str:
+  return f"{n / GiB:.2f} GiB" if n >= GiB // 10 else f"{n / (1 << 20):.1f} MiB"
+
+
+def compile_only(cfg, target: str, log=print) -> int:
+  """Compiles `cfg`'s train step for `target`; logs per-device memory and the cost
+  analysis. Returns the exit status: 0 if it compiles and fits the chip's HBM, 1 if
+  the compiler refuses it (its message logged) or the total exceeds HBM."""
+  chip, devices = target_devices(target)
+  cfg.validate(len(devices))
+  mcfg = cfg.model_config()
+  steps = step_lib.StepFunctions(cfg, Mesh(np.array(devices), ("data",)), mcfg)
+  num_params = sum(x.size for x in jax.tree.leaves(steps.param_shapes))
+  where = f"{target} ({len(devices)} x {devices[0].device_kind})"
+  log(f"compile only: {cfg.hf_model_dir or cfg.model} ({num_params:,} params) for {where}")
+  try:
+    with jax.set_mesh(steps.mesh):  # so impl="auto" and the kernel tiles see the target
+      compiled = steps.train_step.lower(*abstract_inputs(steps)).compile()
+  except Exception as e:  # noqa: BLE001 - the compiler's refusal is the answer
+    message = str(e)
+    lines = [l for l in message.splitlines() if "exceeds" in l or "RESOURCE_EXHAUSTED" in l]
+    log(f"does not fit: {(lines or message.splitlines() or [''])[0].strip()[:500]}")
+    return 1
+  stats = tpu.compiled_stats(compiled)
+  total = stats["argument"] + stats["output"] - stats["alias"] + stats["temp"]
+  log(f"per device: arguments {_gib(stats['argument'])}, outputs {_gib(stats['output'])} "
+      f"({_gib(stats['alias'])} of them in donated arguments), temporaries "
+      f"{_gib(stats['temp'])}; total {_gib(total)}"
+      + (f" of {_gib(chip.hbm_bytes)} HBM" if chip else ""))
+  log(f"cost analysis per device: {stats['flops']:.4g} flops, "
+      f"{stats['bytes_accessed']:.4g} bytes accessed")
+  if chip is not None and total > chip.hbm_bytes:
+    log(f"does not fit: {_gib(total)} per device exceeds the {_gib(chip.hbm_bytes)} of a "
+        f"{chip.name} chip")
+    return 1
+  log("fits")
+  return 0
