@@ -9,6 +9,7 @@ loss is ln 2 (policy == reference), the export equals the trained params bit for
 resumed run equals an uninterrupted one.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -88,6 +89,7 @@ def test_train_export_resume_on_an_hf_directory(model_dir, chat_data, tmp_path):
   again = hf.load_params(exported, CFG)
   jax.tree.map(np.testing.assert_array_equal, again, full["state"]["params"])
   assert os.path.isfile(os.path.join(exported, "tokenizer.json"))
+  _check_in_transformers(exported, again)
   # Stopped after step 2 and resumed: the reference is reloaded from the directory and
   # the run continues exactly.
   cut = tmp_path / "cut"
@@ -103,6 +105,38 @@ def test_train_export_resume_on_an_hf_directory(model_dir, chat_data, tmp_path):
   assert step == 4
   jax.tree.map(np.testing.assert_array_equal, hf.load_params(str(tmp_path / "step4"), CFG),
                resumed["state"]["params"])
+
+
+def _check_in_transformers(model_dir, params):
+  """The exported directory loads in `transformers` (when installed) and gives our
+  logits within 1e-5 of the largest."""
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+    import transformers  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return
+  tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 24)).astype(np.int32)
+  ours = np.asarray(model_lib.logits(params, tokens, None, CFG), np.float64)
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+  with torch.no_grad():
+    theirs = model(torch.from_numpy(tokens).long()).logits.numpy()
+  assert np.abs(theirs - ours).max() <= 1e-5 * np.abs(ours).max()
+
+
+@pytest.mark.slow
+def test_bfloat16_params_and_reference_train_and_export_as_bfloat16(model_dir, chat_data,
+                                                                     tmp_path):
+  out = train.train(_config(tmp_path / "run", model_dir, chat_data, steps=2,
+                            param_dtype="bfloat16", ref_dtype="bfloat16",
+                            export_hf_dir=str(tmp_path / "hf")),
+                    devices=jax.devices()[:2], **QUIET)
+  params = out["state"]["params"]
+  assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype("bfloat16")}
+  assert _losses(tmp_path / "run")[1] == pytest.approx(math.log(2), abs=1e-3)
+  assert json.load(open(tmp_path / "hf" / "config.json"))["torch_dtype"] == "bfloat16"
+  exported = hf.load_params(str(tmp_path / "hf"), dataclasses.replace(CFG, param_dtype="bfloat16"))
+  jax.tree.map(np.testing.assert_array_equal, exported, params)
 
 
 @pytest.mark.slow
