@@ -77,3 +77,14 @@ def make_inputs(N, D, V, dtype, scale=1.0, seed=0):
 
 def rel_error(got, want):
   return np.abs(np.asarray(got, np.float64) - want).max() / max(np.abs(want).max(), 1e-30)
+
+
+def assert_tokenizer_matches_recorded(tok, expected: dict) -> None:
+  """`tok` (an `HFTokenizer`) encodes, decodes, renders chats and names special ids
+  exactly as `transformers` did when `tests/make_hf_fixtures.py` recorded `expected`."""
+  assert [tok.encode(t) for t in expected["texts"]] == expected["encode"]
+  assert [tok.decode(tok.encode(t)) for t in expected["texts"]] == expected["decode"]
+  assert [tok.apply_chat_template(c, add_generation_prompt=g)
+          for c in expected["chats"] for g in (False, True)] == expected["chat"]
+  assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.vocab_size) == (
+      expected["bos_id"], expected["eos_id"], expected["pad_id"], expected["vocab_size"])
