@@ -161,3 +161,16 @@ def test_diverged_replicas_are_detected(tmp_path):
   bad = dict(params, final_norm=corrupt(params["final_norm"]))
   with pytest.raises(RuntimeError, match="replicas diverged"):
     trainer.check_replicas(bad)
+
+
+def test_reference_cache_key_follows_every_bit_of_the_reference():
+  from tunix_core import model as model_lib  # pylint: disable=g-import-not-at-top
+  from tunix_core import ref_cache  # pylint: disable=g-import-not-at-top
+  dataset = data_lib.load_dataset(TRAIN, data_lib.ByteTokenizer(), 40, 20)
+  params = model_lib.init_params(jax.random.PRNGKey(0), model_lib.preset("tiny"))
+  key = ref_cache._data_hash(dataset, params)  # pylint: disable=protected-access
+  assert ref_cache._data_hash(dataset, jax.tree.map(jnp.copy, params)) == key
+  w = params["layers"]["wq"]
+  nudged = dict(params, layers=dict(params["layers"], wq=w.at[1, 3, 5].set(
+      jnp.nextafter(w[1, 3, 5], jnp.inf))))  # one ulp of one element
+  assert ref_cache._data_hash(dataset, nudged) != key
