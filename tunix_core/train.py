@@ -15,8 +15,8 @@ from jax.sharding import Mesh
 
 from tunix_core import checkpoint
 from tunix_core import data as data_lib
-from tunix_core import hf_source
 from tunix_core import evaluate as evaluate_lib
+from tunix_core import hf_source
 from tunix_core import metrics as metrics_lib
 from tunix_core import model as model_lib
 from tunix_core import preemption
