@@ -69,7 +69,11 @@ _define_choice("sync_impl", "xla: one psum_scatter and all_gather per bucket; ri
                "hand-written ppermute ring.")
 _define_choice("grad_sync_dtype", "Dtype of gradients on the wire; sums accumulate in float32.")
 flags.DEFINE_integer("grad_accum_steps", _DEF["grad_accum_steps"], "Micro-batches per step; "
-                     "gradients are synced once per step.")
+                     "gradients are synced once per step (under --fsdp: per micro-batch).")
+flags.DEFINE_bool("fsdp", _DEF["fsdp"], "Fully sharded data parallel (ZeRO-3): params, "
+                  "gradients, the reference and the optimizer state split over all devices; "
+                  "each layer all-gathered inside the layer scan and its gradient "
+                  "reduce-scattered per layer. Off: ZeRO-1 (replicated params).")
 flags.DEFINE_integer("check_replicas_every", _DEF["check_replicas_every"], "Besides after "
                      "step 1, check every N steps that all replicas hold identical params "
                      "(0: only after step 1).")

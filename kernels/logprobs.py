@@ -3,7 +3,8 @@
 The public op flattens leading axes, checks its inputs, routes ignored positions
 (`targets == ignore_index`) to a valid id with zero cotangent, and dispatches through
 `kernels.dispatch` to an implementation. The `[N, V]` logits are only ever built by
-`impl="naive"`.
+`impl="naive"`. With `vocab_axis` the weight is one device's vocabulary slice and
+`kernels.logprobs_vocab` combines the slices' results across that `shard_map` axis.
 """
 
 import operator
@@ -15,6 +16,7 @@ from kernels import common
 from kernels import dispatch
 from kernels import logprobs_blocks
 from kernels import logprobs_pallas
+from kernels import logprobs_vocab
 from kernels import logprobs_xla
 from kernels import naive
 from kernels import tpu
@@ -34,13 +36,14 @@ def _check_targets_concrete(targets, vocab_size, ignore_index):
 
 
 def fused_logprobs(hidden, weight, targets, *, impl="auto", block_sizes=None,
-                   xla_chunk=None, ignore_index=IGNORE_INDEX, logit_softcap=None):
+                   xla_chunk=None, ignore_index=IGNORE_INDEX, logit_softcap=None,
+                   vocab_axis=None):
   """`log_softmax(cap(hidden @ weight))[targets]` without materialising the logits.
 
   Args:
     hidden: `[..., D]` bf16 or f32; differentiable.
-    weight: `[D, V]`; differentiable.
-    targets: `[...]` int32 ids in `[0, V)`, or `ignore_index`.
+    weight: `[D, V]`; differentiable. With `vocab_axis`, this device's slice `[D, V/K]`.
+    targets: `[...]` int32 ids in `[0, V)`, or `ignore_index`; global ids with `vocab_axis`.
     impl: one of `kernels.IMPLS`: "pallas" (Mosaic TPU kernels), "interpret" (the same
       kernels in TPU interpret mode, for CPU tests), "xla" (chunked `lax.scan`), "naive"
       (materialises the logits; the oracle), "auto" (pallas when the devices it is
@@ -57,6 +60,19 @@ def fused_logprobs(hidden, weight, targets, *, impl="auto", block_sizes=None,
     logit_softcap: None, or a positive float c: the logits become `c * tanh(logits / c)`
       before the softmax (Gemma 2's final soft-cap), applied per tile in every impl, and
       its derivative `1 - tanh^2` enters every backward.
+    vocab_axis: None, or the name of a mesh axis of the enclosing `jax.shard_map`, of K
+      devices, for a vocabulary-parallel LM head: `hidden` and `targets` are the same on
+      every device of the axis, `weight` is device k's contiguous slice `[D, V/K]` of
+      global ids `[k V/K, (k+1) V/K)`. Each device runs `impl` on its slice; the
+      log-sum-exp is combined across the axis and each target logit comes from its owner
+      (one pmax and two psums of `[N]`), so every device returns the same log-probs and
+      no `[N, V/K]` array is built beyond what `impl` builds. `hidden` gets its full
+      gradient on every device and `weight` its slice's gradient, under `check_vma`
+      True or False when gradients are taken inside the `shard_map` body (as the
+      trainer does), and also from outside under `check_vma=True`. (From outside a
+      `check_vma=False` shard_map, JAX hands each device 1/K of the replicated output's
+      cotangent, so the weight's gradient comes out divided by K; see
+      `kernels.logprobs_vocab`.)
 
   Returns:
     float32 array with the shape of `targets`, differentiable in `hidden` and `weight`
@@ -79,7 +95,10 @@ def fused_logprobs(hidden, weight, targets, *, impl="auto", block_sizes=None,
     raise ValueError(f"weight must be [D, V] with D = {hidden.shape[-1]}, got {weight.shape}")
   if not jnp.issubdtype(targets.dtype, jnp.integer):
     raise ValueError(f"targets must be integer, got {targets.dtype}")
-  _check_targets_concrete(targets, weight.shape[1], ignore_index)
+  vocab_size = weight.shape[1]
+  if vocab_axis is not None:
+    vocab_size *= _vocab_axis_size(vocab_axis)
+  _check_targets_concrete(targets, vocab_size, ignore_index)
   if logit_softcap is not None:
     if isinstance(logit_softcap, bool) or not isinstance(logit_softcap, (int, float)) or \
         not logit_softcap > 0:
@@ -87,9 +106,22 @@ def fused_logprobs(hidden, weight, targets, *, impl="auto", block_sizes=None,
                        f"{logit_softcap!r}")
     logit_softcap = float(logit_softcap)
 
-  if impl == "naive":
+  if impl == "naive" and vocab_axis is None:
     return naive.logprobs_naive(hidden, weight, targets, ignore_index=ignore_index,
                                 logit_softcap=logit_softcap)
+
+  def local(hidden_NxD, weight_DxV, safe_N):  # every id in range
+    if impl == "naive":
+      return naive.logprobs_naive(hidden_NxD, weight_DxV, safe_N, ignore_index=-1,
+                                  logit_softcap=logit_softcap)
+    if impl == "xla":
+      chunk = pick_chunk(weight_DxV.shape[1], max_chunk)
+      return logprobs_xla.logprobs_xla(hidden_NxD, weight_DxV, safe_N, chunk, logit_softcap)
+    if impl == "pallas":
+      return _pallas(hidden_NxD, weight_DxV, safe_N, block_sizes, logit_softcap,
+                     interpret=False)
+    return common.call_interpret(lambda params: _pallas(
+        hidden_NxD, weight_DxV, safe_N, block_sizes, logit_softcap, interpret=params))
 
   hidden_NxD = hidden.reshape(-1, hidden.shape[-1])
   targets_N = targets.reshape(-1).astype(jnp.int32)
@@ -97,15 +129,25 @@ def fused_logprobs(hidden, weight, targets, *, impl="auto", block_sizes=None,
   # Ignored rows compute a harmless log-prob of id 0; zeroing them through `where`
   # also zeroes their cotangent, so they contribute nothing to either gradient.
   safe_N = jnp.where(ignored_N, 0, targets_N)
-  if impl == "xla":
-    chunk = pick_chunk(weight.shape[1], max_chunk)
-    logp_N = logprobs_xla.logprobs_xla(hidden_NxD, weight, safe_N, chunk, logit_softcap)
-  elif impl == "pallas":
-    logp_N = _pallas(hidden_NxD, weight, safe_N, block_sizes, logit_softcap, interpret=False)
+  if vocab_axis is None:
+    logp_N = local(hidden_NxD, weight, safe_N)
   else:
-    logp_N = common.call_interpret(lambda params: _pallas(
-        hidden_NxD, weight, safe_N, block_sizes, logit_softcap, interpret=params))
+    logp_N = logprobs_vocab.vocab_parallel_logprobs(hidden_NxD, weight, targets_N, ignored_N,
+                                                    vocab_axis, local, logit_softcap)
   return jnp.where(ignored_N, 0.0, logp_N).reshape(targets.shape)
+
+
+def _vocab_axis_size(vocab_axis) -> int:
+  """K, the size of the enclosing `shard_map` axis `vocab_axis`; ValueError if there is none."""
+  if not isinstance(vocab_axis, str) or not vocab_axis:
+    raise ValueError(f"vocab_axis must be a mesh axis name (a str) or None, got "
+                     f"{vocab_axis!r}")
+  try:
+    return jax.lax.axis_size(vocab_axis)
+  except NameError:
+    raise ValueError(f"vocab_axis={vocab_axis!r} is not an axis of an enclosing "
+                     "jax.shard_map: call fused_logprobs inside shard_map over that mesh "
+                     "axis, with weight this device's vocabulary slice") from None
 
 
 def pick_chunk(vocab_size: int, max_chunk: int) -> int:

@@ -41,9 +41,13 @@ def abstract_inputs(steps: step_lib.StepFunctions) -> tuple:
   """`(state, ref_params, batch)` of `steps.train_step` as sharded ShapeDtypeStructs."""
   cfg, mesh = steps.cfg, steps.mesh
   spec = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-  params = jax.tree.map(lambda x: spec(x, steps.replicated), steps.param_shapes)
-  opt_state, _ = zero.abstract_opt_state(steps.tx, steps.param_shapes, steps.num_devices,
-                                         steps.plan.bucket_bytes, mesh)
+  layout = steps.fsdp.piece_shapes() if steps.fsdp else steps.param_shapes
+  params = jax.tree.map(lambda x: spec(x, steps.param_sharding), layout)
+  if steps.fsdp:
+    opt_state = steps.fsdp.abstract_opt_state(steps.tx, steps.pairs)
+  else:
+    opt_state, _ = zero.abstract_opt_state(steps.tx, steps.param_shapes, steps.num_devices,
+                                           steps.plan.bucket_bytes, mesh)
   scalar = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=steps.replicated)
   state = {"params": params, "opt_state": opt_state, "step": scalar(()),
            "nonfinite": scalar((3,))}
@@ -51,8 +55,8 @@ def abstract_inputs(steps: step_lib.StepFunctions) -> tuple:
   if not (cfg.reference_free or cfg.precompute_ref_logps):
     ref_dtype = model_lib.DTYPES[cfg.ref_param_dtype()]
     ref_params = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, ref_dtype, sharding=steps.replicated),
-        steps.param_shapes)
+        lambda x: jax.ShapeDtypeStruct(x.shape, ref_dtype, sharding=steps.param_sharding),
+        layout)
   pairs = NamedSharding(mesh, P("data"))
   shape = (cfg.batch_size, 2, cfg.max_length)
   batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=pairs)

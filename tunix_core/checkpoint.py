@@ -188,15 +188,17 @@ class Checkpointer:
 
 def save_state(ckpt: Checkpointer, step: int, state: dict, *, data_state: dict,
                num_shards: int, rng_key: jax.Array, config, model_config,
-               nonfinite: list[int], source: dict | None = None) -> str:
-  """Starts an asynchronous save of `state` (params, optimizer state) at `step` with its
-  metadata (`nonfinite`: the state's `[count, first step, bits]`, read by the caller;
-  `source`: where the initial policy came from, `hf_source.source`); returns a short
-  digest of the state's fingerprints for the log."""
+               nonfinite: list[int], source: dict | None = None,
+               layout: str = "zero1") -> str:
+  """Starts an asynchronous save of `state` (logical params, optimizer state cut by
+  `layout`, "zero1" or "fsdp", for `num_shards` devices) at `step` with its metadata
+  (`nonfinite`: the state's `[count, first step, bits]`, read by the caller; `source`:
+  where the initial policy came from, `hf_source.source`); returns a short digest of
+  the state's fingerprints for the log."""
   to_save = {"params": state["params"], "opt_state": state["opt_state"]}
   prints = fingerprints(to_save)
   ckpt.save(step, to_save, {
-      "step": step, "data_state": data_state, "num_shards": num_shards,
+      "step": step, "data_state": data_state, "num_shards": num_shards, "layout": layout,
       "rng_key": np.asarray(jax.random.key_data(rng_key)).tolist(),
       "config": dataclasses.asdict(config), "model_config": dataclasses.asdict(model_config),
       "fingerprints": prints, "source": source or {},

@@ -68,6 +68,7 @@ class TrainConfig:
   sync_impl: str = "xla"
   grad_sync_dtype: str = "float32"
   grad_accum_steps: int = 1
+  fsdp: bool = False
   check_replicas_every: int = 0
   log_every: int = 10
   eval_every: int = 0

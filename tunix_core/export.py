@@ -54,7 +54,7 @@ def export_step(output_dir: str, out_dir: str, step: int | None = None,
     mcfg = model_lib.ModelConfig(**_known(model_lib.ModelConfig, meta["model_config"]))
     steps = step_lib.StepFunctions(cfg, Mesh(np.array(jax.devices()), ("data",)), mcfg)
     state = resume.restore_state(steps, ckpt, step, meta)
-    _, bad = resume.verify(state, meta, same_layout=False)
+    _, bad = resume.verify(steps, state, meta, params_only=True)
     if bad:
       raise checkpoint.CheckpointError(f"step {step} fails verification: {len(bad)} arrays "
                                        f"differ, e.g. {bad[0]}")
@@ -64,7 +64,7 @@ def export_step(output_dir: str, out_dir: str, step: int | None = None,
   if src_dir and not os.path.isdir(src_dir):
     log(f"warning: {src_dir} is gone; exporting without its tokenizer files")
     src_dir = None
-  hf.save_params(state["params"], mcfg, out_dir, src_dir=src_dir, dtype=dtype)
+  hf.save_params(steps.logical_params(state["params"]), mcfg, out_dir, src_dir=src_dir, dtype=dtype)
   log(f"exported step {step} of {output_dir} to {out_dir} ({dtype}"
       + (f", tokenizer and config from {src_dir})" if src_dir else ")"))
   return step

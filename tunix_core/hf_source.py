@@ -61,13 +61,15 @@ def source(cfg) -> dict:
 
 
 def initial_params(cfg, steps, dtype=None) -> dict | None:
-  """The pretrained weights of `--hf_model_dir` placed with `steps`' param shardings (in
-  `dtype`, default `--param_dtype`), or None for a preset (initialised from the seed)."""
+  """The pretrained weights of `--hf_model_dir` in `steps`' layout (in `dtype`, default
+  `--param_dtype`), or None for a preset (initialised from the seed). Each device reads
+  its block of the logical arrays (`steps.logical_shardings()`: split under FSDP) from
+  the files before they are cut into the run's layout."""
   if not cfg.hf_model_dir:
     return None
   from tunix_core import hf  # pylint: disable=g-import-not-at-top
-  shardings = jax.tree.map(lambda _: steps.replicated, steps.param_shapes)
-  return hf.load_params(cfg.hf_model_dir, steps.mcfg, dtype=dtype, shardings=shardings)
+  return steps.place_params(hf.load_params(cfg.hf_model_dir, steps.mcfg, dtype=dtype,
+                                           shardings=steps.logical_shardings()))
 
 
 def export(cfg, mcfg: model_lib.ModelConfig, params: dict, log) -> None:

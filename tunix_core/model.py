@@ -203,7 +203,7 @@ def embed(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def forward(params: dict, tokens_BxT: jax.Array, mask_BxT: jax.Array | None,
-            cfg: ModelConfig) -> jax.Array:
+            cfg: ModelConfig, gather_layer=None) -> jax.Array:
   """Final hidden states `[B, T, D]` in the compute dtype.
 
   Args:
@@ -213,6 +213,11 @@ def forward(params: dict, tokens_BxT: jax.Array, mask_BxT: jax.Array | None,
       Padding keys are never attended to and positions count real tokens only, so the
       hidden states of real tokens do not depend on how much padding surrounds them.
     cfg: the model config.
+    gather_layer: FSDP (`tunix_core.fsdp`): maps the scanned slice of
+      `params["layers"]` (a device's pieces of one layer) to that layer's full params.
+      The layer is then rematerialised with a policy that never saves the gathered
+      weights (`--remat=none` saves every matmul output instead of everything), so the
+      backward gathers it again rather than keeping every layer alive.
   """
   if mask_BxT is None:
     mask_BxT = jnp.ones(tokens_BxT.shape, jnp.int32)
@@ -222,6 +227,8 @@ def forward(params: dict, tokens_BxT: jax.Array, mask_BxT: jax.Array | None,
 
   def layer_fn(x_BxTxD, layer_and_setting):
     layer, setting = layer_and_setting
+    if gather_layer is not None:
+      layer = gather_layer(layer)
     layer = jax.tree.map(lambda w: w.astype(compute), layer)
     h = attention(rms_norm(x_BxTxD, layer["attn_norm"], eps, offset), layer, setting,
                   positions_BxT, mask_BxT, cfg)
@@ -233,8 +240,11 @@ def forward(params: dict, tokens_BxT: jax.Array, mask_BxT: jax.Array | None,
       h = rms_norm(h, layer["post_mlp_norm"], eps, offset)
     return x_BxTxD + h, None
 
-  if cfg.remat != "none":
-    layer_fn = jax.checkpoint(layer_fn, policy=REMAT_POLICIES[cfg.remat])
+  policy = REMAT_POLICIES[cfg.remat]
+  if gather_layer is not None and policy is None:
+    policy = jax.checkpoint_policies.checkpoint_dots  # no gathered weight is a dot output
+  if policy is not None:
+    layer_fn = jax.checkpoint(layer_fn, policy=policy)
   x_BxTxD, _ = jax.lax.scan(layer_fn, embed(params, tokens_BxT, cfg),
                             (params["layers"], layer_settings(cfg)))
   return rms_norm(x_BxTxD, params["final_norm"], eps, offset)

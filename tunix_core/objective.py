@@ -11,16 +11,23 @@ import kernels
 from tunix_core import model as model_lib
 
 
-def sequence_logps(params, batch: dict, mcfg: model_lib.ModelConfig, impl: str) -> jax.Array:
+def sequence_logps(params, batch: dict, mcfg: model_lib.ModelConfig, impl: str,
+                   fsdp=None) -> jax.Array:
   """Float32 per-token log-probs `[B, 2, T]` of `batch["targets"]` (0 where unscored).
 
   Differentiable in `params`; the `[.., V]` logits are never built (`fused_logprobs`).
+  With `fsdp` (a `tunix_core.fsdp.Layout`, inside `shard_map`) `params` are a device's
+  local pieces, gathered as they are used; their gradient is the device-mean gradient.
   """
+  gather_layer = None
+  if fsdp is not None:
+    params = dict(fsdp.gather_rest(params), layers=params["layers"])
+    gather_layer = fsdp.gather_layer
   B, two, T = batch["tokens"].shape
   # Model rows are all chosen rows, then all rejected rows.
   rows = lambda x_Bx2xT: x_Bx2xT.swapaxes(0, 1).reshape(two * B, T)
   hidden_RxTxD = model_lib.forward(params, rows(batch["tokens"]),
-                                   rows(batch["attention_mask"]), mcfg)
+                                   rows(batch["attention_mask"]), mcfg, gather_layer)
   head_DxV = model_lib.lm_head(params, mcfg).astype(hidden_RxTxD.dtype)
   logps_RxT = kernels.fused_logprobs(hidden_RxTxD, head_DxV, rows(batch["targets"]),
                                      impl=impl, ignore_index=kernels.IGNORE_INDEX,
@@ -28,14 +35,15 @@ def sequence_logps(params, batch: dict, mcfg: model_lib.ModelConfig, impl: str) 
   return logps_RxT.reshape(two, B, T).swapaxes(0, 1)
 
 
-def dpo_objective(params, ref_logps_Bx2xT, batch: dict, cfg, mcfg: model_lib.ModelConfig):
+def dpo_objective(params, ref_logps_Bx2xT, batch: dict, cfg, mcfg: model_lib.ModelConfig,
+                  fsdp=None):
   """`(loss, metrics)` of `kernels.dpo_loss` for `params` on a `[B, 2, T]` pair batch.
 
   `ref_logps_Bx2xT` are the frozen reference's per-token log-probs (None with
-  `cfg.reference_free`); `cfg` is a `TrainConfig` (beta, loss type, impls).
-  Differentiable in `params`.
+  `cfg.reference_free`); `cfg` is a `TrainConfig` (beta, loss type, impls); `fsdp` as in
+  `sequence_logps`. Differentiable in `params`.
   """
-  logps_Bx2xT = sequence_logps(params, batch, mcfg, cfg.logprob_impl)
+  logps_Bx2xT = sequence_logps(params, batch, mcfg, cfg.logprob_impl, fsdp)
   mask_Bx2xT = batch["loss_mask"]
   ref = (None, None) if ref_logps_Bx2xT is None else (ref_logps_Bx2xT[:, 0],
                                                       ref_logps_Bx2xT[:, 1])

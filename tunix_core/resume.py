@@ -13,7 +13,9 @@ import json
 import jax
 import jax.numpy as jnp
 
+from tunix_core import collectives
 from tunix_core import config as config_lib
+from tunix_core import fsdp as fsdp_lib
 from tunix_core import zero
 from tunix_core.checkpoint import CheckpointError
 from tunix_core.checkpoint import Checkpointer
@@ -30,31 +32,57 @@ def config_mismatch(saved: dict, current: dict, fields) -> str | None:
   return None
 
 
+def _saved_layout(steps, meta: dict):
+  """The layout the checkpoint described by `meta` was written in (older checkpoints
+  carry no "layout": they are ZeRO-1)."""
+  n = meta["num_shards"]
+  if meta.get("layout", "zero1") == "fsdp":
+    return fsdp_lib.Layout(steps.param_shapes, n)
+  return zero.Zero1Layout(collectives.BucketPlan.create(steps.param_shapes, n,
+                                                        steps.plan.bucket_bytes))
+
+
+def same_layout(steps, meta: dict) -> bool:
+  return (meta["num_shards"] == steps.num_devices
+          and meta.get("layout", "zero1") == ("fsdp" if steps.fsdp else "zero1"))
+
+
 def restore_state(steps, ckpt: Checkpointer, step: int, meta: dict) -> dict:
   """The train state at `step` (whose metadata is `meta`), placed on the mesh of `steps`
-  (a `step.StepFunctions`), its optimizer state re-cut for that mesh."""
-  num_shards = meta["num_shards"]
-  opt_abstract, plan = zero.abstract_opt_state(steps.tx, steps.param_shapes, num_shards,
-                                               steps.plan.bucket_bytes, steps.mesh)
+  (a `step.StepFunctions`) in its layout. Params are saved as logical arrays and restored
+  into `steps.logical_shardings()` (split under FSDP) before they are cut; the optimizer
+  state is re-cut when it was saved for another device count or layout."""
+  old = _saved_layout(steps, meta)
+  n = old.num_shards
+  divides = n % steps.num_devices == 0
+  if meta.get("layout", "zero1") == "fsdp":
+    opt_abstract = old.abstract_opt_state(steps.tx, steps.pairs if divides else steps.replicated)
+  else:
+    opt_abstract, _ = zero.abstract_opt_state(steps.tx, steps.param_shapes, n,
+                                              steps.plan.bucket_bytes, steps.mesh)
   params_abstract = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=steps.replicated),
-      steps.param_shapes)
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      steps.param_shapes, steps.logical_shardings())
   restored = ckpt.restore(step, {"params": params_abstract, "opt_state": opt_abstract})
   opt_state = restored["opt_state"]
-  if num_shards != steps.num_devices:
-    opt_state = jax.jit(lambda s: zero.relayout_opt_state(s, plan, steps.plan),
+  if not same_layout(steps, meta):
+    opt_state = jax.jit(lambda s: zero.relayout_opt_state(s, old, steps.layout),
                         out_shardings=steps.pairs)(opt_state)
-  return {"params": restored["params"], "opt_state": opt_state,
+  return {"params": steps.place_params(restored["params"]), "opt_state": opt_state,
           "step": jax.device_put(jnp.asarray(step, jnp.int32), steps.replicated),
           "nonfinite": steps.put_nonfinite(meta.get("nonfinite", [0, 0, 0]))}
 
 
-def verify(state: dict, meta: dict, same_layout: bool) -> tuple[int, list[str]]:
+def verify(steps, state: dict, meta: dict, params_only: bool = False
+           ) -> tuple[int, list[str]]:
   """Recomputes the fingerprints of the restored `state` and compares them with the
-  saved ones: `(arrays checked, paths that differ)`. The optimizer state is compared
-  only when it was restored in the layout it was saved in (`same_layout`)."""
-  keys = ("params", "opt_state") if same_layout else ("params",)
-  got = fingerprints({k: state[k] for k in keys})
+  saved ones: `(arrays checked, paths that differ)`. Params are compared as the logical
+  arrays they were saved as; the optimizer state only when it was restored in the
+  layout it was saved in (and not `params_only`)."""
+  tree = {"params": steps.logical_params(state["params"])}
+  if same_layout(steps, meta) and not params_only:
+    tree["opt_state"] = state["opt_state"]
+  got = fingerprints(tree)
   want = meta["fingerprints"]
   return len(got), [k for k in got if got[k] != want.get(k)]
 
@@ -88,7 +116,7 @@ def _load(steps, ckpt: Checkpointer, step: int, cfg, log, source: dict
   except Exception as e:  # noqa: BLE001
     raise _unreadable(e) from None
   if cfg.verify_checkpoint:
-    n, bad = verify(state, meta, same_layout=meta["num_shards"] == steps.num_devices)
+    n, bad = verify(steps, state, meta)
     if bad:
       raise _Unusable(f"fails verification: {len(bad)} arrays differ, e.g. {bad[0]}")
     log(f"checkpoint step {step}: {n} array fingerprints verified")

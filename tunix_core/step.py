@@ -1,10 +1,14 @@
 """The jitted `shard_map` step functions of a run, and how batches reach the devices.
 
 `StepFunctions` compiles, for one config on a one-axis mesh `("data",)`: the train step,
-the eval step, the frozen reference's log-probs and the replica checksum. Params are
-replicated; each device runs the model on its own pairs, then `zero.ShardedOptimizer`
-reduce-scatters the gradients in buckets, updates its 1/N of the params and optimizer
-state, and all-gathers the params. The train state is
+the eval step, the frozen reference's log-probs and the replica checksum. Under ZeRO-1
+(the default) params are replicated; each device runs the model on its own pairs, then
+`zero.ShardedOptimizer` reduce-scatters the gradients in buckets, updates its 1/N of the
+params and optimizer state, and all-gathers the params. Under `--fsdp` params and the
+reference are in `tunix_core.fsdp`'s sharded layout (`[N, ...]` pieces split over
+"data"): each layer is gathered inside the layer scan, its gradient reduce-scattered in
+the backward, and the update stays local. `logical_params` / `place_params` convert
+between a run's layout and logical arrays. The train state is
 `{"params", "opt_state", "step"}`, with optimizer-state leaves `[N, piece]` split over
 "data" (see `tunix_core.zero`), and `"nonfinite"`: int32 `[3]` (count of non-finite
 steps so far, the first such step, a bit set of what was non-finite in it, bits in
@@ -24,6 +28,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tunix_core import collectives
+from tunix_core import fsdp as fsdp_lib
 from tunix_core import model as model_lib
 from tunix_core import objective
 from tunix_core import optim
@@ -100,28 +105,70 @@ class StepFunctions:
         lambda: model_lib.init_params(jax.random.PRNGKey(0), self.mcfg))
     self.plan = collectives.BucketPlan.create(self.param_shapes, self.num_devices,
                                               int(cfg.bucket_mb * 2**20))
+    comm_dtype = collectives.COMM_DTYPES[cfg.grad_sync_dtype]
+    self.fsdp = None
+    if cfg.fsdp:
+      self.fsdp = fsdp_lib.Layout(
+          self.param_shapes, self.num_devices, "data",
+          compute_dtype=model_lib.DTYPES[self.mcfg.compute_dtype], impl=cfg.sync_impl,
+          comm_dtype=comm_dtype)
     self.opt = zero.ShardedOptimizer(
         self.tx, self.plan, "data", max_grad_norm=cfg.max_grad_norm or None,
-        impl=cfg.sync_impl, comm_dtype=collectives.COMM_DTYPES[cfg.grad_sync_dtype])
+        impl=cfg.sync_impl, comm_dtype=comm_dtype)
     self.replicated = NamedSharding(mesh, P())
     self.pairs = NamedSharding(mesh, P("data"))
-    state_specs = {"params": P(), "opt_state": P("data"), "step": P(), "nonfinite": P()}
+    pspec = P("data") if self.fsdp else P()  # params and reference params
+    self.param_sharding = NamedSharding(mesh, pspec)
+    state_specs = {"params": pspec, "opt_state": P("data"), "step": P(), "nonfinite": P()}
     smap = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
     self.train_step = jax.jit(
-        smap(self._train_step, in_specs=(state_specs, P(), P("data")),
+        smap(self._train_step, in_specs=(state_specs, pspec, P("data")),
              out_specs=(state_specs, P())), donate_argnums=(0,))
-    self.eval_step = jax.jit(smap(self._eval_step, in_specs=(P(), P(), P("data")),
+    self.eval_step = jax.jit(smap(self._eval_step, in_specs=(pspec, pspec, P("data")),
                                   out_specs=P()))
-    self.ref_logps = jax.jit(smap(self._ref_logps, in_specs=(P(), P("data")),
+    self.ref_logps = jax.jit(smap(self._ref_logps, in_specs=(pspec, P("data")),
                                   out_specs=P("data")))
-    self._init_opt = jax.jit(smap(
-        lambda params: jax.tree.map(lambda x: x[None], self.opt.init(params)),
-        in_specs=P(), out_specs=P("data")))
+    init_local = (lambda p: self.opt.tx.init(self.fsdp.local(p))) if self.fsdp else self.opt.init
+    self._init_opt = jax.jit(smap(lambda params: jax.tree.map(lambda x: x[None], init_local(params)),
+                                  in_specs=pspec, out_specs=P("data")))
     self._checksums = jax.jit(smap(self._checksum, in_specs=P(), out_specs=P("data")))
 
   def init_params(self, key: jax.Array) -> dict:
-    return jax.jit(lambda k: model_lib.init_params(k, self.mcfg),
-                   out_shardings=self.replicated)(key)
+    """Params initialised from `key`, directly in this run's layout and shardings."""
+    init = lambda k: model_lib.init_params(k, self.mcfg)
+    if self.fsdp:
+      return jax.jit(lambda k: self.fsdp.to_pieces(init(k)),
+                     out_shardings=self.param_sharding)(key)
+    return jax.jit(init, out_shardings=self.replicated)(key)
+
+  def logical_shardings(self) -> dict:
+    """Where logical params live outside the step: replicated under ZeRO-1, split on
+    their largest divisible dimension under FSDP (`fsdp.logical_sharding`)."""
+    if not self.fsdp:
+      return jax.tree.map(lambda _: self.replicated, self.param_shapes)
+    return jax.tree.map(lambda x: fsdp_lib.logical_sharding(x.shape, self.mesh),
+                        self.param_shapes)
+
+  def logical_params(self, params: dict) -> dict:
+    """This run's params (or a tree shaped like them) as logical arrays."""
+    if not self.fsdp:
+      return params
+    return jax.jit(self.fsdp.to_logical, out_shardings=self.logical_shardings())(params)
+
+  def place_params(self, logical: dict) -> dict:
+    """Logical params -> this run's layout and shardings (inverse of `logical_params`)."""
+    if not self.fsdp:
+      return jax.device_put(logical, self.replicated)
+    return jax.jit(self.fsdp.to_pieces, out_shardings=self.param_sharding)(logical)
+
+  @property
+  def layout(self):
+    """How this run cuts the optimizer state (and, under FSDP, the params): a
+    `fsdp.Layout` or a `zero.Zero1Layout`."""
+    return self.fsdp or zero.Zero1Layout(self.plan)
+
+  def _local(self, params):
+    return self.fsdp.local(params) if self.fsdp else params
 
   def init_state(self, key: jax.Array, params: dict | None = None) -> dict:
     """A fresh train state around `params` (default: initialised from `key`)."""
@@ -135,8 +182,8 @@ class StepFunctions:
     return jax.device_put(jnp.asarray(health, jnp.int32), self.replicated)
 
   def _ref_logps(self, ref_params, batch):
-    return jax.lax.stop_gradient(
-        objective.sequence_logps(ref_params, batch, self.mcfg, self.cfg.logprob_impl))
+    return jax.lax.stop_gradient(objective.sequence_logps(
+        self._local(ref_params), batch, self.mcfg, self.cfg.logprob_impl, self.fsdp))
 
   def _resolve_ref(self, ref_params, batch):
     """Reference log-probs `[b, 2, T]` of a local batch: precomputed, in-step or None."""
@@ -148,39 +195,50 @@ class StepFunctions:
 
   def _train_step(self, state, ref_params, batch):
     k = self.cfg.grad_accum_steps
-    micro = jax.tree.map(lambda x: x.reshape((k, -1) + x.shape[1:]), batch)  # [k, b/k, 2, T]
+    params = self._local(state["params"])
 
     def micro_step(mb):
       ref = self._resolve_ref(ref_params, mb)
       (loss, metrics), grads = jax.value_and_grad(objective.dpo_objective, has_aux=True)(
-          state["params"], ref, mb, self.cfg, self.mcfg)
+          params, ref, mb, self.cfg, self.mcfg, self.fsdp)
       return grads, dict(metrics, loss=loss)
 
     def accumulate(carry, mb):
       return jax.tree.map(jnp.add, carry, micro_step(mb)), None
 
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                         jax.eval_shape(micro_step, jax.tree.map(lambda x: x[0], micro)))
-    (grads, metrics), _ = jax.lax.scan(accumulate, zeros, micro)
-    # Local means over micro-batches; the sync averages over devices, once per step.
-    grads, metrics = jax.tree.map(lambda x: x / k, (grads, metrics))
+    if k == 1:  # no accumulator: one fewer gradient-sized buffer
+      grads, metrics = micro_step(batch)
+    else:
+      micro = jax.tree.map(lambda x: x.reshape((k, -1) + x.shape[1:]), batch)  # [k, b/k, ..]
+      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                           jax.eval_shape(micro_step, jax.tree.map(lambda x: x[0], micro)))
+      (grads, metrics), _ = jax.lax.scan(accumulate, zeros, micro)
+      # Means over micro-batches; ZeRO-1 then averages over devices once per step (under
+      # FSDP each micro-batch's gradient was reduce-scattered already).
+      grads, metrics = jax.tree.map(lambda x: x / k, (grads, metrics))
     opt_state = jax.tree.map(lambda x: x[0], state["opt_state"])
-    update = self.opt.update(grads, opt_state, state["params"])
+    if self.fsdp:
+      update = self.opt.update_sharded(grads, opt_state, params)
+      new_params = jax.tree.map(lambda x: x[None], update.params)
+    else:
+      update = self.opt.update(grads, opt_state, params)
+      new_params = update.params
     metrics = jax.lax.pmean(metrics, "data")
     metrics = dict(metrics, grad_norm=update.grad_norm,
                    learning_rate=self.schedule(state["step"]))
     ok, health = _health(state["nonfinite"], metrics, state["step"] + 1)
     # A non-finite step keeps the old params and optimizer state (no update applied).
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-    new_state = {"params": keep(update.params, state["params"]),
+    new_state = {"params": keep(new_params, state["params"]),
                  "opt_state": keep(jax.tree.map(lambda x: x[None], update.state),
                                    state["opt_state"]),
                  "step": state["step"] + 1, "nonfinite": health}
     return new_state, dict(metrics, nonfinite=health)
 
   def _eval_step(self, params, ref_params, batch):
-    loss, metrics = objective.dpo_objective(params, self._resolve_ref(ref_params, batch),
-                                            batch, self.cfg, self.mcfg)
+    loss, metrics = objective.dpo_objective(
+        self._local(params), self._resolve_ref(ref_params, batch), batch, self.cfg, self.mcfg,
+        self.fsdp)
     return jax.lax.pmean(dict(metrics, loss=loss), "data")
 
   @staticmethod
@@ -193,7 +251,10 @@ class StepFunctions:
     return total[None]
 
   def check_replicas(self, params) -> None:
-    """Raises if any device's copy of the replicated params differs from the others."""
+    """Raises if any device's copy of the replicated params differs from the others
+    (nothing to check under FSDP: no param is replicated)."""
+    if self.fsdp:
+      return
     sums = to_host(self._checksums(params))
     if (sums != sums[0]).any():
       raise RuntimeError(f"replicas diverged: per-device param checksums {sums.tolist()}")

@@ -128,8 +128,10 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
     health = jax.device_get(state["nonfinite"])
     step_lib.check_finite(health, cfg.on_nonfinite, log)
     digest = checkpoint.save_state(
-        ckpt, step, state, data_state=it.get_state(), num_shards=steps.num_devices,
-        rng_key=key, config=cfg, model_config=mcfg, nonfinite=health, source=source)
+        ckpt, step, dict(state, params=steps.logical_params(state["params"])),
+        data_state=it.get_state(), num_shards=steps.num_devices, rng_key=key, config=cfg,
+        model_config=mcfg, nonfinite=health, source=source,
+        layout="fsdp" if steps.fsdp else "zero1")
     log(f"checkpoint step {step}: saving asynchronously (content digest {digest})")
 
   try:
@@ -167,5 +169,5 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
   ckpt.close()
   log(f"done: steps {start + 1}-{cfg.steps} in {progress.elapsed()}")
   if cfg.export_hf_dir:
-    hf_source.export(cfg, mcfg, state["params"], log)
+    hf_source.export(cfg, mcfg, steps.logical_params(state["params"]), log)
   return {"train": progress.last_train, "eval": progress.last_eval, "state": state}

@@ -6,9 +6,9 @@ piece), clips by the global norm of the whole model, applies the optax transform
 to its piece and all-gathers the updated params.
 
 Outside `shard_map` the optimizer state is a pytree of `[N, piece]` arrays sharded over
-the data axis (row `i` is device `i`'s state). This module is the only one that knows
-that layout: `abstract_opt_state` gives its shapes for any device count and
-`relayout_opt_state` re-cuts a saved state for another count.
+the data axis (row `i` is device `i`'s state). `abstract_opt_state` gives its shapes
+for any device count, `Zero1Layout` converts it to logical arrays and back, and
+`relayout_opt_state` re-cuts a saved state for another count or for FSDP.
 """
 
 from typing import NamedTuple
@@ -25,7 +25,8 @@ from tunix_core import collectives
 class UpdateResult(NamedTuple):
   """What `ShardedOptimizer.update` returns (inside `shard_map`, per device)."""
 
-  params: dict          # the synced new params, full and equal on every device
+  params: dict          # the synced new params, full and equal on every device (FSDP:
+                        # this device's new pieces)
   state: optax.OptState  # this device's new optimizer state (of its pieces)
   grad_norm: jax.Array  # float32 scalar: global norm of the mean gradient, before clipping
 
@@ -63,25 +64,39 @@ class ShardedOptimizer:
     shards = collectives.reduce_scatter(grads, self.plan, self.axis_name, impl=self.impl,
                                         mean=True, comm_dtype=self.comm_dtype)
     pieces = self.plan.shards_to_tree(shards)
-    # Padding is zero, so the pieces' squared norms add up to the model's.
-    local_sq = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(pieces))
-    return pieces, jnp.sqrt(jax.lax.psum(local_sq, self.axis_name))
+    return pieces, self.global_norm(pieces)
 
-  def update(self, grads, state, params) -> UpdateResult:
-    """Local (per-device) `grads`, this device's `state` and the replicated `params` in;
-    the synced new params, the new state and the global gradient norm out."""
-    pieces, norm = self.sync_grads(grads)
+  def global_norm(self, pieces):
+    """The norm of the whole gradient from each device's pieces (their padding is zero,
+    so the pieces' squared norms add up to the model's)."""
+    local_sq = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(pieces))
+    return jnp.sqrt(jax.lax.psum(local_sq, self.axis_name))
+
+  def _apply(self, pieces, norm, state, local_params):
     if self.max_grad_norm is not None:
       # Same formula as optax.clip_by_global_norm, on the global norm.
       pieces = jax.tree.map(
           lambda g: jnp.where(norm < self.max_grad_norm, g,
                               (g / norm * self.max_grad_norm).astype(g.dtype)), pieces)
-    local_params = self._local(params)
     updates, state = self.tx.update(pieces, state, local_params)
-    new_local = optax.apply_updates(local_params, updates)
+    return optax.apply_updates(local_params, updates), state
+
+  def update(self, grads, state, params) -> UpdateResult:
+    """Local (per-device) `grads`, this device's `state` and the replicated `params` in;
+    the synced new params, the new state and the global gradient norm out."""
+    pieces, norm = self.sync_grads(grads)
+    new_local, state = self._apply(pieces, norm, state, self._local(params))
     new_params = collectives.all_gather(self.plan.tree_to_shards(new_local), self.plan,
                                         self.axis_name, impl=self.impl)
     return UpdateResult(new_params, state, norm)
+
+  def update_sharded(self, grad_pieces, state, local_params) -> UpdateResult:
+    """FSDP: the params are sharded already (`tunix_core.fsdp`) and `grad_pieces` are the
+    device-mean gradients of this device's `local_params` (the layout's reduce-scatter
+    made them). The update stays local: `params` of the result are the new local pieces."""
+    norm = self.global_norm(grad_pieces)
+    new_local, state = self._apply(grad_pieces, norm, state, local_params)
+    return UpdateResult(new_local, state, norm)
 
 
 def abstract_opt_state(tx: optax.GradientTransformation, param_shapes, num_shards: int,
@@ -96,28 +111,41 @@ def abstract_opt_state(tx: optax.GradientTransformation, param_shapes, num_shard
       (num_shards,) + x.shape, x.dtype, sharding=NamedSharding(mesh, spec)), local), plan
 
 
-def relayout_opt_state(opt_state, plan_old: collectives.BucketPlan,
-                       plan_new: collectives.BucketPlan):
-  """Optimizer state laid out for `plan_old.num_shards` devices, re-cut for
-  `plan_new.num_shards`.
+class Zero1Layout:
+  """ZeRO-1's cut of a params-structured tree (the optimizer state's `mu`, `nu`): each leaf
+  flattened, zero-padded and split into `[N, piece]` rows (`plan.local_pieces`).
+  `fsdp.Layout` has the same two conversions for its own cut."""
 
-  Subtrees shaped like the params (adam's `mu`, `nu`, ...) hold `[N, piece]` pieces of
-  each param: they are joined into whole params and split again. Other leaves (step
-  counts) are equal on every device and are re-broadcast.
+  def __init__(self, plan: collectives.BucketPlan):
+    self.plan, self.num_shards = plan, plan.num_shards
+    self.treedef = plan.treedef
+
+  def to_logical(self, tree):
+    leaves = jax.tree.leaves(tree)
+    return jax.tree.unflatten(self.treedef, [
+        x.reshape(-1)[:int(np.prod(shape))].reshape(shape)
+        for x, shape in zip(leaves, self.plan.shapes)])
+
+  def to_pieces(self, tree):
+    leaves = jax.tree.leaves(tree)
+    return jax.tree.unflatten(self.treedef, [self.plan._pieces(x, i)  # pylint: disable=protected-access
+                                             for i, x in enumerate(leaves)])
+
+
+def relayout_opt_state(opt_state, old, new):
+  """Optimizer state laid out by `old`, re-cut as `new` (each a `Zero1Layout` or an
+  `fsdp.Layout`, for any device counts): ZeRO-1 on 8 -> 4 -> 1 devices, ZeRO-1 <-> FSDP.
+
+  Subtrees shaped like the params (adam's `mu`, `nu`, ...) are joined into logical
+  arrays and cut again. Other leaves (step counts) are equal on every device and are
+  re-broadcast.
   """
   def is_param_tree(x):
-    return not isinstance(x, jax.Array) and jax.tree.structure(x) == plan_old.treedef
+    return not isinstance(x, jax.Array) and jax.tree.structure(x) == old.treedef
 
   def cut(subtree):
     if not is_param_tree(subtree):
-      return jnp.broadcast_to(subtree[:1], (plan_new.num_shards,) + subtree.shape[1:])
-    leaves = jax.tree.leaves(subtree)
-    out = []
-    for i, x in enumerate(leaves):
-      size = int(np.prod(plan_old.shapes[i]))
-      flat = x.reshape(-1)[:size]
-      pad = plan_new.piece_size(i) * plan_new.num_shards - size
-      out.append(jnp.pad(flat, (0, pad)).reshape(plan_new.num_shards, -1))
-    return jax.tree.unflatten(plan_old.treedef, out)
+      return jnp.broadcast_to(subtree[:1], (new.num_shards,) + subtree.shape[1:])
+    return new.to_pieces(old.to_logical(subtree))
 
   return jax.tree.map(cut, opt_state, is_leaf=is_param_tree)

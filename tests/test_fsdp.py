@@ -1,0 +1,245 @@
+"""FSDP (`--fsdp`, `tunix_core.fsdp`): the sharded layout against NumPy, the gather and
+its reduce-scatter VJP, agreement with ZeRO-1 and with one device, per-device bytes and
+the collectives of the compiled step, and restores across device counts and layouts."""
+
+import json
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from kernels import tpu
+from oracles import rel_error
+from tunix_core import aot
+from tunix_core import checkpoint
+from tunix_core import collectives
+from tunix_core import config as config_lib
+from tunix_core import data as data_lib
+from tunix_core import fsdp
+from tunix_core import model as model_lib
+from tunix_core import resume
+from tunix_core import step as step_lib
+from tunix_core import train
+from tunix_core import zero
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(REPO, "data", "train.jsonl")
+QUIET = dict(log=lambda *_: None)
+TINY = model_lib.preset("tiny")
+
+
+def tree_rel_error(got, want) -> float:
+  """The largest `rel_error` (max abs difference over max abs value) of any leaf."""
+  return max(jax.tree.leaves(jax.tree.map(rel_error, got, want)))
+
+
+def _config(out, **kw):
+  base = dict(output_dir=str(out), train_data=TRAIN, max_length=40, max_prompt_length=20,
+              batch_size=8, steps=3, log_every=1, learning_rate=2e-3)
+  return config_lib.TrainConfig(**{**base, **kw})
+
+
+def _mesh(n):
+  return Mesh(np.array(jax.devices()[:n]), ("data",))
+
+
+def test_layout_cuts_each_layer_as_numpy_does():
+  shapes = jax.eval_shape(lambda: model_lib.init_params(jax.random.PRNGKey(0), TINY))
+  params = jax.tree.map(np.asarray, model_lib.init_params(jax.random.PRNGKey(1), TINY))
+  n = 3  # divides nothing of the tiny model: every leaf is padded
+  layout = fsdp.Layout(shapes, n)
+  pieces = jax.device_get(layout.to_pieces(params))
+  for name, x in params["layers"].items():  # [L, *s] -> [n, L, piece]
+    L, size = x.shape[0], x[0].size
+    piece = -(-size // n)
+    want = np.zeros((L, n * piece), x.dtype)
+    want[:, :size] = x.reshape(L, -1)
+    np.testing.assert_array_equal(pieces["layers"][name],
+                                  want.reshape(L, n, piece).transpose(1, 0, 2))
+  embed = params["embed"].reshape(-1)
+  piece = -(-embed.size // n)
+  np.testing.assert_array_equal(pieces["embed"].reshape(-1)[:embed.size], embed)
+  assert pieces["embed"].shape == (n, piece)
+  assert jax.tree.map(lambda x: x.shape, layout.piece_shapes()) == jax.tree.map(
+      lambda x: x.shape, pieces)
+  back = jax.device_get(layout.to_logical(pieces))
+  jax.tree.map(np.testing.assert_array_equal, back, params)
+
+
+@pytest.mark.parametrize("impl,comm", [("xla", None), ("ring", None), ("xla", jnp.bfloat16)])
+def test_gather_is_full_and_its_vjp_is_the_mean_reduce_scatter(impl, comm):
+  n = 8
+  shapes = {"embed": jax.ShapeDtypeStruct((5, 3), jnp.float32),
+            "layers": {"w": jax.ShapeDtypeStruct((2, 7), jnp.float32),
+                       "b": jax.ShapeDtypeStruct((2, 3, 2), jnp.float32)}}
+  rng = np.random.default_rng(0)
+  params = jax.tree.map(lambda s: rng.normal(size=s.shape).astype(np.float32), shapes)
+  # Per-device cotangent weights: the loss of device d is sum(c_d * gathered).
+  cots = jax.tree.map(lambda s: rng.normal(size=(n,) + s.shape).astype(np.float32), shapes)
+  layout = fsdp.Layout(shapes, n, impl=impl, comm_dtype=comm)
+
+  def per_device(pieces, c):
+    local, c = layout.local(pieces), jax.tree.map(lambda x: x[0], c)
+
+    def loss(local):
+      rest = layout.gather_rest(local)
+      layers = [layout.gather_layer(jax.tree.map(lambda x: x[l], local["layers"]))
+                for l in range(2)]
+      full = dict(rest, layers=jax.tree.map(lambda *x: jnp.stack(x), *layers))
+      return sum(jnp.sum(a * b) for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(c))), full
+    grads, full = jax.grad(loss, has_aux=True)(local)
+    return jax.tree.map(lambda x: x[None], (grads, full))
+
+  f = jax.jit(jax.shard_map(per_device, mesh=_mesh(n), in_specs=(P("data"), P("data")),
+                            out_specs=P("data"), check_vma=False))
+  grads, full = f(layout.to_pieces(params), cots)
+  for d in range(n):  # every device gathered the whole tree
+    jax.tree.map(lambda g, p: np.testing.assert_array_equal(np.asarray(g)[d], p), full, params)
+  mean = jax.tree.map(lambda c: c.mean(axis=0), cots)
+  tol = 1e-6 if comm is None else 1e-2  # bf16 on the wire rounds each device's part
+  assert tree_rel_error(jax.device_get(layout.to_logical(grads)), mean) <= tol
+
+
+def _run(cfg, n, num_steps=3):
+  """Metrics of each step and the final logical params of `cfg` on `n` devices."""
+  steps = step_lib.StepFunctions(cfg, _mesh(n))
+  ds = data_lib.load_dataset(TRAIN, data_lib.ByteTokenizer(), cfg.max_length,
+                             cfg.max_prompt_length)
+  state = steps.init_state(jax.random.PRNGKey(0))
+  ref = jax.tree.map(lambda x: jnp.array(x, copy=True), state["params"])
+  rows = []
+  for i in range(num_steps):
+    batch = steps.put_batch(data_lib.take_pairs(ds, np.arange(8 * i, 8 * i + 8)))
+    if cfg.precompute_ref_logps:
+      batch["ref_logps"] = steps.ref_logps(ref, batch)
+    state, metrics = steps.train_step(state, None if cfg.precompute_ref_logps else ref, batch)
+    rows.append({k: float(v) for k, v in metrics.items() if k != "nonfinite"})
+  return rows, jax.device_get(steps.logical_params(state["params"]))
+
+
+def norm_rel_error(got, want) -> float:
+  """||got - want|| / ||want|| over a whole tree. Params are compared this way: Adam
+  divides each element's step by its own gradient scale, so where a gradient is ~0 its
+  rounding (summation order differs with the device count) moves that element by up
+  to the learning rate."""
+  sq = lambda t: sum(float(np.sum(np.square(np.asarray(x, np.float64)))) for x in t)
+  diff = jax.tree.leaves(jax.tree.map(lambda a, b: np.asarray(a, np.float64) - b, got, want))
+  return (sq(diff) / sq(jax.tree.leaves(want))) ** 0.5
+
+
+def _assert_agree(a, b):
+  (rows_a, params_a), (rows_b, params_b) = a, b
+  for ra, rb in zip(rows_a, rows_b):
+    for k in ra:
+      assert abs(ra[k] - rb[k]) <= 1e-5 * max(1.0, abs(ra[k])), (k, ra[k], rb[k])
+  assert norm_rel_error(params_a, params_b) <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def zero1_one_device(tmp_path_factory):
+  return _run(_config(tmp_path_factory.mktemp("z1")), 1)
+
+
+@pytest.mark.slow
+def test_fsdp_on_8_matches_zero1_on_1(tmp_path, zero1_one_device):
+  _assert_agree(_run(_config(tmp_path, fsdp=True), 8), zero1_one_device)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [dict(grad_accum_steps=2), dict(sync_impl="ring"),
+                                dict(precompute_ref_logps=True), dict(remat="full"),
+                                dict(max_grad_norm=0.05)])
+def test_fsdp_matches_zero1_on_8(tmp_path, kw):
+  _assert_agree(_run(_config(tmp_path / "f", fsdp=True, **kw), 8),
+                _run(_config(tmp_path / "z", **kw), 8))
+
+
+def _compiled(cfg, n=8):
+  steps = step_lib.StepFunctions(cfg, _mesh(n))
+  return steps, steps.train_step.lower(*aot.abstract_inputs(steps)).compile()
+
+
+@pytest.mark.slow
+def test_per_device_arguments_are_one_nth_of_the_replicated_state(tmp_path):
+  cfg = _config(tmp_path, fsdp=True)
+  steps, compiled = _compiled(cfg)
+  state, ref, batch = aot.abstract_inputs(steps)
+  nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+  replicated = nbytes(steps.param_shapes) * 2 + nbytes(state["opt_state"])  # + reference
+  got = tpu.compiled_stats(compiled)["argument"]
+  want = replicated / 8 + nbytes(batch) / 8
+  assert abs(got - want) <= 0.02 * replicated / 8 + 64, (got, want)
+  _, zero1 = _compiled(_config(tmp_path))
+  assert tpu.compiled_stats(zero1)["argument"] > 4 * got  # ZeRO-1 replicates params, ref
+
+
+def _collectives(text, op):
+  """Output element counts of every `op` in compiled HLO text."""
+  return [int(np.prod([int(d) for d in dims.split(",") if d]))
+          for dims in re.findall(r"= \w+\[([\d,]*)\]\S* %s(?:-start)?\(" % op, text)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remat", ["full", "none"])
+def test_one_gather_per_layer_forward_and_one_gather_and_scatter_backward(tmp_path, remat):
+  cfg = _config(tmp_path, fsdp=True, remat=remat, precompute_ref_logps=True)
+  steps, compiled = _compiled(cfg)
+  text = compiled.as_text()
+  layer = steps.fsdp.layer_plan.bucket_size(0)
+  rest = len(steps.fsdp.rest_plans)  # embedding, final norm, head: one gather each
+  gathers, scatters = _collectives(text, "all-gather"), _collectives(text, "reduce-scatter")
+  # The layer scan's forward body gathers the layer once; the backward body gathers it
+  # again (it was not saved) and reduce-scatters its gradient once.
+  assert sorted(gathers)[-2:] == [layer, layer] and len(gathers) == 2 + rest
+  assert max(gathers) <= layer  # nothing larger than one layer is ever gathered
+  assert len(scatters) == 1 + rest and layer // 8 in scatters
+
+
+@pytest.mark.slow
+def test_restores_across_counts_and_layouts(tmp_path):
+  cfg = _config(tmp_path, fsdp=True, steps=2, save_every=2)
+  saved = train.train(cfg, **QUIET)["state"]
+  big = step_lib.StepFunctions(cfg, _mesh(8))
+  want_params = jax.device_get(big.logical_params(saved["params"]))
+  want_mu = jax.device_get(big.layout.to_logical(saved["opt_state"][0].mu))
+  ckpt = checkpoint.Checkpointer(str(tmp_path / "checkpoints"))
+  meta = ckpt.read_meta(2)
+  assert meta["layout"] == "fsdp" and meta["num_shards"] == 8
+  for n, use_fsdp in ((4, True), (1, True), (8, False), (1, False)):
+    steps = step_lib.StepFunctions(_config(tmp_path, fsdp=use_fsdp), _mesh(n))
+    state = resume.restore_state(steps, ckpt, 2, meta)
+    assert resume.verify(steps, state, meta)[1] == []
+    jax.tree.map(np.testing.assert_array_equal,
+                 jax.device_get(steps.logical_params(state["params"])), want_params)
+    mu = jax.device_get(steps.layout.to_logical(state["opt_state"][0].mu))
+    jax.tree.map(np.testing.assert_array_equal, mu, want_mu)
+    assert state["opt_state"][0].mu["embed"].shape[0] == n
+  ckpt.close()
+
+
+@pytest.mark.slow
+def test_resume_fsdp_as_zero1_on_one_device_continues_the_run(tmp_path):
+  train.train(_config(tmp_path / "a", fsdp=True, steps=2, save_every=2), **QUIET)
+  train.train(_config(tmp_path / "a", steps=4), devices=jax.devices()[:1], **QUIET)
+  train.train(_config(tmp_path / "b", fsdp=True, steps=4), **QUIET)
+  rows = lambda d: {r["step"]: r["loss"] for r in map(json.loads, open(d / "metrics.jsonl"))
+                    if "loss" in r}
+  a, b = rows(tmp_path / "a"), rows(tmp_path / "b")
+  np.testing.assert_allclose([a[s] for s in range(1, 5)], [b[s] for s in range(1, 5)],
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_zero1_relayout_round_trips_through_fsdp():
+  shapes = jax.eval_shape(lambda: model_lib.init_params(jax.random.PRNGKey(0), TINY))
+  mu = model_lib.init_params(jax.random.PRNGKey(2), TINY)
+  z8 = zero.Zero1Layout(collectives.BucketPlan.create(shapes, 8))
+  f3 = fsdp.Layout(shapes, 3)
+  state = ({"count": jnp.zeros((8,), jnp.int32), "mu": z8.to_pieces(mu)},)
+  out = zero.relayout_opt_state(state, z8, f3)
+  assert out[0]["count"].shape == (3,)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(f3.to_logical(out[0]["mu"])),
+               jax.device_get(mu))
