@@ -121,6 +121,9 @@ flags.DEFINE_bool("reference_free", _DEF["reference_free"], "Drop the reference 
                   "(its log-probs are taken as zero).")
 flags.DEFINE_bool("precompute_ref_logps", _DEF["precompute_ref_logps"], "Run the reference "
                   "once over the data before training (cached on disk) instead of in every step.")
+_define_choice("attention_impl", "Attention: auto (the Pallas flash kernels when compiled "
+               "for TPU and rows are a multiple of 128 tokens without sliding window or "
+               "soft-cap, else xla), xla (scores materialised), pallas.")
 _define_choice("logprob_impl", "kernels.fused_logprobs impl: auto (pallas when "
                "compiled for TPU, else xla), xla, pallas, interpret or naive (the oracle).")
 _define_choice("loss_impl", "kernels.dpo_loss impl: auto (pallas when compiled for "

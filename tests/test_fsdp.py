@@ -113,7 +113,8 @@ def _run(cfg, n, num_steps=3):
   ref = jax.tree.map(lambda x: jnp.array(x, copy=True), state["params"])
   rows = []
   for i in range(num_steps):
-    batch = steps.put_batch(data_lib.take_pairs(ds, np.arange(8 * i, 8 * i + 8)))
+    B = cfg.batch_size
+    batch = steps.put_batch(data_lib.take_pairs(ds, np.arange(B * i, B * (i + 1))))
     if cfg.precompute_ref_logps:
       batch["ref_logps"] = steps.ref_logps(ref, batch)
     state, metrics = steps.train_step(state, None if cfg.precompute_ref_logps else ref, batch)
@@ -150,7 +151,7 @@ def test_fsdp_on_8_matches_zero1_on_1(tmp_path, zero1_one_device):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kw", [dict(grad_accum_steps=2), dict(sync_impl="ring"),
+@pytest.mark.parametrize("kw", [dict(grad_accum_steps=2, batch_size=16), dict(sync_impl="ring"),
                                 dict(precompute_ref_logps=True), dict(remat="full"),
                                 dict(max_grad_norm=0.05)])
 def test_fsdp_matches_zero1_on_8(tmp_path, kw):

@@ -107,6 +107,19 @@ def test_train_export_resume_on_an_hf_directory(model_dir, chat_data, tmp_path):
                resumed["state"]["params"])
 
 
+@pytest.mark.slow
+def test_fsdp_on_an_hf_directory_matches_zero1_and_exports(model_dir, chat_data, tmp_path):
+  zero1 = train.train(_config(tmp_path / "z", model_dir, chat_data, steps=2),
+                      devices=jax.devices()[:2], **QUIET)
+  train.train(_config(tmp_path / "f", model_dir, chat_data, steps=2, fsdp=True,
+                      export_hf_dir=str(tmp_path / "hf")), **QUIET)
+  assert _losses(tmp_path / "f") == pytest.approx(_losses(tmp_path / "z"), abs=1e-5)
+  # The export gathers the sharded params back into logical arrays.
+  exported = hf.load_params(str(tmp_path / "hf"), CFG)
+  for got, want in zip(jax.tree.leaves(exported), jax.tree.leaves(zero1["state"]["params"])):
+    np.testing.assert_allclose(got, want, atol=3e-5)
+
+
 def _check_in_transformers(model_dir, params):
   """The exported directory loads in `transformers` (when installed) and gives our
   logits within 1e-5 of the largest."""

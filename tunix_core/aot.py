@@ -70,27 +70,45 @@ def _gib(n: int) -> str:
   return f"{n / GiB:.2f} GiB" if n >= GiB // 10 else f"{n / (1 << 20):.1f} MiB"
 
 
-def compile_only(cfg, target: str, log=print) -> int:
-  """Compiles `cfg`'s train step for `target`; logs per-device memory and the cost
-  analysis. Returns the exit status: 0 if it compiles and fits the chip's HBM, 1 if
-  the compiler refuses it (its message logged) or the total exceeds HBM."""
+def compile_stats(cfg, target: str, model_config=None) -> dict:
+  """Compiles `cfg`'s train step for `target` (`model_config` overrides the flags'
+  model). Returns `{"chip", "devices", "num_params", "error"}` plus, when it compiled,
+  `kernels.tpu.compiled_stats` per device and `"total"` (arguments + outputs not in
+  donated arguments + temporaries); `"error"` is the compiler's refusal or None."""
   chip, devices = target_devices(target)
   cfg.validate(len(devices))
-  mcfg = cfg.model_config()
+  mcfg = model_config or cfg.model_config()
   steps = step_lib.StepFunctions(cfg, Mesh(np.array(devices), ("data",)), mcfg)
-  num_params = sum(x.size for x in jax.tree.leaves(steps.param_shapes))
-  where = f"{target} ({len(devices)} x {devices[0].device_kind})"
-  log(f"compile only: {cfg.hf_model_dir or cfg.model} ({num_params:,} params) for {where}")
+  out = {"chip": chip, "devices": devices, "error": None,
+         "num_params": sum(x.size for x in jax.tree.leaves(steps.param_shapes))}
   try:
     with jax.set_mesh(steps.mesh):  # so impl="auto" and the kernel tiles see the target
       compiled = steps.train_step.lower(*abstract_inputs(steps)).compile()
   except Exception as e:  # noqa: BLE001 - the compiler's refusal is the answer
     message = str(e)
     lines = [l for l in message.splitlines() if "exceeds" in l or "RESOURCE_EXHAUSTED" in l]
-    log(f"does not fit: {(lines or message.splitlines() or [''])[0].strip()[:500]}")
-    return 1
+    out["error"] = (lines or message.splitlines() or [""])[0].strip()[:500]
+    return out
   stats = tpu.compiled_stats(compiled)
-  total = stats["argument"] + stats["output"] - stats["alias"] + stats["temp"]
+  out.update(stats, total=stats["argument"] + stats["output"] - stats["alias"] + stats["temp"])
+  return out
+
+
+def compile_only(cfg, target: str, log=print) -> int:
+  """Compiles `cfg`'s train step for `target`; logs per-device memory and the cost
+  analysis. Returns the exit status: 0 if it compiles and fits the chip's HBM, 1 if
+  the compiler refuses it (its message logged) or the total exceeds HBM."""
+  chip, devices = target_devices(target)
+  where = f"{target} ({len(devices)} x {devices[0].device_kind})"
+  num_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(
+      lambda: model_lib.init_params(jax.random.PRNGKey(0), cfg.model_config()))))
+  log(f"compile only: {cfg.hf_model_dir or cfg.model} ({num_params:,} params, "
+      f"{'FSDP' if cfg.fsdp else 'ZeRO-1'}) for {where}")
+  stats = compile_stats(cfg, target)
+  if stats["error"] is not None:
+    log(f"does not fit: {stats['error']}")
+    return 1
+  total = stats["total"]
   log(f"per device: arguments {_gib(stats['argument'])}, outputs {_gib(stats['output'])} "
       f"({_gib(stats['alias'])} of them in donated arguments), temporaries "
       f"{_gib(stats['temp'])}; total {_gib(total)}"

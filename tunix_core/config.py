@@ -8,6 +8,7 @@ import dataclasses
 import os
 
 import kernels
+from kernels import attention as attention_lib
 from kernels import tpu
 from tunix_core import collectives
 from tunix_core import model as model_lib
@@ -63,6 +64,7 @@ class TrainConfig:
   reference_free: bool = False
   precompute_ref_logps: bool = False
   logprob_impl: str = "auto"
+  attention_impl: str = "auto"
   loss_impl: str = "auto"
   bucket_mb: float = 25.0
   sync_impl: str = "xla"
@@ -128,7 +130,7 @@ class TrainConfig:
     """The preset's config, or with `--hf_model_dir` the checkpoint's (`hf.HFError` if it
     cannot be represented exactly)."""
     overrides = dict(param_dtype=self.param_dtype, compute_dtype=self.compute_dtype,
-                     remat=self.remat)
+                     remat=self.remat, attention_impl=self.attention_impl)
     if self.hf_model_dir:
       from tunix_core import hf_config  # pylint: disable=g-import-not-at-top
       return hf_config.read_config(self.hf_model_dir, **overrides)
@@ -153,6 +155,7 @@ CHOICES = {
     "optimizer": optim.OPTIMIZERS,
     "loss_type": kernels.LOSS_TYPES,
     "logprob_impl": kernels.LOGPROB_IMPLS,
+    "attention_impl": attention_lib.ATTENTION_IMPLS,
     "loss_impl": kernels.DPO_LOSS_IMPLS,
     "sync_impl": collectives.IMPLS,
     "grad_sync_dtype": tuple(collectives.COMM_DTYPES),

@@ -53,12 +53,6 @@ def _gather_op(plan_param, plan_compute, axis_name, impl, comm_dtype):
   """A differentiable all-gather of a tree of local pieces into full arrays in the
   compute dtype, whose VJP is the mean reduce-scatter back to pieces."""
   compute_dtypes = [jnp.dtype(d) for d in plan_compute.dtypes]
-  wire = comm_dtype
-  if wire is None and all(c.itemsize < jnp.dtype(p).itemsize
-                          for c, p in zip(compute_dtypes, plan_param.dtypes)):
-    # The cotangents are compute-dtype values: sending them as they are loses nothing
-    # and halves the bucket; the sums still accumulate in float32.
-    wire = compute_dtypes[0]
 
   @jax.custom_vjp
   def gather(pieces):
@@ -71,8 +65,13 @@ def _gather_op(plan_param, plan_compute, axis_name, impl, comm_dtype):
     return gather(pieces), None  # no residuals: the backward needs only the cotangent
 
   def bwd(_, cotangent):
+    # In the params' dtype, so the sums accumulate in float32 (the wire dtype is
+    # `comm_dtype`, i.e. --grad_sync_dtype).
+    leaves, treedef = jax.tree.flatten(cotangent)
+    cotangent = jax.tree.unflatten(treedef, [x.astype(d)
+                                             for x, d in zip(leaves, plan_param.dtypes)])
     shards = collectives.reduce_scatter(cotangent, plan_param, axis_name, impl=impl,
-                                        mean=True, comm_dtype=wire)
+                                        mean=True, comm_dtype=comm_dtype)
     return (plan_param.shards_to_tree(shards),)
 
   gather.defvjp(fwd, bwd)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from kernels import attention as attention_lib
 from tunix_core import model_config
 
 # The config lives in its own module; these names are part of this module's API.
@@ -154,7 +155,8 @@ def softcap(x: jax.Array, cap: float) -> jax.Array:
 
 def attention(x_BxTxD, layer, setting, positions_BxT, mask_BxT, cfg: ModelConfig):
   """Causal grouped-query attention; keys where `mask_BxT` is 0 are never attended, nor
-  keys `setting["window"]` or more positions back (when it is not 0)."""
+  keys `setting["window"]` or more positions back (when it is not 0). On TPU the flash
+  kernels run it when they can (`cfg.attention_impl`, `kernels.attention`)."""
   B, T, _ = x_BxTxD.shape
   H, KV, K = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   G = H // KV
@@ -168,8 +170,14 @@ def attention(x_BxTxD, layer, setting, positions_BxT, mask_BxT, cfg: ModelConfig
     k_BxTxVxK = rms_norm(k_BxTxVxK, layer["k_norm"], cfg.norm_eps, cfg.norm_offset)
   q_BxTxHxK = apply_rope(q_BxTxHxK, positions_BxT, setting["freqs"])
   k_BxTxVxK = apply_rope(k_BxTxVxK, positions_BxT, setting["freqs"])
-  q_BxTxVxGxK = q_BxTxHxK.reshape(B, T, KV, G, K)
   scale = (cfg.query_pre_attn_scalar or K) ** -0.5
+  impl = attention_lib.resolve(cfg.attention_impl, T, bool(cfg.sliding_window),
+                               cfg.attn_softcap)
+  if impl == "pallas":
+    out_BxTxHxK = attention_lib.flash_causal_attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK,
+                                                       mask_BxT, scale)
+    return out_BxTxHxK.reshape(B, T, H * K) @ layer["wo"]
+  q_BxTxVxGxK = q_BxTxHxK.reshape(B, T, KV, G, K)
   scores_BxVxGxTxS = softcap(jnp.einsum("btvgk,bsvk->bvgts", q_BxTxVxGxK, k_BxTxVxK,
                                         preferred_element_type=jnp.float32) * scale,
                              cfg.attn_softcap)

@@ -21,6 +21,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from kernels import attention as attention_lib
+
 RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -83,6 +85,9 @@ class ModelConfig:
   param_dtype: str = "float32"
   compute_dtype: str = "float32"
   remat: RematPolicy = "none"
+  # "auto": the Pallas flash kernels on TPU where they are exact (`kernels.attention`),
+  # else "xla" (scores materialised); "pallas" insists on the kernels.
+  attention_impl: str = "auto"
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
@@ -96,7 +101,8 @@ class ModelConfig:
       raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
     for name, choices in (("param_dtype", tuple(DTYPES)), ("compute_dtype", tuple(DTYPES)),
                           ("rope_type", ROPE_TYPES), ("mlp_activation", MLP_ACTIVATIONS),
-                          ("remat", tuple(REMAT_POLICIES))):
+                          ("remat", tuple(REMAT_POLICIES)),
+                          ("attention_impl", attention_lib.ATTENTION_IMPLS)):
       if getattr(self, name) not in choices:
         raise ValueError(f"ModelConfig.{name} must be one of {choices}, "
                          f"got {getattr(self, name)!r}")

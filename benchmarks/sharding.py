@@ -1,0 +1,115 @@
+"""Per-chip memory of a DPO step on a TPU slice (ahead of time) under ZeRO-1 and FSDP, and
+CPU throughput of FSDP relative to ZeRO-1 on 8 simulated devices.
+
+    python benchmarks/sharding.py [--models tiny,125m,1b,7b] [--refs precomputed,bf16]
+        [--topology v5e-8] [--throughput_steps 7]
+
+Memory: each model's exact train step (8 pairs of 1024 tokens, 512 of prompt, bf16
+compute, `--remat=full`, float32 master params, AdamW) compiled by the real TPU compiler
+for `--topology` from abstract inputs (needs libtpu; nothing is allocated), per chip:
+arguments, temporaries and the total (arguments + outputs not in donated buffers +
+temporaries) against the chip's HBM, or the compiler's refusal. `--refs` picks the
+reference: precomputed log-probs (an input), or the frozen reference params in the step
+in bf16 or f32. Throughput: the tiny preset on 8 simulated CPU devices, median step time
+of interleaved ZeRO-1 and FSDP steps on the same batches; CPU devices cannot overlap the
+gathers with compute, so this bounds FSDP's extra cost from above.
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+from kernels import tpu  # noqa: E402
+from tunix_core import aot  # noqa: E402
+from tunix_core import config as config_lib  # noqa: E402
+from tunix_core import data as data_lib  # noqa: E402
+from tunix_core import step as step_lib  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(REPO, "data", "train.jsonl")
+GiB = 1 << 30
+
+
+def memory_table(models, refs, topology):
+  print(f"per-chip memory of one DPO step on {topology} (GiB; total = arguments + "
+        "non-donated outputs + temporaries)")
+  print("| model | params | reference | layout | arguments | temporaries | total | fits |")
+  print("|---|---|---|---|---|---|---|---|")
+  for model in models:
+    for ref in refs:
+      for fsdp in (False, True):
+        cfg = config_lib.TrainConfig(
+            output_dir="/tmp/sharding_benchmark", train_data=TRAIN, model=model, fsdp=fsdp,
+            batch_size=8, max_length=1024, max_prompt_length=512, compute_dtype="bfloat16",
+            remat="full", precompute_ref_logps=ref == "precomputed",
+            ref_dtype="auto" if ref == "precomputed" else {"f32": "float32",
+                                                           "bf16": "bfloat16"}[ref])
+        t0 = time.perf_counter()
+        s = aot.compile_stats(cfg, topology)
+        layout = "FSDP" if fsdp else "ZeRO-1"
+        head = f"| {model} | {s['num_params'] / 1e9:.2f}B | {ref} | {layout} |"
+        if s["error"] is not None:
+          print(f"{head} - | - | - | no: {s['error'][:120]} |")
+        else:
+          fits = "yes" if s["total"] <= s["chip"].hbm_bytes else "no"
+          print(f"{head} {s['argument'] / GiB:.2f} | {s['temp'] / GiB:.2f} | "
+                f"{s['total'] / GiB:.2f} | {fits} |")
+        print(f"  (compiled in {time.perf_counter() - t0:.0f} s)", flush=True)
+
+
+def throughput(num_steps):
+  mesh = Mesh(np.array(jax.devices()), ("data",))
+  ds = data_lib.load_dataset(TRAIN, data_lib.ByteTokenizer(), 64, 32)
+  runs = {}
+  for fsdp in (False, True):
+    cfg = config_lib.TrainConfig(output_dir="/tmp/sharding_benchmark", train_data=TRAIN,
+                                 fsdp=fsdp, batch_size=8, max_length=64, max_prompt_length=32)
+    steps = step_lib.StepFunctions(cfg, mesh)
+    state = steps.init_state(jax.random.PRNGKey(0))
+    ref = jax.tree.map(lambda x: jnp.array(x, copy=True), state["params"])
+    runs["FSDP" if fsdp else "ZeRO-1"] = [steps, state, ref, []]
+  batches = [data_lib.take_pairs(ds, np.arange(8 * i, 8 * i + 8)) for i in range(num_steps + 1)]
+  tokens = [int(b["attention_mask"].sum()) for b in batches]
+  for i, batch in enumerate(batches):  # interleaved; step 0 compiles
+    for run in runs.values():
+      steps, state, ref, times = run
+      placed = steps.put_batch(batch)
+      t0 = time.perf_counter()
+      state, metrics = steps.train_step(state, ref, placed)
+      jax.block_until_ready(metrics)
+      run[1] = state
+      if i:
+        times.append(tokens[i] / (time.perf_counter() - t0))
+  rate = {name: statistics.median(run[3]) for name, run in runs.items()}
+  print(f"tiny preset, 8 simulated CPU devices, 8 pairs of 64 tokens, in-step reference, "
+        f"median of {num_steps} steps: ZeRO-1 {rate['ZeRO-1']:.0f} tokens/s, FSDP "
+        f"{rate['FSDP']:.0f} tokens/s: FSDP / ZeRO-1 = {rate['FSDP'] / rate['ZeRO-1']:.2f}x")
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--models", default="tiny,125m,1b,7b")
+  p.add_argument("--refs", default="precomputed",
+                 help="comma-separated: precomputed, bf16 and/or f32")
+  p.add_argument("--topology", default="v5e-8", choices=sorted(tpu.TOPOLOGIES))
+  p.add_argument("--throughput_steps", type=int, default=7, help="0: skip the CPU timing")
+  args = p.parse_args()
+  if args.throughput_steps:
+    throughput(args.throughput_steps)
+  if args.models:
+    memory_table(args.models.split(","), args.refs.split(","), args.topology)
+
+
+if __name__ == "__main__":
+  main()
