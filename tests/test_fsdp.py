@@ -244,3 +244,11 @@ def test_zero1_relayout_round_trips_through_fsdp():
   assert out[0]["count"].shape == (3,)
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(f3.to_logical(out[0]["mu"])),
                jax.device_get(mu))
+
+
+def test_bad_combinations_fail_with_one_line(tmp_path):
+  with pytest.raises(config_lib.ConfigError, match="no param is replicated"):
+    _config(tmp_path, fsdp=True, check_replicas_every=5).validate(8)
+  with pytest.raises(config_lib.ConfigError, match="attention_impl"):
+    _config(tmp_path, fsdp=True, attention_impl="flash").validate(8)
+  _config(tmp_path, fsdp=True, batch_size=9).validate(3)  # shards are padded: any count

@@ -104,6 +104,9 @@ class TrainConfig:
          f"micro-batches on each of {num_devices} devices")
     need(self.bucket_mb > 0, f"--bucket_mb must be positive, got {self.bucket_mb}")
     need(self.check_replicas_every >= 0, "--check_replicas_every must be >= 0")
+    need(not (self.fsdp and self.check_replicas_every),
+         "--check_replicas_every checks replicated params; under --fsdp no param is "
+         "replicated (set it to 0)")
     need(0 < self.max_prompt_length < self.max_length,
          f"--max_prompt_length={self.max_prompt_length} must be positive and less than "
          f"--max_length={self.max_length}")

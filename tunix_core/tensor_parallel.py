@@ -1,0 +1,107 @@
+"""Megatron-style tensor parallelism over a "model" mesh axis, inside `shard_map`.
+
+With `model.param_specs(cfg, "model")` each of the K devices of the axis holds a slice of
+the heads (`wq wk wv` column-parallel, `wo` row-parallel), of the MLP columns (`w_gate
+w_up` column-, `w_down` row-parallel) and of the vocabulary (`embed` rows, `lm_head`
+columns); norms are replicated. Activations between the blocks are replicated. Two
+conjugate ops keep gradients exact whatever `check_vma` says:
+
+- `enter(x)`: identity forward, `psum` backward (a replicated activation feeding sharded
+  heads gets the sum of every slice's gradient);
+- `leave(y)`: `psum` forward, identity backward (the row-parallel partial sums).
+
+`forward` wires them around attention and the MLP with the per-device `local_config`;
+the LM head is `kernels.fused_logprobs(..., vocab_axis=)`.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from tunix_core import model as model_lib
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def enter(x, axis: str):
+  return x
+
+
+enter.defvjp(lambda x, axis: (x, None), lambda axis, _, g: (jax.lax.psum(g, axis),))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def leave(x, axis: str):
+  return jax.lax.psum(x, axis)
+
+
+leave.defvjp(lambda x, axis: (jax.lax.psum(x, axis), None), lambda axis, _, g: (g,))
+
+
+def check(cfg: model_lib.ModelConfig, k: int) -> None:
+  """ValueError naming the first size that the `k` devices of the model axis do not
+  divide (heads, kv-heads, MLP width, vocabulary)."""
+  for name in ("num_heads", "num_kv_heads", "mlp_dim", "vocab_size"):
+    if getattr(cfg, name) % k:
+      raise ValueError(f"--model_parallel={k} does not divide {name}={getattr(cfg, name)}")
+
+
+def local_config(cfg: model_lib.ModelConfig, k: int) -> model_lib.ModelConfig:
+  """The shapes one device of a `k`-way model axis computes with."""
+  check(cfg, k)
+  return dataclasses.replace(cfg, num_heads=cfg.num_heads // k,
+                             num_kv_heads=cfg.num_kv_heads // k, mlp_dim=cfg.mlp_dim // k,
+                             vocab_size=cfg.vocab_size // k)
+
+
+def embed(params, tokens_BxT, cfg, axis: str):
+  """Vocabulary-parallel embedding: each device looks up the ids it owns (zeros for the
+  others) and the rows are summed over the axis."""
+  local_vocab = params["embed"].shape[0]
+  first = jax.lax.axis_index(axis) * local_vocab
+  owned = (tokens_BxT >= first) & (tokens_BxT < first + local_vocab)
+  x = model_lib.embed(params, jnp.where(owned, tokens_BxT - first, 0), cfg)
+  return leave(jnp.where(owned[..., None], x, 0), axis)
+
+
+def forward(params, tokens_BxT, mask_BxT, cfg, axis: str):
+  """`model.forward` on a device's slices (`params` placed by `param_specs(cfg, axis)`):
+  replicated `[B, T, D]` hidden states; `cfg` is the global config."""
+  k = jax.lax.axis_size(axis)
+  lcfg = local_config(cfg, k)
+  compute = model_lib.DTYPES[cfg.compute_dtype]
+  positions_BxT = jnp.maximum(jnp.cumsum(mask_BxT, axis=-1) - 1, 0)
+  eps, offset = cfg.norm_eps, cfg.norm_offset
+
+  def layer_fn(x_BxTxD, layer_and_setting):
+    layer, setting = layer_and_setting
+    layer = jax.tree.map(lambda w: w.astype(compute), layer)
+    h = enter(model_lib.rms_norm(x_BxTxD, layer["attn_norm"], eps, offset), axis)
+    h = leave(model_lib.attention(h, layer, setting, positions_BxT, mask_BxT, lcfg), axis)
+    if cfg.post_norms:
+      h = model_lib.rms_norm(h, layer["post_attn_norm"], eps, offset)
+    x_BxTxD = x_BxTxD + h
+    h = enter(model_lib.rms_norm(x_BxTxD, layer["mlp_norm"], eps, offset), axis)
+    h = leave(model_lib.mlp(h, layer, lcfg), axis)
+    if cfg.post_norms:
+      h = model_lib.rms_norm(h, layer["post_mlp_norm"], eps, offset)
+    return x_BxTxD + h, None
+
+  policy = model_lib.REMAT_POLICIES[cfg.remat]
+  if policy is not None:
+    layer_fn = jax.checkpoint(layer_fn, policy=policy)
+  x_BxTxD, _ = jax.lax.scan(layer_fn, embed(params, tokens_BxT, cfg, axis),
+                            (params["layers"], model_lib.layer_settings(cfg)))
+  return model_lib.rms_norm(x_BxTxD, params["final_norm"], eps, offset)
+
+
+def sync_replicated_grads(grads, axis: str):
+  """Sums over the model axis the gradients of the replicated params used inside the
+  sharded heads (Qwen3/Gemma 3 `q_norm`, `k_norm`): each device saw only its heads.
+  Every other replicated param acts on replicated activations: its gradient is whole."""
+  layers = dict(grads["layers"])
+  for name in ("q_norm", "k_norm"):
+    if name in layers:
+      layers[name] = jax.lax.psum(layers[name], axis)
+  return dict(grads, layers=layers)
