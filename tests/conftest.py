@@ -4,9 +4,6 @@ import os
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The tests only compile for TPU ahead of time, never run on one, so another process
-# holding libtpu (a benchmark, a second test run) must not make them fail on its lock.
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import chex  # noqa: E402  (after JAX_PLATFORMS, before any backend starts)
 
