@@ -74,6 +74,11 @@ flags.DEFINE_bool("fsdp", _DEF["fsdp"], "Fully sharded data parallel (ZeRO-3): p
                   "gradients, the reference and the optimizer state split over all devices; "
                   "each layer all-gathered inside the layer scan and its gradient "
                   "reduce-scattered per layer. Off: ZeRO-1 (replicated params).")
+flags.DEFINE_integer("model_parallel", _DEF["model_parallel"], "Tensor parallelism: devices "
+                     "of the inner 'model' mesh axis (consecutive devices); heads, MLP "
+                     "columns and the vocabulary are split over them Megatron-style, the "
+                     "other devices / K shards hold the data (and, with --fsdp, the param "
+                     "pieces). 1: none.")
 flags.DEFINE_integer("check_replicas_every", _DEF["check_replicas_every"], "Besides after "
                      "step 1, check every N steps that all replicas hold identical params "
                      "(0: only after step 1).")

@@ -1,8 +1,9 @@
-"""Per-chip memory of a DPO step on a TPU slice (ahead of time) under ZeRO-1 and FSDP, and
-CPU throughput of FSDP relative to ZeRO-1 on 8 simulated devices.
+"""Per-chip memory of a DPO step on a TPU slice (ahead of time) under ZeRO-1, FSDP and
+FSDP + tensor parallelism, and CPU throughput of FSDP relative to ZeRO-1 on 8 simulated
+devices.
 
     python benchmarks/sharding.py [--models tiny,125m,1b,7b] [--refs precomputed,bf16]
-        [--topology v5e-8] [--throughput_steps 7]
+        [--layouts zero1,fsdp,fsdp+tp2] [--topology v5e-8] [--throughput_steps 7]
 
 Memory: each model's exact train step (8 pairs of 1024 tokens, 512 of prompt, bf16
 compute, `--remat=full`, float32 master params, AdamW) compiled by the real TPU compiler
@@ -10,7 +11,8 @@ for `--topology` from abstract inputs (needs libtpu; nothing is allocated), per 
 arguments, temporaries and the total (arguments + outputs not in donated buffers +
 temporaries) against the chip's HBM, or the compiler's refusal. `--refs` picks the
 reference: precomputed log-probs (an input), or the frozen reference params in the step
-in bf16 or f32. Throughput: the tiny preset on 8 simulated CPU devices, median step time
+in bf16 or f32. `--layouts`: ZeRO-1, FSDP, and FSDP with `--model_parallel=K` ("fsdp+tpK",
+skipped for a model whose heads or vocabulary K does not divide). Throughput: the tiny preset on 8 simulated CPU devices, median step time
 of interleaved ZeRO-1 and FSDP steps on the same batches; CPU devices cannot overlap the
 gathers with compute, so this bounds FSDP's extra cost from above.
 """
@@ -35,29 +37,46 @@ from tunix_core import aot  # noqa: E402
 from tunix_core import config as config_lib  # noqa: E402
 from tunix_core import data as data_lib  # noqa: E402
 from tunix_core import step as step_lib  # noqa: E402
+from tunix_core import tensor_parallel  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "data", "train.jsonl")
 GiB = 1 << 30
 
 
-def memory_table(models, refs, topology):
+def _layout(name):
+  """`(fsdp, model_parallel)` of a `--layouts` entry."""
+  if name in ("zero1", "fsdp"):
+    return name == "fsdp", 1
+  if name.startswith("fsdp+tp"):
+    return True, int(name[len("fsdp+tp"):])
+  raise ValueError(f"unknown layout {name!r}: zero1, fsdp or fsdp+tpK")
+
+
+def memory_table(models, refs, layouts, topology):
   print(f"per-chip memory of one DPO step on {topology} (GiB; total = arguments + "
         "non-donated outputs + temporaries)")
   print("| model | params | reference | layout | arguments | temporaries | total | fits |")
   print("|---|---|---|---|---|---|---|---|")
   for model in models:
     for ref in refs:
-      for fsdp in (False, True):
+      for fsdp, k in map(_layout, layouts):
+        try:
+          tensor_parallel.check(config_lib.TrainConfig(output_dir="", train_data="",
+                                                       model=model).model_config(), k)
+        except ValueError as e:
+          print(f"| {model} | | {ref} | FSDP + TP {k} | skipped: {e} |")
+          continue
         cfg = config_lib.TrainConfig(
             output_dir="/tmp/sharding_benchmark", train_data=TRAIN, model=model, fsdp=fsdp,
+            model_parallel=k,
             batch_size=8, max_length=1024, max_prompt_length=512, compute_dtype="bfloat16",
             remat="full", precompute_ref_logps=ref == "precomputed",
             ref_dtype="auto" if ref == "precomputed" else {"f32": "float32",
                                                            "bf16": "bfloat16"}[ref])
         t0 = time.perf_counter()
         s = aot.compile_stats(cfg, topology)
-        layout = "FSDP" if fsdp else "ZeRO-1"
+        layout = ("FSDP" if fsdp else "ZeRO-1") + (f" + TP {k}" if k > 1 else "")
         head = f"| {model} | {s['num_params'] / 1e9:.2f}B | {ref} | {layout} |"
         if s["error"] is not None:
           print(f"{head} - | - | - | no: {s['error'][:120]} |")
@@ -102,13 +121,16 @@ def main():
   p.add_argument("--models", default="tiny,125m,1b,7b")
   p.add_argument("--refs", default="precomputed",
                  help="comma-separated: precomputed, bf16 and/or f32")
+  p.add_argument("--layouts", default="zero1,fsdp,fsdp+tp2",
+                 help="comma-separated: zero1, fsdp, fsdp+tpK (--model_parallel=K)")
   p.add_argument("--topology", default="v5e-8", choices=sorted(tpu.TOPOLOGIES))
   p.add_argument("--throughput_steps", type=int, default=7, help="0: skip the CPU timing")
   args = p.parse_args()
   if args.throughput_steps:
     throughput(args.throughput_steps)
   if args.models:
-    memory_table(args.models.split(","), args.refs.split(","), args.topology)
+    memory_table(args.models.split(","), args.refs.split(","), args.layouts.split(","),
+                 args.topology)
 
 
 if __name__ == "__main__":

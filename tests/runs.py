@@ -1,9 +1,15 @@
-"""The small trainer run the checkpoint and fault-injection tests share, and its output."""
+"""The small trainer runs the checkpoint, fault-injection and sharding tests share, their
+output, and how two runs are compared."""
 
 import json
 import os
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from tunix_core import config as config_lib
+from tunix_core import data as data_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "data", "train.jsonl")
@@ -25,3 +31,42 @@ def rows(out) -> list[dict]:
 def losses(out) -> dict:
   """`{step: loss}` of the train rows in `{out}/metrics.jsonl`."""
   return {r["step"]: r["loss"] for r in rows(out) if "loss" in r}
+
+
+def step_run(steps, cfg, num_steps=3):
+  """`(metrics of each step, final logical params)` of `num_steps` train steps of `steps`
+  (a `step.StepFunctions` for `cfg`) on the first pairs of `TRAIN`, in-step or
+  precomputed reference as `cfg` says."""
+  ds = data_lib.load_dataset(TRAIN, data_lib.ByteTokenizer(), cfg.max_length,
+                             cfg.max_prompt_length)
+  state = steps.init_state(jax.random.PRNGKey(0))
+  ref = jax.tree.map(lambda x: jnp.array(x, copy=True), state["params"])
+  out = []
+  for i in range(num_steps):
+    B = cfg.batch_size
+    batch = steps.put_batch(data_lib.take_pairs(ds, np.arange(B * i, B * (i + 1))))
+    if cfg.precompute_ref_logps:
+      batch["ref_logps"] = steps.ref_logps(ref, batch)
+    state, metrics = steps.train_step(state, None if cfg.precompute_ref_logps else ref, batch)
+    out.append({k: float(v) for k, v in metrics.items() if k != "nonfinite"})
+  return out, jax.device_get(steps.logical_params(state["params"]))
+
+
+def norm_rel_error(got, want) -> float:
+  """||got - want|| / ||want|| over a whole tree. Params are compared this way: Adam
+  divides each element's step by its own gradient scale, so where a gradient is ~0 its
+  rounding (summation order differs with the device count) moves that element by up
+  to the learning rate."""
+  sq = lambda t: sum(float(np.sum(np.square(np.asarray(x, np.float64)))) for x in t)
+  diff = jax.tree.leaves(jax.tree.map(lambda a, b: np.asarray(a, np.float64) - b, got, want))
+  return (sq(diff) / sq(jax.tree.leaves(want))) ** 0.5
+
+
+def assert_agree(a, b, tol=1e-5):
+  """Two `step_run` results: every metric of every step within `tol` (relative above 1),
+  the final params within `tol` in relative norm."""
+  (rows_a, params_a), (rows_b, params_b) = a, b
+  for ra, rb in zip(rows_a, rows_b):
+    for k in ra:
+      assert abs(ra[k] - rb[k]) <= tol * max(1.0, abs(ra[k])), (k, ra[k], rb[k])
+  assert norm_rel_error(params_a, params_b) <= tol

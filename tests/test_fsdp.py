@@ -13,12 +13,12 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 from kernels import tpu
+import runs
 from oracles import rel_error
 from tunix_core import aot
 from tunix_core import checkpoint
 from tunix_core import collectives
 from tunix_core import config as config_lib
-from tunix_core import data as data_lib
 from tunix_core import fsdp
 from tunix_core import model as model_lib
 from tunix_core import resume
@@ -104,40 +104,8 @@ def test_gather_is_full_and_its_vjp_is_the_mean_reduce_scatter(impl, comm):
   assert tree_rel_error(jax.device_get(layout.to_logical(grads)), mean) <= tol
 
 
-def _run(cfg, n, num_steps=3):
-  """Metrics of each step and the final logical params of `cfg` on `n` devices."""
-  steps = step_lib.StepFunctions(cfg, _mesh(n))
-  ds = data_lib.load_dataset(TRAIN, data_lib.ByteTokenizer(), cfg.max_length,
-                             cfg.max_prompt_length)
-  state = steps.init_state(jax.random.PRNGKey(0))
-  ref = jax.tree.map(lambda x: jnp.array(x, copy=True), state["params"])
-  rows = []
-  for i in range(num_steps):
-    B = cfg.batch_size
-    batch = steps.put_batch(data_lib.take_pairs(ds, np.arange(B * i, B * (i + 1))))
-    if cfg.precompute_ref_logps:
-      batch["ref_logps"] = steps.ref_logps(ref, batch)
-    state, metrics = steps.train_step(state, None if cfg.precompute_ref_logps else ref, batch)
-    rows.append({k: float(v) for k, v in metrics.items() if k != "nonfinite"})
-  return rows, jax.device_get(steps.logical_params(state["params"]))
-
-
-def norm_rel_error(got, want) -> float:
-  """||got - want|| / ||want|| over a whole tree. Params are compared this way: Adam
-  divides each element's step by its own gradient scale, so where a gradient is ~0 its
-  rounding (summation order differs with the device count) moves that element by up
-  to the learning rate."""
-  sq = lambda t: sum(float(np.sum(np.square(np.asarray(x, np.float64)))) for x in t)
-  diff = jax.tree.leaves(jax.tree.map(lambda a, b: np.asarray(a, np.float64) - b, got, want))
-  return (sq(diff) / sq(jax.tree.leaves(want))) ** 0.5
-
-
-def _assert_agree(a, b):
-  (rows_a, params_a), (rows_b, params_b) = a, b
-  for ra, rb in zip(rows_a, rows_b):
-    for k in ra:
-      assert abs(ra[k] - rb[k]) <= 1e-5 * max(1.0, abs(ra[k])), (k, ra[k], rb[k])
-  assert norm_rel_error(params_a, params_b) <= 1e-5
+def _run(cfg, n):
+  return runs.step_run(step_lib.StepFunctions(cfg, _mesh(n)), cfg)
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +115,7 @@ def zero1_one_device(tmp_path_factory):
 
 @pytest.mark.slow
 def test_fsdp_on_8_matches_zero1_on_1(tmp_path, zero1_one_device):
-  _assert_agree(_run(_config(tmp_path, fsdp=True), 8), zero1_one_device)
+  runs.assert_agree(_run(_config(tmp_path, fsdp=True), 8), zero1_one_device)
 
 
 @pytest.mark.slow
@@ -155,7 +123,7 @@ def test_fsdp_on_8_matches_zero1_on_1(tmp_path, zero1_one_device):
                                 dict(precompute_ref_logps=True), dict(remat="full"),
                                 dict(max_grad_norm=0.05)])
 def test_fsdp_matches_zero1_on_8(tmp_path, kw):
-  _assert_agree(_run(_config(tmp_path / "f", fsdp=True, **kw), 8),
+  runs.assert_agree(_run(_config(tmp_path / "f", fsdp=True, **kw), 8),
                 _run(_config(tmp_path / "z", **kw), 8))
 
 

@@ -14,15 +14,12 @@ target's device count, and `impl="auto"` resolves as that platform would run it.
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kernels import tpu
 from tunix_core import model as model_lib
 from tunix_core import step as step_lib
-from tunix_core import zero
 
 GiB = 1 << 30
 
@@ -40,23 +37,12 @@ def target_devices(name: str) -> tuple[tpu.Chip | None, list]:
 def abstract_inputs(steps: step_lib.StepFunctions) -> tuple:
   """`(state, ref_params, batch)` of `steps.train_step` as sharded ShapeDtypeStructs."""
   cfg, mesh = steps.cfg, steps.mesh
-  spec = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-  layout = steps.fsdp.piece_shapes() if steps.fsdp else steps.param_shapes
-  params = jax.tree.map(lambda x: spec(x, steps.param_sharding), layout)
-  if steps.fsdp:
-    opt_state = steps.fsdp.abstract_opt_state(steps.tx, steps.pairs)
-  else:
-    opt_state, _ = zero.abstract_opt_state(steps.tx, steps.param_shapes, steps.num_devices,
-                                           steps.plan.bucket_bytes, mesh)
   scalar = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=steps.replicated)
-  state = {"params": params, "opt_state": opt_state, "step": scalar(()),
-           "nonfinite": scalar((3,))}
+  state = {"params": steps.abstract_params(), "opt_state": steps.abstract_opt_state(),
+           "step": scalar(()), "nonfinite": scalar((3,))}
   ref_params = None
   if not (cfg.reference_free or cfg.precompute_ref_logps):
-    ref_dtype = model_lib.DTYPES[cfg.ref_param_dtype()]
-    ref_params = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, ref_dtype, sharding=steps.param_sharding),
-        layout)
+    ref_params = steps.abstract_params(model_lib.DTYPES[cfg.ref_param_dtype()])
   pairs = NamedSharding(mesh, P("data"))
   shape = (cfg.batch_size, 2, cfg.max_length)
   batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=pairs)
@@ -70,15 +56,16 @@ def _gib(n: int) -> str:
   return f"{n / GiB:.2f} GiB" if n >= GiB // 10 else f"{n / (1 << 20):.1f} MiB"
 
 
-def compile_stats(cfg, target: str, model_config=None) -> dict:
+def compile_stats(cfg, target: str, model_config=None, devices=None) -> dict:
   """Compiles `cfg`'s train step for `target` (`model_config` overrides the flags'
-  model). Returns `{"chip", "devices", "num_params", "error"}` plus, when it compiled,
-  `kernels.tpu.compiled_stats` per device and `"total"` (arguments + outputs not in
-  donated arguments + temporaries); `"error"` is the compiler's refusal or None."""
-  chip, devices = target_devices(target)
+  model; `devices`, the target's `(chip, devices)` when known already). Returns `{"chip",
+  "devices", "num_params", "error"}` plus, when it compiled, `kernels.tpu.compiled_stats`
+  per device and `"total"` (arguments + outputs not in donated arguments + temporaries);
+  `"error"` is the compiler's refusal or None."""
+  chip, devices = devices or target_devices(target)
   cfg.validate(len(devices))
   mcfg = model_config or cfg.model_config()
-  steps = step_lib.StepFunctions(cfg, Mesh(np.array(devices), ("data",)), mcfg)
+  steps = step_lib.StepFunctions(cfg, step_lib.make_mesh(devices, cfg.model_parallel), mcfg)
   out = {"chip": chip, "devices": devices, "error": None,
          "num_params": sum(x.size for x in jax.tree.leaves(steps.param_shapes))}
   try:
@@ -100,11 +87,13 @@ def compile_only(cfg, target: str, log=print) -> int:
   the compiler refuses it (its message logged) or the total exceeds HBM."""
   chip, devices = target_devices(target)
   where = f"{target} ({len(devices)} x {devices[0].device_kind})"
+  layout = ("FSDP" if cfg.fsdp else "ZeRO-1") + (
+      f" x TP {cfg.model_parallel}" if cfg.model_parallel > 1 else "")
   num_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(
       lambda: model_lib.init_params(jax.random.PRNGKey(0), cfg.model_config()))))
-  log(f"compile only: {cfg.hf_model_dir or cfg.model} ({num_params:,} params, "
-      f"{'FSDP' if cfg.fsdp else 'ZeRO-1'}) for {where}")
-  stats = compile_stats(cfg, target)
+  log(f"compile only: {cfg.hf_model_dir or cfg.model} ({num_params:,} params, {layout}) "
+      f"for {where}")
+  stats = compile_stats(cfg, target, devices=(chip, devices))
   if stats["error"] is not None:
     log(f"does not fit: {stats['error']}")
     return 1
@@ -113,6 +102,9 @@ def compile_only(cfg, target: str, log=print) -> int:
       f"({_gib(stats['alias'])} of them in donated arguments), temporaries "
       f"{_gib(stats['temp'])}; total {_gib(total)}"
       + (f" of {_gib(chip.hbm_bytes)} HBM" if chip else ""))
+  if stats["peak"]:
+    log(f"the compiler's peak_memory_in_bytes per device: {_gib(stats['peak'])} (the fit "
+        "check uses the total above)")
   log(f"cost analysis per device: {stats['flops']:.4g} flops, "
       f"{stats['bytes_accessed']:.4g} bytes accessed")
   if chip is not None and total > chip.hbm_bytes:

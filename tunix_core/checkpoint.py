@@ -189,9 +189,10 @@ class Checkpointer:
 def save_state(ckpt: Checkpointer, step: int, state: dict, *, data_state: dict,
                num_shards: int, rng_key: jax.Array, config, model_config,
                nonfinite: list[int], source: dict | None = None,
-               layout: str = "zero1") -> str:
+               layout: str = "zero1", model_parallel: int = 1) -> str:
   """Starts an asynchronous save of `state` (logical params, optimizer state cut by
-  `layout`, "zero1" or "fsdp", for `num_shards` devices) at `step` with its metadata
+  `layout`, "zero1" or "fsdp", for `num_shards` data shards of `model_parallel`-way
+  slices) at `step` with its metadata
   (`nonfinite`: the state's `[count, first step, bits]`, read by the caller; `source`:
   where the initial policy came from, `hf_source.source`); returns a short digest of
   the state's fingerprints for the log."""
@@ -199,6 +200,7 @@ def save_state(ckpt: Checkpointer, step: int, state: dict, *, data_state: dict,
   prints = fingerprints(to_save)
   ckpt.save(step, to_save, {
       "step": step, "data_state": data_state, "num_shards": num_shards, "layout": layout,
+      "model_parallel": model_parallel,
       "rng_key": np.asarray(jax.random.key_data(rng_key)).tolist(),
       "config": dataclasses.asdict(config), "model_config": dataclasses.asdict(model_config),
       "fingerprints": prints, "source": source or {},

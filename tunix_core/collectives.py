@@ -90,7 +90,7 @@ class BucketPlan:
     leaves = self._leaves(tree)
     out = []
     for members in self.buckets:
-      rows = [self._pieces(leaves[i], i) for i in members]  # each [num_shards, piece]
+      rows = [self.leaf_pieces(leaves[i], i) for i in members]  # each [num_shards, piece]
       out.append(jnp.concatenate(rows, axis=1).reshape(-1))
     return out
 
@@ -126,10 +126,12 @@ class BucketPlan:
     """Piece `shard_index` (may be traced) of every leaf: a tree of 1-D arrays."""
     leaves = self._leaves(tree)
     return jax.tree.unflatten(self.treedef, [
-        jax.lax.dynamic_index_in_dim(self._pieces(x, i), shard_index, keepdims=False)
+        jax.lax.dynamic_index_in_dim(self.leaf_pieces(x, i), shard_index, keepdims=False)
         for i, x in enumerate(leaves)])
 
-  def _pieces(self, leaf, i):
+  def leaf_pieces(self, leaf, i):
+    """Leaf `i` (an array of its planned shape) flattened, zero-padded and cut into
+    `[num_shards, piece_size(i)]` rows, row s being shard s's piece."""
     flat = leaf.reshape(-1)
     pad = self.piece_size(i) * self.num_shards - flat.size
     return jnp.pad(flat, (0, pad)).reshape(self.num_shards, -1)
@@ -160,17 +162,25 @@ def _check(plan, axis_name, impl):
 
 
 def reduce_scatter(tree, plan: BucketPlan, axis_name, *, impl="xla", mean=True,
-                   comm_dtype=None) -> list[jax.Array]:
+                   comm_dtype=None, chunk_bytes=None) -> list[jax.Array]:
   """Sums (or averages) `tree` over `axis_name`; returns this device's shard per bucket.
 
   Args:
-    tree: local values (e.g. gradients) with the plan's structure.
+    tree: local values (e.g. gradients) with the plan's structure; leaves may be in a
+      narrower dtype than the plan's (bf16 cotangents of float32 params): each bucket is
+      cast to its planned dtype before it is summed.
     impl: "xla" (one tiled `lax.psum_scatter` per bucket) or "ring" (`num_shards - 1`
       `lax.ppermute` steps per bucket, accumulating in float32).
     mean: divide by the number of devices.
     comm_dtype: dtype on the wire, e.g. `jnp.bfloat16` to halve the bytes. Sums are
       still accumulated in float32 (with "xla" this uses one `all_to_all` per bucket
       and a local float32 sum instead of `psum_scatter`).
+    chunk_bytes: if set, each bucket is reduced in column chunks whose operand (all
+      devices' rows, in the planned dtype) is at most this many bytes, so the cast copy
+      of a large bucket never exists whole: a bf16 layer of a 7B model would otherwise
+      need two float32 copies of the full layer. The chunks are chained by
+      `optimization_barrier`s so the scheduler cannot cast them all at once. The sums
+      are the same.
 
   Returns:
     `[plan.shard_size(b)]` arrays in each bucket's dtype.
@@ -179,18 +189,32 @@ def reduce_scatter(tree, plan: BucketPlan, axis_name, *, impl="xla", mean=True,
   n = plan.num_shards
   out = []
   for b, bucket in enumerate(plan.pack(tree)):
-    wire = bucket if comm_dtype is None else bucket.astype(comm_dtype)
-    if impl == "ring":
-      shard = _ring_reduce_scatter(bucket.astype(jnp.float32), axis_name, n, wire.dtype)
-    elif comm_dtype is None:
-      shard = jax.lax.psum_scatter(bucket, axis_name, tiled=True)
-    else:
-      chunks = jax.lax.all_to_all(wire.reshape(n, -1), axis_name, 0, 0, tiled=True)
-      shard = chunks.astype(jnp.float32).sum(axis=0)
+    dtype = jnp.dtype(plan.bucket_dtype(b))
+    rows = bucket.reshape(n, -1)
+    width = rows.shape[1]
+    step = width if chunk_bytes is None else max(1, chunk_bytes // (n * dtype.itemsize))
+    parts = []
+    for a in range(0, width, step):
+      chunk = rows[:, a:a + step]
+      if parts:  # cast this chunk only once the last one is summed: one copy at a time
+        parts[-1], chunk = jax.lax.optimization_barrier((parts[-1], chunk))
+      parts.append(_reduce_scatter_rows(chunk.astype(dtype), axis_name, n, impl, comm_dtype))
+    shard = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
     if mean:
       shard = shard.astype(jnp.float32) / n
-    out.append(shard.astype(plan.bucket_dtype(b)))
+    out.append(shard.astype(dtype))
   return out
+
+
+def _reduce_scatter_rows(rows, axis_name, n, impl, comm_dtype):
+  """`[n, w]` local rows -> row `axis_index` summed over the axis, `[w]`."""
+  wire = rows if comm_dtype is None else rows.astype(comm_dtype)
+  if impl == "ring":
+    return _ring_reduce_scatter(rows.astype(jnp.float32), axis_name, n, wire.dtype)
+  if comm_dtype is None:
+    return jax.lax.psum_scatter(rows.reshape(-1), axis_name, tiled=True)
+  chunks = jax.lax.all_to_all(wire, axis_name, 0, 0, tiled=True)
+  return chunks.astype(jnp.float32).sum(axis=0)
 
 
 def all_gather(shards, plan: BucketPlan, axis_name, *, impl="xla"):

@@ -13,6 +13,7 @@ from kernels import tpu
 from tunix_core import collectives
 from tunix_core import model as model_lib
 from tunix_core import optim
+from tunix_core import tensor_parallel
 
 RESUME_MODES = ("auto", "never", "required")
 # --chat_template values besides a path to a jinja file.
@@ -71,6 +72,7 @@ class TrainConfig:
   grad_sync_dtype: str = "float32"
   grad_accum_steps: int = 1
   fsdp: bool = False
+  model_parallel: int = 1
   check_replicas_every: int = 0
   log_every: int = 10
   eval_every: int = 0
@@ -95,13 +97,19 @@ class TrainConfig:
       need(value in choices, f"--{name}={value!r} {verb}; choose one of {choices}")
     need(self.steps > 0, f"--steps must be positive, got {self.steps}")
     need(self.batch_size > 0, f"--batch_size must be positive, got {self.batch_size}")
-    need(self.batch_size % num_devices == 0,
-         f"--batch_size={self.batch_size} is not divisible by the {num_devices} devices")
+    k = self.model_parallel
+    need(k >= 1 and num_devices % k == 0,
+         f"--model_parallel={k} does not divide the {num_devices} devices")
+    shards = num_devices // k
+    what = (f"{shards} data-parallel shards ({num_devices} devices / --model_parallel={k})"
+            if k > 1 else f"{num_devices} devices")
+    need(self.batch_size % shards == 0,
+         f"--batch_size={self.batch_size} is not divisible by the {what}")
     need(self.grad_accum_steps > 0, f"--grad_accum_steps must be positive, got "
          f"{self.grad_accum_steps}")
-    need(self.batch_size % (num_devices * self.grad_accum_steps) == 0,
+    need(self.batch_size % (shards * self.grad_accum_steps) == 0,
          f"--batch_size={self.batch_size} does not split into {self.grad_accum_steps} "
-         f"micro-batches on each of {num_devices} devices")
+         f"micro-batches on each of the {what}")
     need(self.bucket_mb > 0, f"--bucket_mb must be positive, got {self.bucket_mb}")
     need(self.check_replicas_every >= 0, "--check_replicas_every must be >= 0")
     need(not (self.fsdp and self.check_replicas_every),
@@ -124,6 +132,11 @@ class TrainConfig:
     need(not self.hf_model_dir or os.path.isfile(os.path.join(self.hf_model_dir, "config.json")),
          f"--hf_model_dir={self.hf_model_dir!r} is not a Hugging Face model directory "
          "(no config.json)")
+    if k > 1:
+      try:
+        tensor_parallel.check(self.model_config(), k)
+      except ValueError as e:
+        raise ConfigError(str(e)) from None
     need(self.chat_template in CHAT_TEMPLATES or os.path.isfile(self.chat_template),
          f"--chat_template={self.chat_template!r} is neither {CHAT_TEMPLATES} nor a file")
     need(not (self.export_hf_dir and os.path.isfile(self.export_hf_dir)),

@@ -131,6 +131,8 @@ class ModelConfig:
 PRESETS = {
     # CPU-sized: trains on the shipped data in minutes on two cores.
     "tiny": ModelConfig(),
+    # The tiny model with a vocabulary that splits 2 and 4 ways (--model_parallel tests).
+    "tiny_tp": ModelConfig(vocab_size=260),
     # GPT-3 "small" / Pythia-160m-like shapes with a Llama vocabulary of 32k.
     "125m": ModelConfig(vocab_size=32_000, d_model=768, num_layers=12, num_heads=12,
                         num_kv_heads=12, head_dim=64, mlp_dim=2048, tie_embeddings=True),

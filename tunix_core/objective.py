@@ -9,15 +9,19 @@ import jax
 
 import kernels
 from tunix_core import model as model_lib
+from tunix_core import tensor_parallel
 
 
 def sequence_logps(params, batch: dict, mcfg: model_lib.ModelConfig, impl: str,
-                   fsdp=None) -> jax.Array:
+                   fsdp=None, model_axis: str | None = None) -> jax.Array:
   """Float32 per-token log-probs `[B, 2, T]` of `batch["targets"]` (0 where unscored).
 
   Differentiable in `params`; the `[.., V]` logits are never built (`fused_logprobs`).
   With `fsdp` (a `tunix_core.fsdp.Layout`, inside `shard_map`) `params` are a device's
   local pieces, gathered as they are used; their gradient is the device-mean gradient.
+  With `model_axis` (inside `shard_map`) `params` are a device's tensor-parallel slices
+  (`tunix_core.tensor_parallel`; under FSDP, the pieces of its slices) and the LM head is
+  vocabulary-parallel; the log-probs are the same on every device of the axis.
   """
   gather_layer = None
   if fsdp is not None:
@@ -26,24 +30,29 @@ def sequence_logps(params, batch: dict, mcfg: model_lib.ModelConfig, impl: str,
   B, two, T = batch["tokens"].shape
   # Model rows are all chosen rows, then all rejected rows.
   rows = lambda x_Bx2xT: x_Bx2xT.swapaxes(0, 1).reshape(two * B, T)
-  hidden_RxTxD = model_lib.forward(params, rows(batch["tokens"]),
-                                   rows(batch["attention_mask"]), mcfg, gather_layer)
+  tokens_RxT, mask_RxT = rows(batch["tokens"]), rows(batch["attention_mask"])
+  if model_axis is None:
+    hidden_RxTxD = model_lib.forward(params, tokens_RxT, mask_RxT, mcfg, gather_layer)
+  else:
+    hidden_RxTxD = tensor_parallel.forward(params, tokens_RxT, mask_RxT, mcfg, model_axis,
+                                           gather_layer)
   head_DxV = model_lib.lm_head(params, mcfg).astype(hidden_RxTxD.dtype)
   logps_RxT = kernels.fused_logprobs(hidden_RxTxD, head_DxV, rows(batch["targets"]),
                                      impl=impl, ignore_index=kernels.IGNORE_INDEX,
-                                     logit_softcap=mcfg.final_softcap or None)
+                                     logit_softcap=mcfg.final_softcap or None,
+                                     vocab_axis=model_axis)
   return logps_RxT.reshape(two, B, T).swapaxes(0, 1)
 
 
 def dpo_objective(params, ref_logps_Bx2xT, batch: dict, cfg, mcfg: model_lib.ModelConfig,
-                  fsdp=None):
+                  fsdp=None, model_axis: str | None = None):
   """`(loss, metrics)` of `kernels.dpo_loss` for `params` on a `[B, 2, T]` pair batch.
 
   `ref_logps_Bx2xT` are the frozen reference's per-token log-probs (None with
-  `cfg.reference_free`); `cfg` is a `TrainConfig` (beta, loss type, impls); `fsdp` as in
-  `sequence_logps`. Differentiable in `params`.
+  `cfg.reference_free`); `cfg` is a `TrainConfig` (beta, loss type, impls); `fsdp` and
+  `model_axis` as in `sequence_logps`. Differentiable in `params`.
   """
-  logps_Bx2xT = sequence_logps(params, batch, mcfg, cfg.logprob_impl, fsdp)
+  logps_Bx2xT = sequence_logps(params, batch, mcfg, cfg.logprob_impl, fsdp, model_axis)
   mask_Bx2xT = batch["loss_mask"]
   ref = (None, None) if ref_logps_Bx2xT is None else (ref_logps_Bx2xT[:, 0],
                                                       ref_logps_Bx2xT[:, 1])

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 from tunix_core import collectives
 from tunix_core import config as config_lib
 from tunix_core import fsdp as fsdp_lib
+from tunix_core import model as model_lib
+from tunix_core import tensor_parallel
 from tunix_core import zero
 from tunix_core.checkpoint import CheckpointError
 from tunix_core.checkpoint import Checkpointer
@@ -34,16 +36,22 @@ def config_mismatch(saved: dict, current: dict, fields) -> str | None:
 
 def _saved_layout(steps, meta: dict):
   """The layout the checkpoint described by `meta` was written in (older checkpoints
-  carry no "layout": they are ZeRO-1)."""
-  n = meta["num_shards"]
+  carry no "layout" and no "model_parallel": they are ZeRO-1 without TP)."""
+  n, k = meta["num_shards"], meta.get("model_parallel", 1)
+  shapes = steps.param_shapes
+  if k > 1:
+    local_cfg = tensor_parallel.local_config(steps.mcfg, k)
+    shapes = jax.eval_shape(lambda: model_lib.init_params(jax.random.PRNGKey(0), local_cfg))
   if meta.get("layout", "zero1") == "fsdp":
-    return fsdp_lib.Layout(steps.param_shapes, n)
-  return zero.Zero1Layout(collectives.BucketPlan.create(steps.param_shapes, n,
-                                                        steps.plan.bucket_bytes))
+    inner = fsdp_lib.Layout(shapes, n)
+  else:
+    inner = zero.Zero1Layout(collectives.BucketPlan.create(shapes, n, steps.plan.bucket_bytes))
+  return tensor_parallel.Stacked(inner, steps.mcfg, k) if k > 1 else inner
 
 
 def same_layout(steps, meta: dict) -> bool:
   return (meta["num_shards"] == steps.num_devices
+          and meta.get("model_parallel", 1) == steps.model_parallel
           and meta.get("layout", "zero1") == ("fsdp" if steps.fsdp else "zero1"))
 
 
@@ -51,15 +59,12 @@ def restore_state(steps, ckpt: Checkpointer, step: int, meta: dict) -> dict:
   """The train state at `step` (whose metadata is `meta`), placed on the mesh of `steps`
   (a `step.StepFunctions`) in its layout. Params are saved as logical arrays and restored
   into `steps.logical_shardings()` (split under FSDP) before they are cut; the optimizer
-  state is re-cut when it was saved for another device count or layout."""
+  state is re-cut when it was saved for another device count or layout (FSDP or not,
+  --model_parallel)."""
   old = _saved_layout(steps, meta)
-  n = old.num_shards
-  divides = n % steps.num_devices == 0
-  if meta.get("layout", "zero1") == "fsdp":
-    opt_abstract = old.abstract_opt_state(steps.tx, steps.pairs if divides else steps.replicated)
-  else:
-    opt_abstract, _ = zero.abstract_opt_state(steps.tx, steps.param_shapes, n,
-                                              steps.plan.bucket_bytes, steps.mesh)
+  divides = old.num_shards % steps.mesh.size == 0
+  opt_abstract = zero.abstract_opt_state(old, steps.tx,
+                                         steps.rows if divides else steps.replicated)
   params_abstract = jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
       steps.param_shapes, steps.logical_shardings())
@@ -67,7 +72,7 @@ def restore_state(steps, ckpt: Checkpointer, step: int, meta: dict) -> dict:
   opt_state = restored["opt_state"]
   if not same_layout(steps, meta):
     opt_state = jax.jit(lambda s: zero.relayout_opt_state(s, old, steps.layout),
-                        out_shardings=steps.pairs)(opt_state)
+                        out_shardings=steps.rows)(opt_state)
   return {"params": steps.place_params(restored["params"]), "opt_state": opt_state,
           "step": jax.device_put(jnp.asarray(step, jnp.int32), steps.replicated),
           "nonfinite": steps.put_nonfinite(meta.get("nonfinite", [0, 0, 0]))}

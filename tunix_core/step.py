@@ -1,7 +1,8 @@
 """The jitted `shard_map` step functions of a run, and how batches reach the devices.
 
-`StepFunctions` compiles, for one config on a one-axis mesh `("data",)`: the train step,
-the eval step, the frozen reference's log-probs and the replica checksum. Under ZeRO-1
+`StepFunctions` compiles, for one config on a mesh `("data",)` or `("data", "model")`
+(`make_mesh`): the train step, the eval step, the frozen reference's log-probs and the
+replica checksum. Under ZeRO-1
 (the default) params are replicated; each device runs the model on its own pairs, then
 `zero.ShardedOptimizer` reduce-scatters the gradients in buckets, updates its 1/N of the
 params and optimizer state, and all-gathers the params. Under `--fsdp` params and the
@@ -15,8 +16,16 @@ steps so far, the first such step, a bit set of what was non-finite in it, bits 
 `NONFINITE_KEYS` order). A step whose loss, metrics or gradient norm is not finite
 leaves params and optimizer state as they were; the loop decides whether to stop.
 
+With `--model_parallel=K` the mesh gets an inner "model" axis of K devices and the model
+runs Megatron-style (`tunix_core.tensor_parallel`): each device holds a slice of the
+heads, MLP columns and vocabulary. Everything above then applies to each slice over the
+"data" axis: ZeRO-1 params are the logical arrays split by `model.param_specs`, and the
+pieces of the optimizer state (and of FSDP params) are `tensor_parallel.Stacked` rows
+split over both axes.
+
 Pair batches are `[B, 2, T]` (chosen, rejected) everywhere; on device they are split over
-"data" on the pair axis, so each device holds both rows of each of its pairs.
+"data" on the pair axis (replicated over "model"), so each device holds both rows of each
+of its pairs.
 """
 
 import functools
@@ -32,6 +41,7 @@ from tunix_core import fsdp as fsdp_lib
 from tunix_core import model as model_lib
 from tunix_core import objective
 from tunix_core import optim
+from tunix_core import tensor_parallel as tp_lib
 from tunix_core import zero
 from tunix_core.config import TrainConfig
 
@@ -82,8 +92,21 @@ def to_host(x: jax.Array) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def make_mesh(devices, model_parallel: int = 1) -> Mesh:
+  """`("data",)` over `devices`, or with `model_parallel > 1` a `("data", "model")` mesh
+  whose inner axis groups `model_parallel` consecutive devices (on one host, so the
+  per-layer psums stay on its fastest links)."""
+  devices = np.array(devices)
+  if model_parallel == 1:
+    return Mesh(devices, ("data",))
+  if model_parallel < 1 or devices.size % model_parallel:
+    raise ValueError(f"--model_parallel={model_parallel} does not divide the "
+                     f"{devices.size} devices")
+  return Mesh(devices.reshape(-1, model_parallel), ("data", "model"))
+
+
 class StepFunctions:
-  """The compiled step functions of `cfg` on `mesh` (axis "data").
+  """The compiled step functions of `cfg` on `mesh` (see `make_mesh`).
 
   - `train_step(state, ref_params, batch) -> (state, metrics)`; donates `state`.
   - `eval_step(params, ref_params, batch) -> metrics`.
@@ -99,53 +122,77 @@ class StepFunctions:
                model_config: model_lib.ModelConfig | None = None):
     self.cfg, self.mesh = cfg, mesh
     self.mcfg = model_config or cfg.model_config()
-    self.num_devices = mesh.shape["data"]
+    self.num_devices = mesh.shape["data"]  # data-parallel shards
+    k = self.model_parallel = dict(mesh.shape).get("model", 1)
     self.tx, self.schedule = optim.make_optimizer(cfg)
-    self.param_shapes = jax.eval_shape(
-        lambda: model_lib.init_params(jax.random.PRNGKey(0), self.mcfg))
-    self.plan = collectives.BucketPlan.create(self.param_shapes, self.num_devices,
+    shapes = lambda mcfg: jax.eval_shape(lambda: model_lib.init_params(jax.random.PRNGKey(0),
+                                                                       mcfg))
+    self.param_shapes = shapes(self.mcfg)
+    # What one device computes with: its model slice (all of the model without TP).
+    self.model_axis = "model" if k > 1 else None
+    local_shapes = shapes(tp_lib.local_config(self.mcfg, k)) if k > 1 else self.param_shapes
+    split = None
+    if k > 1:
+      split = jax.tree.map(lambda d: d is not None, tp_lib.split_dims(self.mcfg),
+                           is_leaf=lambda x: x is None)
+    self.plan = collectives.BucketPlan.create(local_shapes, self.num_devices,
                                               int(cfg.bucket_mb * 2**20))
     comm_dtype = collectives.COMM_DTYPES[cfg.grad_sync_dtype]
     self.fsdp = None
     if cfg.fsdp:
       self.fsdp = fsdp_lib.Layout(
-          self.param_shapes, self.num_devices, "data",
+          local_shapes, self.num_devices, "data",
           compute_dtype=model_lib.DTYPES[self.mcfg.compute_dtype], impl=cfg.sync_impl,
           comm_dtype=comm_dtype)
     self.opt = zero.ShardedOptimizer(
         self.tx, self.plan, "data", max_grad_norm=cfg.max_grad_norm or None,
-        impl=cfg.sync_impl, comm_dtype=comm_dtype)
+        impl=cfg.sync_impl, comm_dtype=comm_dtype, model_axis=self.model_axis, split=split)
+    inner = self.fsdp or zero.Zero1Layout(self.plan)
+    self.layout = tp_lib.Stacked(inner, self.mcfg, k) if k > 1 else inner
     self.replicated = NamedSharding(mesh, P())
     self.pairs = NamedSharding(mesh, P("data"))
-    pspec = P("data") if self.fsdp else P()  # params and reference params
-    self.param_sharding = NamedSharding(mesh, pspec)
-    state_specs = {"params": pspec, "opt_state": P("data"), "step": P(), "nonfinite": P()}
+    rows = P(("data", "model")) if k > 1 else P("data")  # of `self.layout`'s pieces
+    self.rows = NamedSharding(mesh, rows)
+    # Of params and reference params: one spec for all, or per param under TP + ZeRO-1.
+    pspec = rows if self.fsdp else P()
+    ref_spec = pspec
+    if k > 1 and not self.fsdp:
+      pspec = model_lib.param_specs(self.mcfg, "model")
+      uses_ref = not (cfg.reference_free or cfg.precompute_ref_logps)
+      ref_spec = pspec if uses_ref else P()  # no reference params at all
+    # In the run's layout, a tree with the params' structure.
+    specs = (jax.tree.leaves(pspec, is_leaf=lambda x: isinstance(x, P))
+             if isinstance(pspec, dict) else [pspec] * len(jax.tree.leaves(self.param_shapes)))
+    self.param_sharding = jax.tree.unflatten(jax.tree.structure(self.param_shapes),
+                                             [NamedSharding(mesh, s) for s in specs])
+    state_specs = {"params": pspec, "opt_state": rows, "step": P(), "nonfinite": P()}
     smap = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
     self.train_step = jax.jit(
-        smap(self._train_step, in_specs=(state_specs, pspec, P("data")),
+        smap(self._train_step, in_specs=(state_specs, ref_spec, P("data")),
              out_specs=(state_specs, P())), donate_argnums=(0,))
-    self.eval_step = jax.jit(smap(self._eval_step, in_specs=(pspec, pspec, P("data")),
+    self.eval_step = jax.jit(smap(self._eval_step, in_specs=(pspec, ref_spec, P("data")),
                                   out_specs=P()))
     self.ref_logps = jax.jit(smap(self._ref_logps, in_specs=(pspec, P("data")),
                                   out_specs=P("data")))
     init_local = (lambda p: self.opt.tx.init(self.fsdp.local(p))) if self.fsdp else self.opt.init
     self._init_opt = jax.jit(smap(lambda params: jax.tree.map(lambda x: x[None], init_local(params)),
-                                  in_specs=pspec, out_specs=P("data")))
-    self._checksums = jax.jit(smap(self._checksum, in_specs=P(), out_specs=P("data")))
+                                  in_specs=(pspec,), out_specs=rows))
+    self._checksums = jax.jit(smap(self._checksum, in_specs=(pspec,), out_specs=rows))
 
   def init_params(self, key: jax.Array) -> dict:
     """Params initialised from `key`, directly in this run's layout and shardings."""
     init = lambda k: model_lib.init_params(k, self.mcfg)
     if self.fsdp:
-      return jax.jit(lambda k: self.fsdp.to_pieces(init(k)),
+      return jax.jit(lambda k: self.layout.to_pieces(init(k)),
                      out_shardings=self.param_sharding)(key)
-    return jax.jit(init, out_shardings=self.replicated)(key)
+    return jax.jit(init, out_shardings=self.param_sharding)(key)
 
   def logical_shardings(self) -> dict:
-    """Where logical params live outside the step: replicated under ZeRO-1, split on
-    their largest divisible dimension under FSDP (`fsdp.logical_sharding`)."""
+    """Where logical params live outside the step: as in the step under ZeRO-1
+    (replicated, or split over "model"), split on their largest dimension "data" divides
+    under FSDP (`fsdp.logical_sharding`)."""
     if not self.fsdp:
-      return jax.tree.map(lambda _: self.replicated, self.param_shapes)
+      return self.param_sharding
     return jax.tree.map(lambda x: fsdp_lib.logical_sharding(x.shape, self.mesh),
                         self.param_shapes)
 
@@ -153,19 +200,27 @@ class StepFunctions:
     """This run's params (or a tree shaped like them) as logical arrays."""
     if not self.fsdp:
       return params
-    return jax.jit(self.fsdp.to_logical, out_shardings=self.logical_shardings())(params)
+    return jax.jit(self.layout.to_logical, out_shardings=self.logical_shardings())(params)
 
   def place_params(self, logical: dict) -> dict:
     """Logical params -> this run's layout and shardings (inverse of `logical_params`)."""
     if not self.fsdp:
-      return jax.device_put(logical, self.replicated)
-    return jax.jit(self.fsdp.to_pieces, out_shardings=self.param_sharding)(logical)
+      return jax.device_put(logical, self.param_sharding)
+    return jax.jit(self.layout.to_pieces, out_shardings=self.param_sharding)(logical)
 
-  @property
-  def layout(self):
-    """How this run cuts the optimizer state (and, under FSDP, the params): a
-    `fsdp.Layout` or a `zero.Zero1Layout`."""
-    return self.fsdp or zero.Zero1Layout(self.plan)
+  def abstract_params(self, dtype=None) -> dict:
+    """ShapeDtypeStructs of this run's params in its layout and shardings (leaves in
+    `dtype`, default the params'): the reference params' too."""
+    shapes = self.param_shapes
+    if self.fsdp:
+      shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct((self.layout.num_shards,) + x.shape,
+                                                           x.dtype), self.layout.local_shapes())
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype, sharding=s),
+                        shapes, self.param_sharding)
+
+  def abstract_opt_state(self):
+    """ShapeDtypeStructs of this run's optimizer state (`layout`'s rows over `rows`)."""
+    return zero.abstract_opt_state(self.layout, self.tx, self.rows)
 
   def _local(self, params):
     return self.fsdp.local(params) if self.fsdp else params
@@ -183,7 +238,8 @@ class StepFunctions:
 
   def _ref_logps(self, ref_params, batch):
     return jax.lax.stop_gradient(objective.sequence_logps(
-        self._local(ref_params), batch, self.mcfg, self.cfg.logprob_impl, self.fsdp))
+        self._local(ref_params), batch, self.mcfg, self.cfg.logprob_impl, self.fsdp,
+        self.model_axis))
 
   def _resolve_ref(self, ref_params, batch):
     """Reference log-probs `[b, 2, T]` of a local batch: precomputed, in-step or None."""
@@ -200,7 +256,9 @@ class StepFunctions:
     def micro_step(mb):
       ref = self._resolve_ref(ref_params, mb)
       (loss, metrics), grads = jax.value_and_grad(objective.dpo_objective, has_aux=True)(
-          params, ref, mb, self.cfg, self.mcfg, self.fsdp)
+          params, ref, mb, self.cfg, self.mcfg, self.fsdp, self.model_axis)
+      if self.model_axis:
+        grads = tp_lib.sync_replicated_grads(grads, self.model_axis)
       return grads, dict(metrics, loss=loss)
 
     def accumulate(carry, mb):
@@ -238,7 +296,7 @@ class StepFunctions:
   def _eval_step(self, params, ref_params, batch):
     loss, metrics = objective.dpo_objective(
         self._local(params), self._resolve_ref(ref_params, batch), batch, self.cfg, self.mcfg,
-        self.fsdp)
+        self.fsdp, self.model_axis)
     return jax.lax.pmean(dict(metrics, loss=loss), "data")
 
   @staticmethod
@@ -252,10 +310,10 @@ class StepFunctions:
 
   def check_replicas(self, params) -> None:
     """Raises if any device's copy of the replicated params differs from the others
-    (nothing to check under FSDP: no param is replicated)."""
+    holding the same model slice (nothing to check under FSDP: no param is replicated)."""
     if self.fsdp:
       return
-    sums = to_host(self._checksums(params))
+    sums = to_host(self._checksums(params)).reshape(self.num_devices, self.model_parallel)
     if (sums != sums[0]).any():
       raise RuntimeError(f"replicas diverged: per-device param checksums {sums.tolist()}")
 

@@ -19,6 +19,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from tunix_core import model as model_lib
 
@@ -65,9 +66,10 @@ def embed(params, tokens_BxT, cfg, axis: str):
   return leave(jnp.where(owned[..., None], x, 0), axis)
 
 
-def forward(params, tokens_BxT, mask_BxT, cfg, axis: str):
+def forward(params, tokens_BxT, mask_BxT, cfg, axis: str, gather_layer=None):
   """`model.forward` on a device's slices (`params` placed by `param_specs(cfg, axis)`):
-  replicated `[B, T, D]` hidden states; `cfg` is the global config."""
+  replicated `[B, T, D]` hidden states; `cfg` is the global config. `gather_layer` as in
+  `model.forward` (FSDP over another axis of this device's slices)."""
   k = jax.lax.axis_size(axis)
   lcfg = local_config(cfg, k)
   compute = model_lib.DTYPES[cfg.compute_dtype]
@@ -76,6 +78,8 @@ def forward(params, tokens_BxT, mask_BxT, cfg, axis: str):
 
   def layer_fn(x_BxTxD, layer_and_setting):
     layer, setting = layer_and_setting
+    if gather_layer is not None:
+      layer = gather_layer(layer)
     layer = jax.tree.map(lambda w: w.astype(compute), layer)
     h = enter(model_lib.rms_norm(x_BxTxD, layer["attn_norm"], eps, offset), axis)
     h = leave(model_lib.attention(h, layer, setting, positions_BxT, mask_BxT, lcfg), axis)
@@ -89,6 +93,8 @@ def forward(params, tokens_BxT, mask_BxT, cfg, axis: str):
     return x_BxTxD + h, None
 
   policy = model_lib.REMAT_POLICIES[cfg.remat]
+  if gather_layer is not None and policy is None:
+    policy = jax.checkpoint_policies.checkpoint_dots  # as model.forward: no gathered weight
   if policy is not None:
     layer_fn = jax.checkpoint(layer_fn, policy=policy)
   x_BxTxD, _ = jax.lax.scan(layer_fn, embed(params, tokens_BxT, cfg, axis),
@@ -105,3 +111,54 @@ def sync_replicated_grads(grads, axis: str):
     if name in layers:
       layers[name] = jax.lax.psum(layers[name], axis)
   return dict(grads, layers=layers)
+
+
+def split_dims(cfg: model_lib.ModelConfig) -> dict:
+  """Per param (the structure of `model.init_params`): the dimension `param_specs(cfg,
+  "model")` splits over the model axis, or None for a replicated param."""
+  specs = model_lib.param_specs(cfg, "model")
+  return jax.tree.map(lambda spec: spec.index("model") if "model" in spec else None, specs,
+                      is_leaf=lambda x: isinstance(x, P))
+
+
+class Stacked:
+  """A one-slice layout (`zero.Zero1Layout` or `fsdp.Layout` over the shapes of
+  `local_config(cfg, k)`, cut over the data axis) applied to each of the `k` slices of the
+  model axis. Its pieces have rows `i k + j` = data piece i of model slice j, the block
+  device (i, j) of a `("data", "model")` mesh holds under `P(("data", "model"))`; inside
+  `shard_map` each device sees the inner layout's local block. Same interface as the
+  inner layout for `zero.relayout_opt_state`."""
+
+  def __init__(self, inner, cfg: model_lib.ModelConfig, k: int):
+    self.inner, self.k = inner, k
+    self.num_shards = inner.num_shards * k
+    self.treedef = inner.treedef
+    self.dims = jax.tree.leaves(split_dims(cfg), is_leaf=lambda x: x is None)
+
+  def _split(self, tree):
+    """Logical leaves -> `[k, *slice]` (replicated leaves repeated k times)."""
+    leaves = jax.tree.leaves(tree)
+    out = [jnp.broadcast_to(x, (self.k,) + x.shape) if d is None
+           else jnp.stack(jnp.split(x, self.k, axis=d)) for x, d in zip(leaves, self.dims)]
+    return jax.tree.unflatten(self.treedef, out)
+
+  def _join(self, tree):
+    leaves = jax.tree.leaves(tree)
+    out = [x[0] if d is None else jnp.concatenate(list(x), axis=d)
+           for x, d in zip(leaves, self.dims)]
+    return jax.tree.unflatten(self.treedef, out)
+
+  def to_pieces(self, tree):
+    """Logical arrays -> `[n k, ...]` rows; jit-able."""
+    per_slice = jax.vmap(self.inner.to_pieces)(self._split(tree))  # [k, n, ...]
+    return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).reshape((-1,) + x.shape[2:]),
+                        per_slice)
+
+  def to_logical(self, tree):
+    """Inverse of `to_pieces`; jit-able."""
+    per_slice = jax.tree.map(
+        lambda x: jnp.swapaxes(x.reshape((-1, self.k) + x.shape[1:]), 0, 1), tree)
+    return self._join(jax.vmap(self.inner.to_logical)(per_slice))
+
+  def local_shapes(self):
+    return self.inner.local_shapes()

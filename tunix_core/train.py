@@ -10,8 +10,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh
 
 from tunix_core import checkpoint
 from tunix_core import data as data_lib
@@ -85,7 +83,7 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
   tok = hf_source.tokenizer(cfg)
   train_set, eval_set = _load_data(cfg, tok, mcfg.vocab_size, log)
 
-  steps = step_lib.StepFunctions(cfg, Mesh(np.array(devices), ("data",)), mcfg)
+  steps = step_lib.StepFunctions(cfg, step_lib.make_mesh(devices, cfg.model_parallel), mcfg)
   key = jax.random.PRNGKey(cfg.seed)
   ckpt = checkpoint.Checkpointer(os.path.join(cfg.output_dir, "checkpoints"), keep=cfg.keep,
                                  keep_period=cfg.keep_period or None)
@@ -102,10 +100,11 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
   else:
     ref_params = hf_source.initial_params(cfg, steps, ref_dtype) or steps.init_params(key)
     ref_params = jax.tree.map(lambda x: x.astype(ref_dtype), ref_params)
-  num_params = sum(x.size for x in jax.tree.leaves(state["params"]))
+  num_params = sum(x.size for x in jax.tree.leaves(steps.param_shapes))
+  mesh = " x ".join(f"{n} {axis}" for axis, n in steps.mesh.shape.items())
   log(f"model: {cfg.hf_model_dir or cfg.model} ({num_params:,} params, "
       f"{cfg.param_dtype}) on {len(devices)} "
-      f"{devices[0].platform} device(s) in {jax.process_count()} process(es)")
+      f"{devices[0].platform} device(s) in {jax.process_count()} process(es), mesh {mesh}")
   train_ref, eval_ref = _precompute_refs(cfg, steps, ref_params, train_set, eval_set, log)
   if cfg.precompute_ref_logps:
     ref_params = None  # the step never runs the reference forward
@@ -131,7 +130,7 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
         ckpt, step, dict(state, params=steps.logical_params(state["params"])),
         data_state=it.get_state(), num_shards=steps.num_devices, rng_key=key, config=cfg,
         model_config=mcfg, nonfinite=health, source=source,
-        layout="fsdp" if steps.fsdp else "zero1")
+        layout="fsdp" if steps.fsdp else "zero1", model_parallel=steps.model_parallel)
     log(f"checkpoint step {step}: saving asynchronously (content digest {digest})")
 
   try:

@@ -7,7 +7,7 @@ to its piece and all-gathers the updated params.
 
 Outside `shard_map` the optimizer state is a pytree of `[N, piece]` arrays sharded over
 the data axis (row `i` is device `i`'s state). `abstract_opt_state` gives its shapes
-for any device count, `Zero1Layout` converts it to logical arrays and back, and
+for any layout, `Zero1Layout` converts it to logical arrays and back, and
 `relayout_opt_state` re-cuts a saved state for another count or for FSDP.
 """
 
@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tunix_core import collectives
 
@@ -45,11 +44,12 @@ class ShardedOptimizer:
 
   def __init__(self, tx: optax.GradientTransformation, plan: collectives.BucketPlan,
                axis_name, *, max_grad_norm: float | None = None, impl: str = "xla",
-               comm_dtype=None):
+               comm_dtype=None, model_axis: str | None = None, split=None):
     if max_grad_norm is not None and not max_grad_norm > 0:
       raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm}")
     self.tx, self.plan, self.axis_name = tx, plan, axis_name
     self.max_grad_norm, self.impl, self.comm_dtype = max_grad_norm, impl, comm_dtype
+    self.model_axis, self.split = model_axis, split
 
   def _local(self, params):
     return self.plan.local_pieces(params, jax.lax.axis_index(self.axis_name))
@@ -68,9 +68,20 @@ class ShardedOptimizer:
 
   def global_norm(self, pieces):
     """The norm of the whole gradient from each device's pieces (their padding is zero,
-    so the pieces' squared norms add up to the model's)."""
-    local_sq = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(pieces))
-    return jnp.sqrt(jax.lax.psum(local_sq, self.axis_name))
+    so the pieces' squared norms add up to the model's). Under tensor parallelism
+    (`model_axis`, with `split`: a params-structured tree of bools, True for the params
+    split over it) the split params' squares are summed over the model axis too, the
+    replicated ones (equal on every device of it) counted once."""
+    sq = lambda x: jnp.sum(jnp.square(x.astype(jnp.float32)))
+    leaves = jax.tree.leaves(pieces)
+    if self.model_axis is None:
+      return jnp.sqrt(jax.lax.psum(sum(sq(x) for x in leaves), self.axis_name))
+    split = jax.tree.leaves(self.split)
+    zero = jnp.zeros((), jnp.float32)
+    sharded = sum((sq(x) for x, s in zip(leaves, split) if s), zero)
+    replicated = sum((sq(x) for x, s in zip(leaves, split) if not s), zero)
+    total = jax.lax.psum(sharded, self.model_axis) + replicated
+    return jnp.sqrt(jax.lax.psum(total, self.axis_name))
 
   def _apply(self, pieces, norm, state, local_params):
     if self.max_grad_norm is not None:
@@ -99,16 +110,13 @@ class ShardedOptimizer:
     return UpdateResult(new_local, state, norm)
 
 
-def abstract_opt_state(tx: optax.GradientTransformation, param_shapes, num_shards: int,
-                       bucket_bytes: int, mesh, axis_name: str = "data"):
-  """`(ShapeDtypeStructs, plan)` of the optimizer state a run on `num_shards` devices
-  keeps: leaves `[num_shards, piece]`, placed on `mesh` split over `axis_name` when the
-  counts divide (else replicated; `relayout_opt_state` re-cuts it either way)."""
-  plan = collectives.BucketPlan.create(param_shapes, num_shards, bucket_bytes)
-  local = jax.eval_shape(lambda p: tx.init(plan.local_pieces(p, 0)), param_shapes)
-  spec = P(axis_name) if num_shards % mesh.shape[axis_name] == 0 else P()
+def abstract_opt_state(layout, tx: optax.GradientTransformation, sharding):
+  """ShapeDtypeStructs of the optimizer state of `tx` kept in `layout` (a `Zero1Layout`,
+  `fsdp.Layout` or `tensor_parallel.Stacked`): each device's state of its pieces,
+  stacked on a leading `[layout.num_shards]` axis placed with `sharding`."""
+  local = jax.eval_shape(tx.init, layout.local_shapes())
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      (num_shards,) + x.shape, x.dtype, sharding=NamedSharding(mesh, spec)), local), plan
+      (layout.num_shards,) + x.shape, x.dtype, sharding=sharding), local)
 
 
 class Zero1Layout:
@@ -128,8 +136,14 @@ class Zero1Layout:
 
   def to_pieces(self, tree):
     leaves = jax.tree.leaves(tree)
-    return jax.tree.unflatten(self.treedef, [self.plan._pieces(x, i)  # pylint: disable=protected-access
+    return jax.tree.unflatten(self.treedef, [self.plan.leaf_pieces(x, i)
                                              for i, x in enumerate(leaves)])
+
+  def local_shapes(self):
+    """ShapeDtypeStructs of one device's pieces (1-D, `[piece]` per leaf)."""
+    return jax.tree.unflatten(self.treedef, [
+        jax.ShapeDtypeStruct((self.plan.piece_size(i),), d)
+        for i, d in enumerate(self.plan.dtypes)])
 
 
 def relayout_opt_state(opt_state, old, new):
