@@ -74,6 +74,9 @@ flags.DEFINE_bool("fsdp", _DEF["fsdp"], "Fully sharded data parallel (ZeRO-3): p
                   "gradients, the reference and the optimizer state split over all devices; "
                   "each layer all-gathered inside the layer scan and its gradient "
                   "reduce-scattered per layer. Off: ZeRO-1 (replicated params).")
+flags.DEFINE_bool("head_on_scored", _DEF["head_on_scored"], "Run the LM head (policy and "
+                  "reference) only on each row's block of scored positions, sized from the "
+                  "longest scored span in the data, instead of on every position; exact.")
 flags.DEFINE_integer("model_parallel", _DEF["model_parallel"], "Tensor parallelism: devices "
                      "of the inner 'model' mesh axis (consecutive devices); heads, MLP "
                      "columns and the vocabulary are split over them Megatron-style, the "

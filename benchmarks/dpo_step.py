@@ -1,11 +1,23 @@
-"""Steady-state speed of a whole DPO train step on synthetic token batches.
+"""Steady-state speed and MFU of the trainer's DPO step on real-shaped, padded pairs.
 
-    python benchmarks/dpo_step.py --layers 4 --d_model 256 --vocab 32000 --pairs 8 \\
-        --prompt_len 128 --response_len 128 --logprob_impl xla
+    python benchmarks/dpo_step.py [--layers 4 --d_model 256 --num_heads 4 --num_kv_heads 2
+        --head_dim 64 --mlp_dim 1024 --vocab 32000 --pairs 8 --prompt_len 128
+        --response_len 128 --steps 10 --logprob_impl auto --head_on_scored true]
 
-One step is the trainer's own: policy and frozen-reference forwards, fused log-probs,
-DPO loss, backward and the AdamW update, jitted over every local device. Prints
-steps/s and tokens/s after compilation, then one JSON line with the figures.
+One step is the trainer's own (`step.StepFunctions` with the trainer's defaults, so
+every optimisation the trainer turns on by default is on here): the policy and an
+in-step frozen reference, fused log-probs, the DPO loss, backward and AdamW, over every
+local device. The pairs are padded as the peer benchmark's (`benchmarks/peer_tunix.py`):
+one prompt of `prompt_len` shared by both responses, left-padded by `prompt_len / 4` on
+half the pairs; chosen responses real for their first `3 * response_len / 4` tokens;
+rejected ones real for the first `response_len / 2` tokens on half the pairs, full on
+the others.
+
+Prints the median step's tokens/s, where tokens are `pairs x 2 x (prompt_len +
+response_len)` per step (the whole rows, padding included, so the figure compares with
+a trainer that does all the work), the model FLOPs of a step (`tunix_core.flops`: the
+nominal work on every position) and MFU against a large `jnp.dot` timed in the same
+run on one device, times the devices. The last line is one JSON object.
 """
 
 import argparse
@@ -20,20 +32,36 @@ from jax.sharding import Mesh
 
 import kernels
 from tunix_core import config as config_lib
+from tunix_core import flops
 from tunix_core import model as model_lib
+from tunix_core import scored
 from tunix_core import step as step_lib
 
 
-def synthetic_batch(rng, pairs, prompt_len, response_len, vocab):
-  """A `[B, 2, T]` pair batch: random prompt (unscored) and response tokens (scored)."""
+def padded_pairs(rng, pairs, prompt_len, response_len, vocab):
+  """A `[B, 2, T]` pair batch with the peer benchmark's padding (module docstring), in
+  the trainer's row layout: prompt then response, padding masked out of attention and
+  loss (the left padding of a prompt sits before its first token)."""
   T = prompt_len + response_len
-  tokens = rng.integers(0, vocab, (pairs, 2, T), dtype=np.int32)
-  targets = np.roll(tokens, -1, axis=-1)
-  loss_mask = np.zeros((pairs, 2, T), np.int32)
-  loss_mask[..., prompt_len - 1:T - 1] = 1
-  targets = np.where(loss_mask > 0, targets, kernels.IGNORE_INDEX).astype(np.int32)
-  return {"tokens": tokens, "targets": targets, "loss_mask": loss_mask,
-          "attention_mask": np.ones((pairs, 2, T), np.int32)}
+  batch = {k: np.zeros((pairs, 2, T), np.int32) for k in ("tokens", "attention_mask",
+                                                           "loss_mask")}
+  batch["targets"] = np.full((pairs, 2, T), kernels.IGNORE_INDEX, np.int32)
+  for b in range(pairs):
+    left = prompt_len // 4 if b % 2 == 0 else 0
+    prompt = rng.integers(1, vocab, prompt_len - left)
+    real = [3 * response_len // 4, response_len // 2 if b % 2 == 0 else response_len]
+    for r, n in enumerate(real):
+      row = np.concatenate([prompt, rng.integers(1, vocab, n)])
+      start, end = left, left + row.size
+      batch["tokens"][b, r, start:end] = row
+      batch["attention_mask"][b, r, start:end] = 1
+      # Position t predicts token t + 1; the response's tokens are scored (its last
+      # real position has no next token here: the response is cut, not ended).
+      batch["targets"][b, r, start:end - 1] = row[1:]
+      batch["loss_mask"][b, r, left + prompt.size - 1:end - 1] = 1
+      batch["targets"][b, r] = np.where(batch["loss_mask"][b, r] > 0, batch["targets"][b, r],
+                                        kernels.IGNORE_INDEX)
+  return batch
 
 
 def main():
@@ -41,7 +69,7 @@ def main():
   p.add_argument("--layers", type=int, default=4)
   p.add_argument("--d_model", type=int, default=256)
   p.add_argument("--num_heads", type=int, default=4)
-  p.add_argument("--num_kv_heads", type=int, default=4)
+  p.add_argument("--num_kv_heads", type=int, default=2)
   p.add_argument("--head_dim", type=int, default=64)
   p.add_argument("--mlp_dim", type=int, default=1024)
   p.add_argument("--vocab", type=int, default=32000)
@@ -49,40 +77,53 @@ def main():
   p.add_argument("--prompt_len", type=int, default=128)
   p.add_argument("--response_len", type=int, default=128)
   p.add_argument("--steps", type=int, default=10)
-  p.add_argument("--logprob_impl", default="xla")
+  p.add_argument("--logprob_impl", default=config_lib.TrainConfig.logprob_impl)
+  p.add_argument("--head_on_scored", default=str(config_lib.TrainConfig.head_on_scored).lower(),
+                 choices=["true", "false"])
   args = p.parse_args()
 
   mcfg = model_lib.ModelConfig(vocab_size=args.vocab, d_model=args.d_model,
                                num_layers=args.layers, num_heads=args.num_heads,
                                num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
                                mlp_dim=args.mlp_dim)
+  T = args.prompt_len + args.response_len
   cfg = config_lib.TrainConfig(output_dir=tempfile.mkdtemp(), train_data="", steps=args.steps,
-                              batch_size=args.pairs, logprob_impl=args.logprob_impl)
+                               batch_size=args.pairs, logprob_impl=args.logprob_impl,
+                               max_length=T, max_prompt_length=args.prompt_len,
+                               head_on_scored=args.head_on_scored == "true")
+  host_batch = padded_pairs(np.random.default_rng(0), args.pairs, args.prompt_len,
+                            args.response_len, args.vocab)
   devices = jax.devices()
-  trainer = step_lib.StepFunctions(cfg, Mesh(np.array(devices), ("data",)), model_config=mcfg)
-  state = trainer.init_state(jax.random.PRNGKey(0))
+  steps = step_lib.StepFunctions(
+      cfg, Mesh(np.array(devices), ("data",)), model_config=mcfg,
+      scored_size=scored.block_size(scored.max_span(host_batch["loss_mask"]), T))
+  state = steps.init_state(jax.random.PRNGKey(0))
   ref_params = jax.tree.map(lambda x: x.copy(), state["params"])
-  batch = trainer.put_batch(synthetic_batch(np.random.default_rng(0), args.pairs,
-                                            args.prompt_len, args.response_len, args.vocab))
+  batch = steps.put_batch(host_batch)
 
   t0 = time.perf_counter()
-  state, metrics = trainer.train_step(state, ref_params, batch)
+  state, metrics = steps.train_step(state, ref_params, batch)
   jax.block_until_ready(metrics)
   compile_s = time.perf_counter() - t0
   times = []
   for _ in range(args.steps):
     t0 = time.perf_counter()
-    state, metrics = trainer.train_step(state, ref_params, batch)
+    state, metrics = steps.train_step(state, ref_params, batch)
     jax.block_until_ready(metrics)
     times.append(time.perf_counter() - t0)
   step_s = statistics.median(times)
-  tokens = 2 * args.pairs * (args.prompt_len + args.response_len)
-  result = {"logprob_impl": args.logprob_impl, "devices": len(devices),
-            "platform": devices[0].platform, "compile_s": compile_s,
-            "median_step_s": step_s, "steps_per_sec": 1 / step_s,
-            "tokens_per_sec": tokens / step_s, "loss": float(metrics["loss"])}
-  print(f"{args.logprob_impl}: {1 / step_s:.2f} steps/s, {tokens / step_s:,.0f} tokens/s "
-        f"(median of {args.steps} steps after a {compile_s:.1f} s compile)")
+  peak = flops.matmul_peak(model_lib.DTYPES[mcfg.compute_dtype]) * len(devices)
+  step_flops = flops.step_flops(mcfg, args.pairs, T, reference_forward=True)
+  tokens = 2 * args.pairs * T
+  result = {"tokens_per_sec": tokens / step_s, "mfu": step_flops / step_s / peak,
+            "median_step_s": step_s, "step_flops": step_flops, "peak_flops": peak,
+            "compile_s": compile_s, "devices": len(devices), "platform": devices[0].platform,
+            "logprob_impl": args.logprob_impl, "head_on_scored": cfg.head_on_scored,
+            "scored_size": steps.scored_size, "loss": float(metrics["loss"])}
+  print(f"{tokens / step_s:,.0f} tokens/s, {step_flops / 1e9:.2f} GFLOP per step, MFU "
+        f"{result['mfu']:.1%} of a measured {peak / 1e9:.1f} GFLOP/s matmul peak (median of "
+        f"{args.steps} steps after a {compile_s:.1f} s compile; head on "
+        f"{steps.scored_size or T} of {T} positions)")
   print(json.dumps(result))
 
 

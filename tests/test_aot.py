@@ -65,3 +65,14 @@ def test_7b_does_not_fit_a_v5e_8_without_sharded_params(tmp_path):
   assert "6,738,415,616 params" in proc.stdout
   assert not os.path.exists(os.path.join(tmp_path, "metrics.jsonl"))
   assert "Traceback" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_fit_is_judged_on_the_compilers_peak(tmp_path):
+  """The peak the TPU compiler reports covers at least the arguments and at most the sum
+  of arguments and temporaries; the fit check uses it."""
+  stats = aot.compile_stats(_config(tmp_path, fsdp=True), "v5e-8")
+  assert stats["error"] is None and stats["peak"] is not None
+  assert stats["argument"] <= stats["peak"] <= stats["total"]
+  assert stats["need"] == stats["peak"]

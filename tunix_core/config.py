@@ -73,6 +73,7 @@ class TrainConfig:
   grad_accum_steps: int = 1
   fsdp: bool = False
   model_parallel: int = 1
+  head_on_scored: bool = True
   check_replicas_every: int = 0
   log_every: int = 10
   eval_every: int = 0

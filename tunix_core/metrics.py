@@ -64,11 +64,16 @@ class Progress:
   total`.
 
   `tokens_per_sec` counts the non-padding tokens trained on since the previous logged
-  row (`count_tokens` is told each batch), over the wall time since that row.
+  row (`count_tokens` is told each batch), over the wall time since that row. With
+  `step_flops` (model FLOPs of one step, `tunix_core.flops`) and `peak_flops` (of all the
+  run's devices together), rows also carry `mfu`: the steps since the previous row times
+  `step_flops`, over that wall time and `peak_flops`.
   """
 
-  def __init__(self, writer: MetricsWriter | None, log, start: int, total: int):
+  def __init__(self, writer: MetricsWriter | None, log, start: int, total: int,
+               step_flops: float = 0.0, peak_flops: float = 0.0):
     self.writer, self.log, self.start, self.total = writer, log, start, total
+    self.step_flops, self.peak_flops, self.step_at_last = step_flops, peak_flops, start
     self.t_start = self.t_last = time.perf_counter()
     self.tokens = self.tokens_at_last = 0
     self.pending = None
@@ -92,13 +97,18 @@ class Progress:
     health = m.pop("nonfinite", None)
     m = {k: float(v) for k, v in m.items()}
     now = time.perf_counter()
-    row = {"step": step, **m, "tokens_per_sec": (tokens - self.tokens_at_last) / (now - self.t_last)}
-    self.tokens_at_last, self.t_last = tokens, now
+    dt = now - self.t_last
+    row = {"step": step, **m, "tokens_per_sec": (tokens - self.tokens_at_last) / dt}
+    mfu = ""
+    if self.step_flops and self.peak_flops:
+      row["mfu"] = (step - self.step_at_last) * self.step_flops / dt / self.peak_flops
+      mfu = f" | MFU {row['mfu']:.1%}"
+    self.tokens_at_last, self.t_last, self.step_at_last = tokens, now, step
     self._write(row)
     eta = (now - self.t_start) / (step - self.start) * (self.total - step)
     self.log(f"step {step}/{self.total} | loss {m['loss']:.4f} | "
              f"acc {m['rewards/accuracies']:.3f} | margin {m['rewards/margins']:.3f} | "
-             f"{row['tokens_per_sec']:,.0f} tok/s | ETA {format_duration(eta)}")
+             f"{row['tokens_per_sec']:,.0f} tok/s{mfu} | ETA {format_duration(eta)}")
     self.last_train = row
     return health
 

@@ -41,6 +41,7 @@ from tunix_core import fsdp as fsdp_lib
 from tunix_core import model as model_lib
 from tunix_core import objective
 from tunix_core import optim
+from tunix_core import scored
 from tunix_core import tensor_parallel as tp_lib
 from tunix_core import zero
 from tunix_core.config import TrainConfig
@@ -119,8 +120,11 @@ class StepFunctions:
   """
 
   def __init__(self, cfg: TrainConfig, mesh: Mesh,
-               model_config: model_lib.ModelConfig | None = None):
+               model_config: model_lib.ModelConfig | None = None,
+               scored_size: int | None = None):
     self.cfg, self.mesh = cfg, mesh
+    # The LM head's block of positions per row (`tunix_core.scored`); None: whole rows.
+    self.scored_size = scored_size if cfg.head_on_scored else None
     self.mcfg = model_config or cfg.model_config()
     self.num_devices = mesh.shape["data"]  # data-parallel shards
     k = self.model_parallel = dict(mesh.shape).get("model", 1)
@@ -239,7 +243,7 @@ class StepFunctions:
   def _ref_logps(self, ref_params, batch):
     return jax.lax.stop_gradient(objective.sequence_logps(
         self._local(ref_params), batch, self.mcfg, self.cfg.logprob_impl, self.fsdp,
-        self.model_axis))
+        self.model_axis, self.scored_size))
 
   def _resolve_ref(self, ref_params, batch):
     """Reference log-probs `[b, 2, T]` of a local batch: precomputed, in-step or None."""
@@ -256,7 +260,7 @@ class StepFunctions:
     def micro_step(mb):
       ref = self._resolve_ref(ref_params, mb)
       (loss, metrics), grads = jax.value_and_grad(objective.dpo_objective, has_aux=True)(
-          params, ref, mb, self.cfg, self.mcfg, self.fsdp, self.model_axis)
+          params, ref, mb, self.cfg, self.mcfg, self.fsdp, self.model_axis, self.scored_size)
       if self.model_axis:
         grads = tp_lib.sync_replicated_grads(grads, self.model_axis)
       return grads, dict(metrics, loss=loss)
@@ -296,7 +300,7 @@ class StepFunctions:
   def _eval_step(self, params, ref_params, batch):
     loss, metrics = objective.dpo_objective(
         self._local(params), self._resolve_ref(ref_params, batch), batch, self.cfg, self.mcfg,
-        self.fsdp, self.model_axis)
+        self.fsdp, self.model_axis, self.scored_size)
     return jax.lax.pmean(dict(metrics, loss=loss), "data")
 
   @staticmethod
@@ -319,7 +323,10 @@ class StepFunctions:
 
   def put_batch(self, batch: dict) -> dict:
     """Host arrays `[B, 2, T]` of the global batch -> device arrays split over "data" on
-    the pair axis. Each process hands over only the pairs of its own devices."""
+    the pair axis. Each process hands over only the pairs of its own devices. Under a
+    scored block (`scored_size`) a batch whose scored span does not fit is a ValueError."""
+    if self.scored_size is not None:
+      scored.check_batch(batch["loss_mask"], self.scored_size)
     n, p = jax.process_count(), jax.process_index()
     out = {}
     for k, v in batch.items():

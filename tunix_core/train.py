@@ -14,12 +14,14 @@ import jax.numpy as jnp
 from tunix_core import checkpoint
 from tunix_core import data as data_lib
 from tunix_core import evaluate as evaluate_lib
+from tunix_core import flops
 from tunix_core import hf_source
 from tunix_core import metrics as metrics_lib
 from tunix_core import model as model_lib
 from tunix_core import preemption
 from tunix_core import ref_cache
 from tunix_core import resume
+from tunix_core import scored
 from tunix_core import step as step_lib
 from tunix_core.config import ConfigError
 from tunix_core.config import TrainConfig
@@ -83,7 +85,10 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
   tok = hf_source.tokenizer(cfg)
   train_set, eval_set = _load_data(cfg, tok, mcfg.vocab_size, log)
 
-  steps = step_lib.StepFunctions(cfg, step_lib.make_mesh(devices, cfg.model_parallel), mcfg)
+  spans = [scored.max_span(d.loss_mask) for d in (train_set, eval_set) if d is not None]
+  scored_size = scored.block_size(max(spans), cfg.max_length)
+  steps = step_lib.StepFunctions(cfg, step_lib.make_mesh(devices, cfg.model_parallel), mcfg,
+                                 scored_size=scored_size)
   key = jax.random.PRNGKey(cfg.seed)
   ckpt = checkpoint.Checkpointer(os.path.join(cfg.output_dir, "checkpoints"), keep=cfg.keep,
                                  keep_period=cfg.keep_period or None)
@@ -105,6 +110,9 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
   log(f"model: {cfg.hf_model_dir or cfg.model} ({num_params:,} params, "
       f"{cfg.param_dtype}) on {len(devices)} "
       f"{devices[0].platform} device(s) in {jax.process_count()} process(es), mesh {mesh}")
+  if steps.scored_size is not None and steps.scored_size < cfg.max_length:
+    log(f"LM head on the scored block of each row: {steps.scored_size} of "
+        f"{cfg.max_length} positions (--head_on_scored)")
   train_ref, eval_ref = _precompute_refs(cfg, steps, ref_params, train_set, eval_set, log)
   if cfg.precompute_ref_logps:
     ref_params = None  # the step never runs the reference forward
@@ -113,7 +121,14 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
                               state=meta["data_state"] if meta else None)
   writer = (metrics_lib.MetricsWriter(cfg.output_dir, resume_step=start, log=log)
             if primary else None)
-  progress = metrics_lib.Progress(writer, log, start, cfg.steps)
+  reference_forward = not (cfg.reference_free or cfg.precompute_ref_logps)
+  progress = metrics_lib.Progress(
+      writer, log, start, cfg.steps,
+      step_flops=flops.step_flops(mcfg, cfg.batch_size, cfg.max_length, reference_forward),
+      peak_flops=flops.matmul_peak(
+          model_lib.DTYPES[mcfg.compute_dtype], n=1024,
+          device=next(d for d in devices if d.process_index == jax.process_index()))
+      * len(devices))
 
   def flush():
     """Logs the deferred step; a non-finite step found there stops or is counted."""
