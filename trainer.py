@@ -19,10 +19,10 @@ from tunix_core import checkpoint
 from tunix_core import config as config_lib
 from tunix_core import data as data_lib
 from tunix_core import hf_config
+from tunix_core import health
 from tunix_core import hf_tokenizer
 from tunix_core import logs
 from tunix_core import preemption
-from tunix_core import step as step_lib
 from tunix_core import train as train_lib
 
 _D = config_lib.TrainConfig  # defaults come from the config dataclass, in one place
@@ -227,7 +227,7 @@ def main(argv):
     train_lib.train(cfg)
   except checkpoint.CheckpointWriteError as e:
     fail(f"error: {e} (library messages in {log_path})", CHECKPOINT_WRITE_EXIT_CODE)
-  except step_lib.NonFiniteStep as e:
+  except health.NonFiniteStep as e:
     fail(f"error: {e}", NONFINITE_EXIT_CODE)
   except (config_lib.ConfigError, data_lib.DataError, checkpoint.CheckpointError,
           hf_config.HFError, hf_tokenizer.TokenizerError) as e:

@@ -15,8 +15,8 @@ import pytest
 import runs
 from tunix_core import checkpoint
 from tunix_core import data as data_lib
+from tunix_core import health
 from tunix_core import objective
-from tunix_core import step as step_lib
 from tunix_core import train
 
 REPO = runs.REPO
@@ -103,7 +103,7 @@ def _poison_step_3(monkeypatch):
 def test_nan_step_stops_the_run_before_it_is_saved(tmp_path, monkeypatch):
   _poison_step_3(monkeypatch)
   out = tmp_path / "run"
-  with pytest.raises(step_lib.NonFiniteStep, match=r"^step 3 produced non-finite loss;"):
+  with pytest.raises(health.NonFiniteStep, match=r"^step 3 produced non-finite loss;"):
     train.train(_config(out, save_every=2), **QUIET)
   assert _steps(out) == [2]  # nothing from step 3 on was checkpointed
   monkeypatch.undo()

@@ -13,7 +13,7 @@ between a run's layout and logical arrays. The train state is
 `{"params", "opt_state", "step"}`, with optimizer-state leaves `[N, piece]` split over
 "data" (see `tunix_core.zero`), and `"nonfinite"`: int32 `[3]` (count of non-finite
 steps so far, the first such step, a bit set of what was non-finite in it, bits in
-`NONFINITE_KEYS` order). A step whose loss, metrics or gradient norm is not finite
+`health.NONFINITE_KEYS` order). A step whose loss, metrics or gradient norm is not finite
 leaves params and optimizer state as they were; the loop decides whether to stop.
 
 With `--model_parallel=K` the mesh gets an inner "model" axis of K devices and the model
@@ -38,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tunix_core import collectives
 from tunix_core import fsdp as fsdp_lib
+from tunix_core import health as health_lib
 from tunix_core import model as model_lib
 from tunix_core import objective
 from tunix_core import optim
@@ -45,46 +46,6 @@ from tunix_core import scored
 from tunix_core import tensor_parallel as tp_lib
 from tunix_core import zero
 from tunix_core.config import TrainConfig
-
-# The values a step checks for NaN/Inf; bit i of `state["nonfinite"][2]` is key i.
-NONFINITE_KEYS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected",
-                  "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
-
-
-class NonFiniteStep(RuntimeError):
-  """A step's loss, metrics or gradient norm was NaN/Inf; its update was not applied and
-  nothing after it was checkpointed."""
-
-
-def check_finite(health, action: str, log) -> None:
-  """Acts on a state's `[count, first step, bits]`: raises `NonFiniteStep` under "stop",
-  logs the running count under "skip"."""
-  count, first, bits = (int(x) for x in health)
-  if not count:
-    return
-  what = ", ".join(nonfinite_names(bits))
-  if action == "stop":
-    raise NonFiniteStep(f"step {first} produced non-finite {what}; its update was not "
-                        "applied and it was not checkpointed (--on_nonfinite=skip skips "
-                        "such steps instead)")
-  log(f"non-finite steps skipped so far: {count} (first: step {first}, {what})")
-
-
-def nonfinite_names(bits: int) -> list[str]:
-  """The keys a `state["nonfinite"][2]` bit set names."""
-  return [k for i, k in enumerate(NONFINITE_KEYS) if int(bits) >> i & 1]
-
-
-def _health(health_3, values: dict, step):
-  """`(all finite, updated [count, first step, bits])` after a step's `values`."""
-  bits = sum(jnp.where(jnp.isfinite(values[k]), 0, 1 << i)
-             for i, k in enumerate(NONFINITE_KEYS)).astype(jnp.int32)
-  ok = bits == 0
-  count, first, first_bits = health_3[0], health_3[1], health_3[2]
-  fresh = count == 0
-  bad = jnp.stack([count + 1, jnp.where(fresh, step, first), jnp.where(fresh, bits, first_bits)])
-  return ok, jnp.where(ok, health_3, bad)
-
 
 def to_host(x: jax.Array) -> np.ndarray:
   """The global value of `x` as NumPy, also when other processes hold some shards."""
@@ -165,10 +126,10 @@ class StepFunctions:
       uses_ref = not (cfg.reference_free or cfg.precompute_ref_logps)
       ref_spec = pspec if uses_ref else P()  # no reference params at all
     # In the run's layout, a tree with the params' structure.
-    specs = (jax.tree.leaves(pspec, is_leaf=lambda x: isinstance(x, P))
-             if isinstance(pspec, dict) else [pspec] * len(jax.tree.leaves(self.param_shapes)))
-    self.param_sharding = jax.tree.unflatten(jax.tree.structure(self.param_shapes),
-                                             [NamedSharding(mesh, s) for s in specs])
+    spec_tree = pspec if isinstance(pspec, dict) else jax.tree.map(lambda _: pspec,
+                                                                   self.param_shapes)
+    self.param_sharding = jax.tree.map(lambda s: NamedSharding(mesh, s), spec_tree,
+                                       is_leaf=lambda x: isinstance(x, P))
     state_specs = {"params": pspec, "opt_state": rows, "step": P(), "nonfinite": P()}
     smap = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
     self.train_step = jax.jit(
@@ -288,7 +249,7 @@ class StepFunctions:
     metrics = jax.lax.pmean(metrics, "data")
     metrics = dict(metrics, grad_norm=update.grad_norm,
                    learning_rate=self.schedule(state["step"]))
-    ok, health = _health(state["nonfinite"], metrics, state["step"] + 1)
+    ok, health = health_lib.update(state["nonfinite"], metrics, state["step"] + 1)
     # A non-finite step keeps the old params and optimizer state (no update applied).
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
     new_state = {"params": keep(new_params, state["params"]),

@@ -15,6 +15,7 @@ from tunix_core import checkpoint
 from tunix_core import data as data_lib
 from tunix_core import evaluate as evaluate_lib
 from tunix_core import flops
+from tunix_core import health as health_lib
 from tunix_core import hf_source
 from tunix_core import metrics as metrics_lib
 from tunix_core import model as model_lib
@@ -69,7 +70,7 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
 
   Returns `{"train": last logged train row, "eval": last eval metrics, "state": final
   train state}`. Raises `preemption.Preempted` after saving on SIGTERM/SIGINT,
-  `step_lib.NonFiniteStep` when a step is NaN/Inf under `--on_nonfinite=stop`,
+  `health.NonFiniteStep` when a step is NaN/Inf under `--on_nonfinite=stop`,
   `checkpoint.CheckpointWriteError` when a save fails, and `ConfigError`,
   `data_lib.DataError` or `checkpoint.CheckpointError` on bad input.
   """
@@ -134,13 +135,13 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
     """Logs the deferred step; a non-finite step found there stops or is counted."""
     health = progress.flush()
     if health is not None:
-      step_lib.check_finite(health, cfg.on_nonfinite, lambda *_: None)
+      health_lib.check_finite(health, cfg.on_nonfinite, lambda *_: None)
 
   def save(step):
     # Never checkpoint a state that went through a non-finite step under "stop" (this
     # read costs nothing extra: the save's fingerprints wait for the state anyway).
     health = jax.device_get(state["nonfinite"])
-    step_lib.check_finite(health, cfg.on_nonfinite, log)
+    health_lib.check_finite(health, cfg.on_nonfinite, log)
     digest = checkpoint.save_state(
         ckpt, step, dict(state, params=steps.logical_params(state["params"])),
         data_state=it.get_state(), num_shards=steps.num_devices, rng_key=key, config=cfg,
@@ -174,7 +175,7 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
         if _every(cfg.save_every, step, cfg.steps):
           save(step)
       flush()
-      step_lib.check_finite(jax.device_get(state["nonfinite"]), cfg.on_nonfinite, log)
+      health_lib.check_finite(jax.device_get(state["nonfinite"]), cfg.on_nonfinite, log)
   except BaseException:
     progress.close()
     ckpt.close(quiet=True)  # an error is on its way already; let pending saves finish
