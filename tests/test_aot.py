@@ -70,9 +70,10 @@ def test_7b_does_not_fit_a_v5e_8_without_sharded_params(tmp_path):
 @pytest.mark.slow
 @needs_libtpu
 def test_fit_is_judged_on_the_compilers_peak(tmp_path):
-  """The peak the TPU compiler reports covers at least the arguments and at most the sum
-  of arguments and temporaries; the fit check uses it."""
+  """The fit check uses the peak the TPU compiler reports, never less than the buffers
+  the caller holds through the step (arguments, outputs not donated). (The peak is not
+  bounded by the analysed sum either way: here it is larger, at 7B it is smaller.)"""
   stats = aot.compile_stats(_config(tmp_path, fsdp=True), "v5e-8")
   assert stats["error"] is None and stats["peak"] is not None
-  assert stats["argument"] <= stats["peak"] <= stats["total"]
-  assert stats["need"] == stats["peak"]
+  held = stats["argument"] + stats["output"] - stats["alias"]
+  assert 0 < held <= stats["need"] == max(stats["peak"], held)

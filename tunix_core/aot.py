@@ -61,13 +61,15 @@ def compile_stats(cfg, target: str, model_config=None, devices=None) -> dict:
   model; `devices`, the target's `(chip, devices)` when known already). Returns `{"chip",
   "devices", "num_params", "error"}` plus, when it compiled, `kernels.tpu.compiled_stats`
   per device, `"total"` (arguments + outputs not in donated arguments + temporaries) and
-  `"need"`, what the fit is judged on: the compiler's `peak` where it reports one, else
-  `total`; `"error"` is the compiler's refusal or None.
+  `"need"`, what the fit is judged on: the compiler's `peak` where it reports one (but
+  never less than the arguments and outputs themselves, which the caller holds for the
+  whole step, while the compiler's heap simulation may end an argument's life at its
+  last use), else `total`; `"error"` is the compiler's refusal or None.
 
   Why the peak: on TPU `temp_size_in_bytes` exceeds the temporaries the compiler's buffer
-  assignment actually allocates in HBM (for the 7B FSDP step of the README, 7.22 GiB
-  against one 5.39 GiB preallocated block in the XLA dump), while `peak_memory_in_bytes`
-  equals the arguments plus that block (14.79 vs 9.41 + 5.39 GiB); the sum overstates.
+  assignment allocates in HBM (for the 7B FSDP step of the README, 7.22 GiB against one
+  5.39 GiB preallocated block in the XLA dump), while `peak_memory_in_bytes` equals the
+  arguments plus that block (14.79 vs 9.41 + 5.39 GiB); the sum overstates.
   """
   chip, devices = devices or target_devices(target)
   cfg.validate(len(devices))
@@ -85,7 +87,8 @@ def compile_stats(cfg, target: str, model_config=None, devices=None) -> dict:
     return out
   stats = tpu.compiled_stats(compiled)
   total = stats["argument"] + stats["output"] - stats["alias"] + stats["temp"]
-  out.update(stats, total=total, need=stats["peak"] or total)
+  held = stats["argument"] + stats["output"] - stats["alias"]
+  out.update(stats, total=total, need=max(stats["peak"], held) if stats["peak"] else total)
   return out
 
 
