@@ -10,6 +10,7 @@ import numpy as np
 
 from tunix_core import config as config_lib
 from tunix_core import data as data_lib
+from tunix_core import resume
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "data", "train.jsonl")
@@ -70,3 +71,16 @@ def assert_agree(a, b, tol=1e-5):
     for k in ra:
       assert abs(ra[k] - rb[k]) <= tol * max(1.0, abs(ra[k])), (k, ra[k], rb[k])
   assert norm_rel_error(params_a, params_b) <= tol
+
+
+def restore_and_compare(steps, ckpt, step, meta, want_params, want_mu) -> dict:
+  """Restores `step` into `steps`' layout and asserts it verifies against the saved
+  fingerprints and holds exactly `want_params` and Adam's `want_mu` (logical arrays);
+  returns the restored state."""
+  state = resume.restore_state(steps, ckpt, step, meta)
+  assert resume.verify(steps, state, meta)[1] == []
+  jax.tree.map(np.testing.assert_array_equal,
+               jax.device_get(steps.logical_params(state["params"])), want_params)
+  mu = jax.device_get(steps.layout.to_logical(state["opt_state"][0].mu))
+  jax.tree.map(np.testing.assert_array_equal, mu, want_mu)
+  return state

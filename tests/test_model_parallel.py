@@ -14,7 +14,6 @@ from tunix_core import collectives
 from tunix_core import config as config_lib
 from tunix_core import fsdp
 from tunix_core import model as model_lib
-from tunix_core import resume
 from tunix_core import step as step_lib
 from tunix_core import tensor_parallel as tp
 from tunix_core import train
@@ -91,12 +90,7 @@ def test_restore_tp2_on_other_layouts(tmp_path, use_fsdp):
   for n, k, to_fsdp in ((1, 1, False), (4, 1, True), (8, 2, not use_fsdp)):
     steps = step_lib.StepFunctions(_tp_config(tmp_path, fsdp=to_fsdp),
                                    step_lib.make_mesh(jax.devices()[:n], k))
-    state = resume.restore_state(steps, ckpt, 2, meta)
-    assert resume.verify(steps, state, meta)[1] == []
-    jax.tree.map(np.testing.assert_array_equal,
-                 jax.device_get(steps.logical_params(state["params"])), want_params)
-    mu = jax.device_get(steps.layout.to_logical(state["opt_state"][0].mu))
-    jax.tree.map(np.testing.assert_array_equal, mu, want_mu)
+    runs.restore_and_compare(steps, ckpt, 2, meta, want_params, want_mu)
   ckpt.close()
 
 
