@@ -77,6 +77,15 @@ flags.DEFINE_bool("fsdp", _DEF["fsdp"], "Fully sharded data parallel (ZeRO-3): p
 flags.DEFINE_bool("head_on_scored", _DEF["head_on_scored"], "Run the LM head (policy and "
                   "reference) only on each row's block of scored positions, sized from the "
                   "longest scored span in the data, instead of on every position; exact.")
+flags.DEFINE_bool("prefix_sharing", _DEF["prefix_sharing"], "Compute each pair's prompt once "
+                  "for the policy, the reference and the backward: one sequence prompt | "
+                  "chosen | rejected in which the rejected response restarts its positions "
+                  "after the prompt and never sees the chosen one; exact. Needs "
+                  "--head_on_scored.")
+flags.DEFINE_bool("packing", _DEF["packing"], "Padding-free packing: the pairs of each "
+                  "device's micro-batch follow each other in one row (segment ids: "
+                  "attention never crosses pairs, positions restart per pair), sized from "
+                  "the data; exact and deterministic. Needs --head_on_scored.")
 flags.DEFINE_integer("model_parallel", _DEF["model_parallel"], "Tensor parallelism: devices "
                      "of the inner 'model' mesh axis (consecutive devices); heads, MLP "
                      "columns and the vocabulary are split over them Megatron-style, the "

@@ -74,6 +74,8 @@ class TrainConfig:
   fsdp: bool = False
   model_parallel: int = 1
   head_on_scored: bool = True
+  prefix_sharing: bool = True
+  packing: bool = False
   check_replicas_every: int = 0
   log_every: int = 10
   eval_every: int = 0
@@ -112,6 +114,9 @@ class TrainConfig:
          f"--batch_size={self.batch_size} does not split into {self.grad_accum_steps} "
          f"micro-batches on each of the {what}")
     need(self.bucket_mb > 0, f"--bucket_mb must be positive, got {self.bucket_mb}")
+    need(self.head_on_scored or not (self.prefix_sharing or self.packing),
+         "--prefix_sharing and --packing run the LM head on scored positions only; with "
+         "--head_on_scored=false set both to false")
     need(self.check_replicas_every >= 0, "--check_replicas_every must be >= 0")
     need(not (self.fsdp and self.check_replicas_every),
          "--check_replicas_every checks replicated params; under --fsdp no param is "

@@ -153,13 +153,14 @@ def softcap(x: jax.Array, cap: float) -> jax.Array:
   return cap * jnp.tanh(x / cap) if cap else x
 
 
-def attention(x_BxTxD, layer, setting, positions_BxT, mask_BxT, cfg: ModelConfig):
+def attention(x_BxTxD, layer, setting, positions_BxT, mask_BxT, cfg: ModelConfig,
+              segments_BxT=None, branches_BxT=None, band: int | None = None):
   """Causal grouped-query attention; keys where `mask_BxT` is 0 are never attended, nor
-  keys `setting["window"]` or more positions back (when it is not 0). On TPU the flash
-  kernels run it when they can (`cfg.attention_impl`, `kernels.attention`)."""
+  keys `setting["window"]` or more positions back (when it is not 0), nor keys of another
+  segment or response branch (`kernels.attention.Visibility`). On TPU the flash kernels
+  run it when they can (`cfg.attention_impl`, `kernels.attention`)."""
   B, T, _ = x_BxTxD.shape
   H, KV, K = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  G = H // KV
   q, k, v = x_BxTxD @ layer["wq"], x_BxTxD @ layer["wk"], x_BxTxD @ layer["wv"]
   if cfg.qkv_bias:
     q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
@@ -172,26 +173,17 @@ def attention(x_BxTxD, layer, setting, positions_BxT, mask_BxT, cfg: ModelConfig
   k_BxTxVxK = apply_rope(k_BxTxVxK, positions_BxT, setting["freqs"])
   scale = (cfg.query_pre_attn_scalar or K) ** -0.5
   impl = attention_lib.resolve(cfg.attention_impl, T, bool(cfg.sliding_window),
-                               cfg.attn_softcap)
+                               cfg.attn_softcap, branches_BxT is not None)
   if impl == "pallas":
+    ids_BxT = mask_BxT if segments_BxT is None else segments_BxT * (mask_BxT > 0)
     out_BxTxHxK = attention_lib.flash_causal_attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK,
-                                                       mask_BxT, scale)
+                                                       ids_BxT, scale)
     return out_BxTxHxK.reshape(B, T, H * K) @ layer["wo"]
-  q_BxTxVxGxK = q_BxTxHxK.reshape(B, T, KV, G, K)
-  scores_BxVxGxTxS = softcap(jnp.einsum("btvgk,bsvk->bvgts", q_BxTxVxGxK, k_BxTxVxK,
-                                        preferred_element_type=jnp.float32) * scale,
-                             cfg.attn_softcap)
-  causal_TxS = jnp.tril(jnp.ones((T, T), dtype=bool))
-  allowed_BxTxS = causal_TxS[None] & (mask_BxT[:, None, :] > 0)
-  if cfg.sliding_window:
-    distance_BxTxS = positions_BxT[:, :, None] - positions_BxT[:, None, :]
-    window = setting["window"]
-    allowed_BxTxS &= (window == 0) | (distance_BxTxS < window)
-  # A finite fill keeps fully masked rows (padding queries) free of NaN.
-  scores_BxVxGxTxS = jnp.where(allowed_BxTxS[:, None, None], scores_BxVxGxTxS, -1e30)
-  probs = jax.nn.softmax(scores_BxVxGxTxS, axis=-1).astype(x_BxTxD.dtype)
-  out_BxTxVxGxK = jnp.einsum("bvgts,bsvk->btvgk", probs, v_BxTxVxK)
-  return out_BxTxVxGxK.reshape(B, T, H * K) @ layer["wo"]
+  vis = attention_lib.Visibility(positions_BxT, mask_BxT, segments_BxT, branches_BxT, band)
+  out_BxTxHK = attention_lib.xla_attention(
+      q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis, scale, cfg.attn_softcap,
+      setting["window"] if cfg.sliding_window else 0)
+  return out_BxTxHK @ layer["wo"]
 
 
 def mlp(x_BxTxD, layer, cfg: ModelConfig):
@@ -210,8 +202,14 @@ def embed(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig) -> jax.Array:
   return x_BxTxD.astype(DTYPES[cfg.compute_dtype])
 
 
+def default_positions(mask_BxT: jax.Array) -> jax.Array:
+  """Rope positions of padded rows: the count of real tokens before each position."""
+  return jnp.maximum(jnp.cumsum(mask_BxT, axis=-1) - 1, 0)
+
+
 def forward(params: dict, tokens_BxT: jax.Array, mask_BxT: jax.Array | None,
-            cfg: ModelConfig, gather_layer=None) -> jax.Array:
+            cfg: ModelConfig, gather_layer=None, *, positions_BxT=None, segments_BxT=None,
+            branches_BxT=None, band: int | None = None) -> jax.Array:
   """Final hidden states `[B, T, D]` in the compute dtype.
 
   Args:
@@ -226,12 +224,17 @@ def forward(params: dict, tokens_BxT: jax.Array, mask_BxT: jax.Array | None,
       The layer is then rematerialised with a policy that never saves the gathered
       weights (`--remat=none` saves every matmul output instead of everything), so the
       backward gathers it again rather than keeping every layer alive.
+    positions_BxT, segments_BxT, branches_BxT, band: packed rows (`tunix_core.packing`):
+      explicit rope positions (default: counting real tokens), segment ids and response
+      branch ids of `kernels.attention.Visibility`, and its static band.
   """
   if mask_BxT is None:
     mask_BxT = jnp.ones(tokens_BxT.shape, jnp.int32)
   compute = DTYPES[cfg.compute_dtype]
-  positions_BxT = jnp.maximum(jnp.cumsum(mask_BxT, axis=-1) - 1, 0)
+  if positions_BxT is None:
+    positions_BxT = default_positions(mask_BxT)
   eps, offset = cfg.norm_eps, cfg.norm_offset
+  visibility = dict(segments_BxT=segments_BxT, branches_BxT=branches_BxT, band=band)
 
   def layer_fn(x_BxTxD, layer_and_setting):
     layer, setting = layer_and_setting
@@ -239,7 +242,7 @@ def forward(params: dict, tokens_BxT: jax.Array, mask_BxT: jax.Array | None,
       layer = gather_layer(layer)
     layer = jax.tree.map(lambda w: w.astype(compute), layer)
     h = attention(rms_norm(x_BxTxD, layer["attn_norm"], eps, offset), layer, setting,
-                  positions_BxT, mask_BxT, cfg)
+                  positions_BxT, mask_BxT, cfg, **visibility)
     if cfg.post_norms:
       h = rms_norm(h, layer["post_attn_norm"], eps, offset)
     x_BxTxD = x_BxTxD + h

@@ -42,6 +42,7 @@ from tunix_core import health as health_lib
 from tunix_core import model as model_lib
 from tunix_core import objective
 from tunix_core import optim
+from tunix_core import packing
 from tunix_core import scored
 from tunix_core import tensor_parallel as tp_lib
 from tunix_core import zero
@@ -82,10 +83,13 @@ class StepFunctions:
 
   def __init__(self, cfg: TrainConfig, mesh: Mesh,
                model_config: model_lib.ModelConfig | None = None,
-               scored_size: int | None = None):
+               scored_size: int | None = None, packed: packing.Spec | None = None):
     self.cfg, self.mesh = cfg, mesh
     # The LM head's block of positions per row (`tunix_core.scored`); None: whole rows.
     self.scored_size = scored_size if cfg.head_on_scored else None
+    # Prefix sharing / packing (`tunix_core.packing`): the static shapes of a device's
+    # micro-batch of packed rows; None: the pairs' own `[2B, T]` rows.
+    self.packed = packed
     self.mcfg = model_config or cfg.model_config()
     self.num_devices = mesh.shape["data"]  # data-parallel shards
     k = self.model_parallel = dict(mesh.shape).get("model", 1)
@@ -204,7 +208,7 @@ class StepFunctions:
   def _ref_logps(self, ref_params, batch):
     return jax.lax.stop_gradient(objective.sequence_logps(
         self._local(ref_params), batch, self.mcfg, self.cfg.logprob_impl, self.fsdp,
-        self.model_axis, self.scored_size))
+        self.model_axis, self.scored_size, self.packed))
 
   def _resolve_ref(self, ref_params, batch):
     """Reference log-probs `[b, 2, T]` of a local batch: precomputed, in-step or None."""
@@ -221,7 +225,8 @@ class StepFunctions:
     def micro_step(mb):
       ref = self._resolve_ref(ref_params, mb)
       (loss, metrics), grads = jax.value_and_grad(objective.dpo_objective, has_aux=True)(
-          params, ref, mb, self.cfg, self.mcfg, self.fsdp, self.model_axis, self.scored_size)
+          params, ref, mb, self.cfg, self.mcfg, self.fsdp, self.model_axis, self.scored_size,
+          self.packed)
       if self.model_axis:
         grads = tp_lib.sync_replicated_grads(grads, self.model_axis)
       return grads, dict(metrics, loss=loss)
@@ -261,7 +266,7 @@ class StepFunctions:
   def _eval_step(self, params, ref_params, batch):
     loss, metrics = objective.dpo_objective(
         self._local(params), self._resolve_ref(ref_params, batch), batch, self.cfg, self.mcfg,
-        self.fsdp, self.model_axis, self.scored_size)
+        self.fsdp, self.model_axis, self.scored_size, self.packed)
     return jax.lax.pmean(dict(metrics, loss=loss), "data")
 
   @staticmethod
@@ -284,9 +289,12 @@ class StepFunctions:
 
   def put_batch(self, batch: dict) -> dict:
     """Host arrays `[B, 2, T]` of the global batch -> device arrays split over "data" on
-    the pair axis. Each process hands over only the pairs of its own devices. Under a
-    scored block (`scored_size`) a batch whose scored span does not fit is a ValueError."""
-    if self.scored_size is not None:
+    the pair axis. Each process hands over only the pairs of its own devices. Under
+    `packed` the batch's packed rows and head slots go along (`packing.pack`); under a
+    scored block (`scored_size`) or `packed`, a batch that does not fit is a ValueError."""
+    if self.packed is not None:
+      batch = packing.pack(batch, self.packed)
+    elif self.scored_size is not None:
       scored.check_batch(batch["loss_mask"], self.scored_size)
     n, p = jax.process_count(), jax.process_index()
     out = {}

@@ -66,15 +66,21 @@ def embed(params, tokens_BxT, cfg, axis: str):
   return leave(jnp.where(owned[..., None], x, 0), axis)
 
 
-def forward(params, tokens_BxT, mask_BxT, cfg, axis: str, gather_layer=None):
+def forward(params, tokens_BxT, mask_BxT, cfg, axis: str, gather_layer=None, *,
+            positions_BxT=None, segments_BxT=None, branches_BxT=None, band=None):
   """`model.forward` on a device's slices (`params` placed by `param_specs(cfg, axis)`):
-  replicated `[B, T, D]` hidden states; `cfg` is the global config. `gather_layer` as in
-  `model.forward` (FSDP over another axis of this device's slices)."""
+  replicated `[B, T, D]` hidden states; `cfg` is the global config. `gather_layer` and
+  the packed-row arguments as in `model.forward` (FSDP over another axis of this
+  device's slices)."""
   k = jax.lax.axis_size(axis)
   lcfg = local_config(cfg, k)
   compute = model_lib.DTYPES[cfg.compute_dtype]
-  positions_BxT = jnp.maximum(jnp.cumsum(mask_BxT, axis=-1) - 1, 0)
+  if mask_BxT is None:
+    mask_BxT = jnp.ones(tokens_BxT.shape, jnp.int32)
+  if positions_BxT is None:
+    positions_BxT = model_lib.default_positions(mask_BxT)
   eps, offset = cfg.norm_eps, cfg.norm_offset
+  visibility = dict(segments_BxT=segments_BxT, branches_BxT=branches_BxT, band=band)
 
   def layer_fn(x_BxTxD, layer_and_setting):
     layer, setting = layer_and_setting
@@ -82,7 +88,8 @@ def forward(params, tokens_BxT, mask_BxT, cfg, axis: str, gather_layer=None):
       layer = gather_layer(layer)
     layer = jax.tree.map(lambda w: w.astype(compute), layer)
     h = enter(model_lib.rms_norm(x_BxTxD, layer["attn_norm"], eps, offset), axis)
-    h = leave(model_lib.attention(h, layer, setting, positions_BxT, mask_BxT, lcfg), axis)
+    h = leave(model_lib.attention(h, layer, setting, positions_BxT, mask_BxT, lcfg,
+                                  **visibility), axis)
     if cfg.post_norms:
       h = model_lib.rms_norm(h, layer["post_attn_norm"], eps, offset)
     x_BxTxD = x_BxTxD + h

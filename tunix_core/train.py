@@ -10,6 +10,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tunix_core import checkpoint
 from tunix_core import data as data_lib
@@ -19,6 +20,7 @@ from tunix_core import health as health_lib
 from tunix_core import hf_source
 from tunix_core import metrics as metrics_lib
 from tunix_core import model as model_lib
+from tunix_core import packing
 from tunix_core import preemption
 from tunix_core import ref_cache
 from tunix_core import resume
@@ -59,6 +61,17 @@ def _precompute_refs(cfg, steps, ref_params, train_set, eval_set, log):
   return train_ref, eval_ref
 
 
+def _packing_spec(cfg: TrainConfig, num_devices: int, splits) -> packing.Spec | None:
+  """The packed rows' static shapes (`tunix_core.packing`) for a device's micro-batch of
+  any pairs of `splits`, or None without --prefix_sharing and --packing."""
+  if not (cfg.prefix_sharing or cfg.packing):
+    return None
+  pairs = cfg.batch_size // (num_devices // cfg.model_parallel * cfg.grad_accum_steps)
+  sizes = [packing.pair_sizes(data_lib.take_pairs(d, np.arange(len(d))), cfg.prefix_sharing)
+           for d in splits]
+  return packing.make_spec(sizes, pairs, cfg.prefix_sharing, cfg.packing)
+
+
 def _every(n: int, step: int, last: int) -> bool:
   """True on multiples of `n` and on the last step; never when `n` is 0."""
   return bool(n) and (step % n == 0 or step == last)
@@ -86,10 +99,12 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
   tok = hf_source.tokenizer(cfg)
   train_set, eval_set = _load_data(cfg, tok, mcfg.vocab_size, log)
 
-  spans = [scored.max_span(d.loss_mask) for d in (train_set, eval_set) if d is not None]
-  scored_size = scored.block_size(max(spans), cfg.max_length)
+  splits = [d for d in (train_set, eval_set) if d is not None]
+  scored_size = scored.block_size(max(scored.max_span(d.loss_mask) for d in splits),
+                                  cfg.max_length)
   steps = step_lib.StepFunctions(cfg, step_lib.make_mesh(devices, cfg.model_parallel), mcfg,
-                                 scored_size=scored_size)
+                                 scored_size=scored_size,
+                                 packed=_packing_spec(cfg, len(devices), splits))
   key = jax.random.PRNGKey(cfg.seed)
   ckpt = checkpoint.Checkpointer(os.path.join(cfg.output_dir, "checkpoints"), keep=cfg.keep,
                                  keep_period=cfg.keep_period or None)
@@ -111,7 +126,12 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
   log(f"model: {cfg.hf_model_dir or cfg.model} ({num_params:,} params, "
       f"{cfg.param_dtype}) on {len(devices)} "
       f"{devices[0].platform} device(s) in {jax.process_count()} process(es), mesh {mesh}")
-  if steps.scored_size is not None and steps.scored_size < cfg.max_length:
+  if steps.packed is not None:
+    spec = steps.packed
+    log(f"packed rows (--prefix_sharing={cfg.prefix_sharing}, --packing={cfg.packing}): "
+        f"{spec.rows} x {spec.length} tokens and {spec.head} LM-head positions per "
+        f"{spec.pairs} pairs, vs {2 * spec.pairs} x {cfg.max_length} unpacked")
+  elif steps.scored_size is not None and steps.scored_size < cfg.max_length:
     log(f"LM head on the scored block of each row: {steps.scored_size} of "
         f"{cfg.max_length} positions (--head_on_scored)")
   train_ref, eval_ref = _precompute_refs(cfg, steps, ref_params, train_set, eval_set, log)

@@ -1,0 +1,167 @@
+"""Prefix sharing and packing (`tunix_core.packing`): the packed rows of a batch worked out
+by hand, and log-probs, gradients, losses of every type and train steps on packed rows
+equal to the pairs' own rows, for every model family."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import kernels
+import runs
+from oracles import rel_error
+from tunix_core import config as config_lib
+from tunix_core import data as data_lib
+from tunix_core import model as model_lib
+from tunix_core import objective
+from tunix_core import packing
+from tunix_core import step as step_lib
+
+IGNORE = kernels.IGNORE_INDEX
+MODES = [(True, False), (True, True), (False, True)]
+MODE_IDS = ["shared", "shared+packed", "packed"]
+
+
+def _pair_batch():
+  """Two pairs, T = 8. Pair 0: prompt [5 6 7] left-padded by one, chosen [8 9], rejected
+  [3]. Pair 1: rows with different prompts ([5 6] vs [5 4]): not shareable."""
+  T = 8
+  b = {k: np.zeros((2, 2, T), np.int32) for k in ("tokens", "attention_mask", "loss_mask")}
+  b["targets"] = np.full((2, 2, T), IGNORE, np.int32)
+
+  def row(i, c, tokens, left, prompt):
+    n = len(tokens)
+    b["tokens"][i, c, left:left + n] = tokens
+    b["attention_mask"][i, c, left:left + n] = 1
+    for t in range(left + prompt - 1, left + n - 1):  # targets: the next response token
+      b["targets"][i, c, t], b["loss_mask"][i, c, t] = tokens[t - left + 1], 1
+
+  row(0, 0, [5, 6, 7, 8, 9], 1, 3)
+  row(0, 1, [5, 6, 7, 3], 1, 3)
+  row(1, 0, [5, 6, 2], 0, 2)
+  row(1, 1, [5, 4, 2, 2], 0, 2)
+  return b
+
+
+def test_shared_and_packed_rows_by_hand():
+  b = _pair_batch()
+  lengths, scored_counts = packing.pair_sizes(b, share=True)
+  np.testing.assert_array_equal(lengths, [6, 7])          # 3 + 2 + 1; 3 + 4 (two sequences)
+  np.testing.assert_array_equal(scored_counts, [3, 3])
+  spec = packing.make_spec([(lengths, scored_counts)], 2, share=True, pack=True)
+  assert spec == packing.Spec(pairs=2, rows=1, length=16, head=16, band=7, share=True)
+  p = packing.pack(b, spec)
+  np.testing.assert_array_equal(p["row_tokens"][0, :13], [5, 6, 7, 8, 9, 3, 5, 6, 2, 5, 4, 2, 2])
+  np.testing.assert_array_equal(p["row_positions"][0, :13], [0, 1, 2, 3, 4, 3, 0, 1, 2, 0, 1, 2, 3])
+  np.testing.assert_array_equal(p["row_branches"][0, :13], [0, 0, 0, 1, 1, 2] + [0] * 7)
+  np.testing.assert_array_equal(p["row_segments"][0], [1] * 6 + [2] * 3 + [3] * 4 + [0] * 3)
+  # Head slots: chosen 8 9 read at prompt end (2) and 8 (3); rejected 3 read at the prompt
+  # end again (2); pair 1's chosen 2 at its 6 (row 7), rejected 2 2 at 4 (10) and 2 (11).
+  np.testing.assert_array_equal(p["head_src"][:6], [2, 3, 2, 7, 10, 11])
+  np.testing.assert_array_equal(p["head_targets"][:6], [8, 9, 3, 2, 2, 2])
+  T = 8
+  np.testing.assert_array_equal(p["head_dst"][:6], [0 * T + 3, 0 * T + 4, 1 * T + 3,
+                                                    2 * T + 1, 3 * T + 1, 3 * T + 2])
+  assert (p["head_targets"][6:] == IGNORE).all() and (p["head_dst"][6:] == 2 * 2 * T).all()
+  unpacked = packing.make_spec([packing.pair_sizes(b, True)], 1, share=True, pack=False)
+  assert (unpacked.rows, unpacked.length, unpacked.band) == (1, 16, None)
+  with pytest.raises(ValueError, match=r"needs 6 tokens per row .* compiled for 4"):
+    packing.pack(b, dataclasses.replace(spec, length=4))
+  with pytest.raises(ValueError, match="not whole groups of 3"):
+    packing.pack(b, dataclasses.replace(spec, pairs=3))
+
+
+_TINY = model_lib.preset("tiny")
+FAMILIES = {
+    "llama": _TINY,
+    "mistral": dataclasses.replace(_TINY, sliding_window=9),
+    "qwen2": dataclasses.replace(_TINY, qkv_bias=True),
+    "qwen3": dataclasses.replace(_TINY, qk_norm=True),
+    "gemma2": dataclasses.replace(_TINY, final_softcap=5.0, attn_softcap=20.0, post_norms=True,
+                                  norm_offset=1.0, tie_embeddings=True, embed_scale=True,
+                                  sliding_window=9, layer_types=("sliding_attention", "full_attention")),
+    "gemma3": dataclasses.replace(_TINY, qk_norm=True, post_norms=True, norm_offset=1.0,
+                                  sliding_window=9, rope_local_theta=10000.0,
+                                  layer_types=("sliding_attention", "full_attention")),
+}
+
+
+def _batch(n=8, length=48):
+  ds = data_lib.load_dataset(runs.TRAIN, data_lib.ByteTokenizer(), length, length // 2)
+  return data_lib.take_pairs(ds, np.arange(n))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("share,pack", MODES, ids=MODE_IDS)
+def test_logprobs_and_gradients_equal_unpacked_rows(family, share, pack):
+  mcfg = FAMILIES[family]
+  host = _batch()
+  spec = packing.make_spec([packing.pair_sizes(host, share)], 4, share, pack)
+  if pack:
+    assert spec.band < spec.length  # the banded attention really runs
+  params = model_lib.init_params(jax.random.PRNGKey(0), mcfg)
+
+  def total(params, batch, spec):
+    logps = objective.sequence_logps(params, batch, mcfg, "xla", packed=spec)
+    weights = jnp.arange(logps.size).reshape(logps.shape) / logps.size
+    return jnp.sum(logps * weights), logps
+
+  grad = jax.value_and_grad(total, has_aux=True)
+  (_, want), want_g = grad(params, jax.tree.map(jnp.asarray, host), None)
+  (_, got), got_g = grad(params, jax.tree.map(jnp.asarray, packing.pack(host, spec)), spec)
+  assert float(jnp.abs(want).sum()) > 0
+  assert rel_error(got, want) < 1e-5
+  for g, w in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
+    assert rel_error(g, w) < 1e-5
+
+
+@pytest.mark.parametrize("loss_type", kernels.LOSS_TYPES)
+def test_every_loss_type_and_its_gradient_equal_unpacked_rows(loss_type):
+  mcfg = FAMILIES["llama"]
+  cfg = runs.config("/tmp", loss_type=loss_type, label_smoothing=0.1 if loss_type == "robust"
+                    else 0.0)
+  host = _batch()
+  spec = packing.make_spec([packing.pair_sizes(host, True)], 8, True, True)
+  params = model_lib.init_params(jax.random.PRNGKey(0), mcfg)
+  ref = jax.tree.map(lambda x: x * 0.9, params)
+  ref_logps = objective.sequence_logps(ref, jax.tree.map(jnp.asarray, host), mcfg, "xla")
+  run = jax.value_and_grad(objective.dpo_objective, has_aux=True)
+  (want, want_m), want_g = run(params, ref_logps, jax.tree.map(jnp.asarray, host), cfg, mcfg)
+  (got, got_m), got_g = run(params, ref_logps, jax.tree.map(jnp.asarray, packing.pack(host, spec)),
+                            cfg, mcfg, packed=spec)
+  assert abs(float(got) - float(want)) < 1e-5 * max(1.0, abs(float(want)))
+  for k in want_m:
+    assert abs(float(got_m[k]) - float(want_m[k])) < 1e-5 * max(1.0, abs(float(want_m[k]))), k
+  for g, w in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
+    assert rel_error(g, w) < 1e-5
+
+
+def _spec(cfg, num_devices, share, pack):
+  ds = data_lib.load_dataset(runs.TRAIN, data_lib.ByteTokenizer(), cfg.max_length,
+                             cfg.max_prompt_length)
+  pairs = cfg.batch_size // (num_devices * cfg.grad_accum_steps)
+  return packing.make_spec([packing.pair_sizes(data_lib.take_pairs(ds, np.arange(len(ds))),
+                                               share)], pairs, share, pack)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [dict(grad_accum_steps=2),
+                                dict(loss_type="ipo", precompute_ref_logps=True)],
+                         ids=["accum", "ipo-precomputed"])
+@pytest.mark.parametrize("share,pack", MODES, ids=MODE_IDS)
+def test_train_steps_on_8_devices_equal_unpacked_rows(tmp_path, kw, share, pack):
+  cfg = runs.config(tmp_path, steps=3, batch_size=16, **kw)
+  mesh = Mesh(np.array(jax.devices()), ("data",))
+  spec = _spec(cfg, 8, share, pack)
+  runs.assert_agree(runs.step_run(step_lib.StepFunctions(cfg, mesh, packed=spec), cfg),
+                    runs.step_run(step_lib.StepFunctions(cfg, mesh), cfg))
+
+
+def test_config_needs_the_head_on_scored(tmp_path):
+  cfg = runs.config(tmp_path, head_on_scored=False)
+  with pytest.raises(config_lib.ConfigError, match="--prefix_sharing and --packing"):
+    cfg.validate(8)
+  runs.config(tmp_path, head_on_scored=False, prefix_sharing=False).validate(8)
