@@ -2,7 +2,8 @@
 
     python benchmarks/dpo_step.py [--layers 4 --d_model 256 --num_heads 4 --num_kv_heads 2
         --head_dim 64 --mlp_dim 1024 --vocab 32000 --pairs 8 --prompt_len 128
-        --response_len 128 --steps 10 --logprob_impl auto --head_on_scored true]
+        --response_len 128 --steps 10 --logprob_impl auto --head_on_scored true
+        --prefix_sharing true --packing false]
 
 One step is the trainer's own (`step.StepFunctions` with the trainer's defaults, so
 every optimisation the trainer turns on by default is on here): the policy and an
@@ -17,11 +18,16 @@ Prints the median step's tokens/s, where tokens are `pairs x 2 x (prompt_len +
 response_len)` per step (the whole rows, padding included, so the figure compares with
 a trainer that does all the work), the model FLOPs of a step (`tunix_core.flops`: the
 nominal work on every position) and MFU against a large `jnp.dot` timed in the same
-run on one device, times the devices. The last line is one JSON object.
+run on one device, times the devices. The FLOPs are the nominal work of the unshared,
+unpacked rows with the head on every position, whatever the step skips, so MFU above
+100% means the step does less work than that nominal model. The peak RSS is this
+process's `ru_maxrss`. The last line is one JSON object.
 """
 
 import argparse
+import dataclasses
 import json
+import resource
 import statistics
 import tempfile
 import time
@@ -34,6 +40,7 @@ import kernels
 from tunix_core import config as config_lib
 from tunix_core import flops
 from tunix_core import model as model_lib
+from tunix_core import packing
 from tunix_core import scored
 from tunix_core import step as step_lib
 
@@ -78,9 +85,11 @@ def main():
   p.add_argument("--response_len", type=int, default=128)
   p.add_argument("--steps", type=int, default=10)
   p.add_argument("--logprob_impl", default=config_lib.TrainConfig.logprob_impl)
-  p.add_argument("--head_on_scored", default=str(config_lib.TrainConfig.head_on_scored).lower(),
-                 choices=["true", "false"])
+  for name in ("head_on_scored", "prefix_sharing", "packing"):
+    p.add_argument(f"--{name}", default=str(getattr(config_lib.TrainConfig, name)).lower(),
+                   choices=["true", "false"])
   args = p.parse_args()
+  on = lambda name: getattr(args, name) == "true"
 
   mcfg = model_lib.ModelConfig(vocab_size=args.vocab, d_model=args.d_model,
                                num_layers=args.layers, num_heads=args.num_heads,
@@ -90,13 +99,19 @@ def main():
   cfg = config_lib.TrainConfig(output_dir=tempfile.mkdtemp(), train_data="", steps=args.steps,
                                batch_size=args.pairs, logprob_impl=args.logprob_impl,
                                max_length=T, max_prompt_length=args.prompt_len,
-                               head_on_scored=args.head_on_scored == "true")
+                               head_on_scored=on("head_on_scored"),
+                               prefix_sharing=on("prefix_sharing"), packing=on("packing"))
   host_batch = padded_pairs(np.random.default_rng(0), args.pairs, args.prompt_len,
                             args.response_len, args.vocab)
   devices = jax.devices()
+  packed = None
+  if cfg.prefix_sharing or cfg.packing:
+    packed = packing.make_spec([packing.pair_sizes(host_batch, cfg.prefix_sharing)],
+                               args.pairs // len(devices), cfg.prefix_sharing, cfg.packing)
   steps = step_lib.StepFunctions(
       cfg, Mesh(np.array(devices), ("data",)), model_config=mcfg,
-      scored_size=scored.block_size(scored.max_span(host_batch["loss_mask"]), T))
+      scored_size=scored.block_size(scored.max_span(host_batch["loss_mask"]), T),
+      packed=packed)
   state = steps.init_state(jax.random.PRNGKey(0))
   ref_params = jax.tree.map(lambda x: x.copy(), state["params"])
   batch = steps.put_batch(host_batch)
@@ -119,11 +134,20 @@ def main():
             "median_step_s": step_s, "step_flops": step_flops, "peak_flops": peak,
             "compile_s": compile_s, "devices": len(devices), "platform": devices[0].platform,
             "logprob_impl": args.logprob_impl, "head_on_scored": cfg.head_on_scored,
-            "scored_size": steps.scored_size, "loss": float(metrics["loss"])}
+            "prefix_sharing": cfg.prefix_sharing, "packing": cfg.packing,
+            "scored_size": steps.scored_size,
+            "packed": dataclasses.asdict(packed) if packed else None,
+            "loss": float(metrics["loss"]),
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+  if packed:
+    layout = (f"model rows {packed.rows} x {packed.length} per {packed.pairs} pairs, head on "
+              f"{packed.head} positions")
+  else:
+    layout = f"head on {steps.scored_size or T} of {T} positions per row"
   print(f"{tokens / step_s:,.0f} tokens/s, {step_flops / 1e9:.2f} GFLOP per step, MFU "
         f"{result['mfu']:.1%} of a measured {peak / 1e9:.1f} GFLOP/s matmul peak (median of "
-        f"{args.steps} steps after a {compile_s:.1f} s compile; head on "
-        f"{steps.scored_size or T} of {T} positions)")
+        f"{args.steps} steps after a {compile_s:.1f} s compile; {layout}; peak RSS "
+        f"{result['peak_rss_mib']:.0f} MiB)")
   print(json.dumps(result))
 
 
