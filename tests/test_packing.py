@@ -168,3 +168,50 @@ def test_config_needs_the_head_on_scored(tmp_path):
   with pytest.raises(config_lib.ConfigError, match="--prefix_sharing and --packing"):
     cfg.validate(8)
   runs.config(tmp_path, head_on_scored=False, prefix_sharing=False).validate(8)
+
+
+@pytest.mark.slow
+def test_fsdp_4x2_tensor_parallel_packed_equals_unpacked_on_one_device(tmp_path):
+  """FSDP x TP (vocabulary-parallel head on the flat slots) with both optimisations on,
+  against the pairs' own rows on one device."""
+  cfg = runs.config(tmp_path, steps=3, model="tiny_tp", fsdp=True, bucket_mb=25.0,
+                    packing=True)
+  spec = _spec(cfg, 4, True, True)
+  big = step_lib.StepFunctions(cfg, step_lib.make_mesh(jax.devices(), 2), packed=spec)
+  one = dataclasses.replace(cfg, fsdp=False)
+  runs.assert_agree(runs.step_run(big, cfg), runs.step_run(
+      step_lib.StepFunctions(one, step_lib.make_mesh(jax.devices()[:1], 1)), one))
+
+
+def _quickstart(out, **kw):
+  """configs/quickstart.flags as a TrainConfig, with `kw` on top."""
+  values = {}
+  fields = {f.name: f.type for f in dataclasses.fields(config_lib.TrainConfig)}
+  with open(f"{runs.REPO}/configs/quickstart.flags") as f:
+    for line in f:
+      if line.startswith("--"):
+        name, value = line.strip()[2:].split("=", 1)
+        kind = fields[name]
+        values[name] = ({"bool": lambda v: v == "true", "int": int, "float": float}
+                        .get(kind if isinstance(kind, str) else kind.__name__, str)(value))
+  values.update(train_data=f"{runs.REPO}/data/train.jsonl",
+                eval_data=f"{runs.REPO}/data/eval.jsonl")
+  return config_lib.TrainConfig(**{**values, "output_dir": str(out), **kw})
+
+
+@pytest.mark.slow
+def test_quickstart_first_15_steps_equal_with_prefix_sharing_on_and_off(tmp_path):
+  from tunix_core import train  # pylint: disable=g-import-not-at-top
+  got = {}
+  for share in (True, False):
+    out = tmp_path / str(share)
+    cfg = _quickstart(out, steps=15, log_every=1, save_every=0, eval_every=15,
+                      prefix_sharing=share)
+    train.train(cfg, devices=jax.devices()[:1], **runs.QUIET)
+    got[share] = runs.rows(out)
+  assert len(got[True]) == len(got[False]) == 16  # 15 train rows and one eval row
+  for on, off in zip(got[True], got[False]):
+    for k, v in off.items():
+      if k in ("tokens_per_sec", "mfu", "time") or not isinstance(v, float):
+        continue
+      assert abs(on[k] - v) <= 1e-5 * max(1.0, abs(v)), (on["step"], k, on[k], v)
