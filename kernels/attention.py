@@ -91,7 +91,7 @@ def xla_attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis: Visibility, scale: float
   """
   B, T, H, K = q_BxTxHxK.shape
   KV = k_BxTxVxK.shape[2]
-  if vis.band is None or vis.band >= T:
+  if vis.band is None or vis.band >= T or T <= _BLOCK:
     block, left = T, 0
   else:
     block = _BLOCK

@@ -54,10 +54,12 @@ def _wait_for_rows(out, n, proc, timeout=300):
   raise TimeoutError(f"{path} never reached {n} rows")
 
 
-def test_resume_is_exact(tmp_path):
-  straight = train.train(_config(tmp_path / "a"), **QUIET)
-  train.train(_config(tmp_path / "b", steps=3, save_every=3), **QUIET)
-  resumed = train.train(_config(tmp_path / "b", save_every=3), **QUIET)
+@pytest.mark.parametrize("kw", [{}, pytest.param({"packing": True}, marks=pytest.mark.slow)],
+                         ids=["prefix-sharing", "packing"])
+def test_resume_is_exact(tmp_path, kw):
+  straight = train.train(_config(tmp_path / "a", **kw), **QUIET)
+  train.train(_config(tmp_path / "b", steps=3, save_every=3, **kw), **QUIET)
+  resumed = train.train(_config(tmp_path / "b", save_every=3, **kw), **QUIET)
   assert _losses(tmp_path / "a") == _losses(tmp_path / "b")  # bit-identical, every step
   for x, y in zip(jax.tree.leaves(straight["state"]), jax.tree.leaves(resumed["state"])):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

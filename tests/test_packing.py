@@ -8,10 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import kernels
 import runs
+from kernels import tpu
 from oracles import rel_error
 from tunix_core import config as config_lib
 from tunix_core import data as data_lib
@@ -52,12 +53,12 @@ def test_shared_and_packed_rows_by_hand():
   np.testing.assert_array_equal(lengths, [6, 7])          # 3 + 2 + 1; 3 + 4 (two sequences)
   np.testing.assert_array_equal(scored_counts, [3, 3])
   spec = packing.make_spec([(lengths, scored_counts)], 2, share=True, pack=True)
-  assert spec == packing.Spec(pairs=2, rows=1, length=16, head=16, band=7, share=True)
+  assert spec == packing.Spec(pairs=2, rows=1, length=128, head=16, band=7, share=True)
   p = packing.pack(b, spec)
   np.testing.assert_array_equal(p["row_tokens"][0, :13], [5, 6, 7, 8, 9, 3, 5, 6, 2, 5, 4, 2, 2])
   np.testing.assert_array_equal(p["row_positions"][0, :13], [0, 1, 2, 3, 4, 3, 0, 1, 2, 0, 1, 2, 3])
   np.testing.assert_array_equal(p["row_branches"][0, :13], [0, 0, 0, 1, 1, 2] + [0] * 7)
-  np.testing.assert_array_equal(p["row_segments"][0], [1] * 6 + [2] * 3 + [3] * 4 + [0] * 3)
+  np.testing.assert_array_equal(p["row_segments"][0], [1] * 6 + [2] * 3 + [3] * 4 + [0] * 115)
   # Head slots: chosen 8 9 read at prompt end (2) and 8 (3); rejected 3 read at the prompt
   # end again (2); pair 1's chosen 2 at its 6 (row 7), rejected 2 2 at 4 (10) and 2 (11).
   np.testing.assert_array_equal(p["head_src"][:6], [2, 3, 2, 7, 10, 11])
@@ -151,11 +152,13 @@ def _spec(cfg, num_devices, share, pack):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kw", [dict(grad_accum_steps=2),
-                                dict(loss_type="ipo", precompute_ref_logps=True)],
-                         ids=["accum", "ipo-precomputed"])
-@pytest.mark.parametrize("share,pack", MODES, ids=MODE_IDS)
-def test_train_steps_on_8_devices_equal_unpacked_rows(tmp_path, kw, share, pack):
+@pytest.mark.parametrize("share,pack,kw", [
+    (True, False, dict(loss_type="ipo", precompute_ref_logps=True)),
+    (True, True, dict(grad_accum_steps=2)),
+    (False, True, dict(grad_accum_steps=2, loss_type="hinge"))],
+                         ids=["shared-ipo-precomputed", "shared+packed-accum",
+                              "packed-accum-hinge"])
+def test_train_steps_on_8_devices_equal_unpacked_rows(tmp_path, share, pack, kw):
   cfg = runs.config(tmp_path, steps=3, batch_size=16, **kw)
   mesh = Mesh(np.array(jax.devices()), ("data",))
   spec = _spec(cfg, 8, share, pack)
@@ -215,3 +218,32 @@ def test_quickstart_first_15_steps_equal_with_prefix_sharing_on_and_off(tmp_path
       if k in ("tokens_per_sec", "mfu", "time") or not isinstance(v, float):
         continue
       assert abs(on[k] - v) <= 1e-5 * max(1.0, abs(v)), (on["step"], k, on[k], v)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not tpu.has_libtpu(), reason="needs libtpu (.[tpu] extra)")
+def test_packed_rows_compile_for_v5e_with_the_flash_kernel_and_segment_ids():
+  """Packing without prefix sharing on TPU: the attention of the packed rows is JAX's
+  Pallas flash kernel (segment ids keep pairs apart), forward and backward, compiled
+  ahead of time for a v5e-8 by the real TPU compiler."""
+  _, devices = tpu.topology_devices("v5e-8")
+  mesh = Mesh(np.array(devices), ("data",))
+  mcfg = dataclasses.replace(_TINY, head_dim=128, compute_dtype="bfloat16")
+  host = _batch(16)
+  spec = packing.make_spec([packing.pair_sizes(host, False)], 2, False, True)
+  on = lambda spec_: NamedSharding(mesh, spec_)
+  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=on(P("data")))
+           for k, v in packing.pack(host, spec).items()}
+  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on(P())),
+                        jax.eval_shape(lambda: model_lib.init_params(jax.random.PRNGKey(0), mcfg)))
+
+  def grads(params, batch):
+    return jax.grad(lambda p: jnp.sum(objective.sequence_logps(p, batch, mcfg, "auto",
+                                                               packed=spec)))(params)
+
+  step = jax.jit(jax.shard_map(grads, mesh=mesh, in_specs=(P(), P("data")), out_specs=P(),
+                               check_vma=False))
+  text = step.lower(params, batch).as_text()
+  assert text.count("_flash_attention_kernel") >= 1   # forward
+  assert "_flash_attention_dq_kernel" in text and "_flash_attention_dkv_kernel" in text
+  step.lower(params, batch).compile()  # Mosaic compiles the kernels for the chip

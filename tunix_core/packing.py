@@ -34,6 +34,7 @@ import kernels
 
 # Row lengths and head sizes are rounded up to this (full tiles, fewer distinct shapes).
 ROUND = 16
+PACKED_ROUND = 128
 ROW_KEYS = ("row_tokens", "row_positions", "row_segments", "row_branches")
 HEAD_KEYS = ("head_src", "head_targets", "head_dst")
 
@@ -98,8 +99,10 @@ def make_spec(sizes: list[tuple[np.ndarray, np.ndarray]], pairs: int, share: boo
   scored = np.concatenate([s[1] for s in sizes])
   top = lambda x: int(np.sort(x)[-pairs:].sum())
   if pack:
-    return Spec(pairs, 1, _round(top(lengths)), _round(top(scored)), int(lengths.max()),
-                share)
+    # A packed row is a whole number of attention tiles: the TPU flash kernel's, and the
+    # XLA path's query blocks.
+    length = -(-top(lengths) // PACKED_ROUND) * PACKED_ROUND
+    return Spec(pairs, 1, length, _round(top(scored)), int(lengths.max()), share)
   return Spec(pairs, pairs, _round(int(lengths.max())), _round(top(scored)), None, share)
 
 
