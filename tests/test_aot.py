@@ -23,6 +23,7 @@ def _config(tmp_path, **kw):
   return config_lib.TrainConfig(**{**base, **kw})
 
 
+@pytest.mark.slow
 def test_local_compile_reports_memory_and_fits(tmp_path):
   lines = []
   assert aot.compile_only(_config(tmp_path), "local", log=lines.append) == 0

@@ -21,8 +21,9 @@ def _reference_kernel(q, k, v, *, segment_ids, causal, sm_scale):
                                                      causal=causal, sm_scale=sm_scale)
 
 
-@pytest.mark.parametrize("kv_heads,dtype,tol", [(4, jnp.float32, 1e-5), (2, jnp.float32, 1e-5),
-                                                (2, jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize("kv_heads,dtype,tol", [
+    pytest.param(4, jnp.float32, 1e-5, marks=pytest.mark.slow), (2, jnp.float32, 1e-5),
+    pytest.param(2, jnp.bfloat16, 2e-2, marks=pytest.mark.slow)])
 def test_flash_path_matches_xla_attention_on_real_tokens(monkeypatch, kv_heads, dtype, tol):
   monkeypatch.setattr(attention.jax_flash, "flash_attention", _reference_kernel)
   H, K, T = 4, 16, 128

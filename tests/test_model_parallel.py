@@ -48,6 +48,7 @@ def test_4x2_matches_one_device(tmp_path, kw):
   runs.assert_agree(_run(_tp_config(tmp_path, **kw), 8, 2), _run(_tp_config(tmp_path, **one), 1, 1))
 
 
+@pytest.mark.slow
 def test_stacked_layout_rows_are_each_slices_pieces():
   """Row i k + j of the stacked layout is piece i of model slice j (as NumPy slices
   the logical array), and `to_logical` inverts `to_pieces`."""

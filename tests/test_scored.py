@@ -58,7 +58,8 @@ GEMMA = dataclasses.replace(model_lib.preset("tiny"), final_softcap=5.0, post_no
                             norm_offset=1.0, tie_embeddings=True)
 
 
-@pytest.mark.parametrize("mcfg", [model_lib.preset("tiny"), GEMMA], ids=["llama", "gemma"])
+@pytest.mark.parametrize("mcfg", [pytest.param(model_lib.preset("tiny"), marks=pytest.mark.slow),
+                                  GEMMA], ids=["llama", "gemma"])
 def test_logprobs_and_gradients_equal_whole_rows(mcfg):
   ds = data_lib.load_dataset(runs.TRAIN, data_lib.ByteTokenizer(), 48, 24)
   batch = jax.tree.map(jnp.asarray, data_lib.take_pairs(ds, np.arange(4)))
