@@ -92,8 +92,8 @@ def _poison_step_3(monkeypatch):
   marker = jnp.asarray(ds.tokens[idx[0], 0])
   original = objective.dpo_objective
 
-  def poisoned(params, ref, batch, cfg, mcfg, fsdp=None, model_axis=None, scored_size=None):
-    loss, metrics = original(params, ref, batch, cfg, mcfg, fsdp, model_axis, scored_size)
+  def poisoned(params, ref, batch, *args, **kwargs):
+    loss, metrics = original(params, ref, batch, *args, **kwargs)
     hit = jnp.any(jnp.all(batch["tokens"][:, 0] == marker, axis=-1))
     return jnp.where(hit, jnp.nan, loss), metrics
 

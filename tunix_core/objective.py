@@ -2,7 +2,9 @@
 
 A pair batch is a dict of int32 arrays `[B, 2, T]`: axis 1 is (chosen, rejected), both
 rows of a pair sharing its prompt. This is the one layout from the dataset to the loss;
-`sequence_logps` is the one place it is reshaped to the model's `[2B, T]` rows.
+`sequence_logps` is the one place it is reshaped to the model's `[2B, T]` rows, or, with
+prefix sharing or packing, where the packed rows `packing.pack` added to the batch are
+run and their log-probs put back into it.
 """
 
 import jax
