@@ -233,11 +233,24 @@ def forward(params: dict, tokens_BxT: jax.Array, mask_BxT: jax.Array | None,
       explicit rope positions (default: counting real tokens), segment ids and response
       branch ids of `kernels.attention.Visibility`, and its static band.
   """
+  return decoder(params, embed(params, tokens_BxT, cfg), mask_BxT, cfg, gather_layer,
+                 positions_BxT=positions_BxT, segments_BxT=segments_BxT,
+                 branches_BxT=branches_BxT, band=band)
+
+
+def decoder(params: dict, x_BxTxD: jax.Array, mask_BxT: jax.Array | None, cfg: ModelConfig,
+            gather_layer=None, *, positions_BxT=None, segments_BxT=None, branches_BxT=None,
+            band: int | None = None, layer_cfg: ModelConfig | None = None,
+            enter=lambda h: h, leave=lambda h: h) -> jax.Array:
+  """`forward` after the embedding `x_BxTxD`: the layer scan and the final norm. Tensor
+  parallelism (`tunix_core.tensor_parallel`) passes the shapes of one device's slices as
+  `layer_cfg` and the ops around each attention and MLP block: `enter` on its input,
+  `leave` on its output; `cfg` stays the global config."""
   if mask_BxT is None:
-    mask_BxT = jnp.ones(tokens_BxT.shape, jnp.int32)
-  compute = DTYPES[cfg.compute_dtype]
+    mask_BxT = jnp.ones(x_BxTxD.shape[:2], jnp.int32)
   if positions_BxT is None:
     positions_BxT = default_positions(mask_BxT)
+  compute, lcfg = DTYPES[cfg.compute_dtype], layer_cfg or cfg
   eps, offset = cfg.norm_eps, cfg.norm_offset
   visibility = dict(segments_BxT=segments_BxT, branches_BxT=branches_BxT, band=band)
 
@@ -246,12 +259,12 @@ def forward(params: dict, tokens_BxT: jax.Array, mask_BxT: jax.Array | None,
     if gather_layer is not None:
       layer = gather_layer(layer)
     layer = jax.tree.map(lambda w: w.astype(compute), layer)
-    h = attention(rms_norm(x_BxTxD, layer["attn_norm"], eps, offset), layer, setting,
-                  positions_BxT, mask_BxT, cfg, **visibility)
+    h = enter(rms_norm(x_BxTxD, layer["attn_norm"], eps, offset))
+    h = leave(attention(h, layer, setting, positions_BxT, mask_BxT, lcfg, **visibility))
     if cfg.post_norms:
       h = rms_norm(h, layer["post_attn_norm"], eps, offset)
     x_BxTxD = x_BxTxD + h
-    h = mlp(rms_norm(x_BxTxD, layer["mlp_norm"], eps, offset), layer, cfg)
+    h = leave(mlp(enter(rms_norm(x_BxTxD, layer["mlp_norm"], eps, offset)), layer, lcfg))
     if cfg.post_norms:
       h = rms_norm(h, layer["post_mlp_norm"], eps, offset)
     return x_BxTxD + h, None
@@ -261,8 +274,7 @@ def forward(params: dict, tokens_BxT: jax.Array, mask_BxT: jax.Array | None,
     policy = jax.checkpoint_policies.checkpoint_dots  # no gathered weight is a dot output
   if policy is not None:
     layer_fn = jax.checkpoint(layer_fn, policy=policy)
-  x_BxTxD, _ = jax.lax.scan(layer_fn, embed(params, tokens_BxT, cfg),
-                            (params["layers"], layer_settings(cfg)))
+  x_BxTxD, _ = jax.lax.scan(layer_fn, x_BxTxD, (params["layers"], layer_settings(cfg)))
   return rms_norm(x_BxTxD, params["final_norm"], eps, offset)
 
 

@@ -10,8 +10,8 @@ conjugate ops keep gradients exact whatever `check_vma` says:
   heads gets the sum of every slice's gradient);
 - `leave(y)`: `psum` forward, identity backward (the row-parallel partial sums).
 
-`forward` wires them around attention and the MLP with the per-device `local_config`;
-the LM head is `kernels.fused_logprobs(..., vocab_axis=)`.
+`forward` wires them around attention and the MLP (`model.decoder`) with the
+per-device `local_config`; the LM head is `kernels.fused_logprobs(..., vocab_axis=)`.
 """
 
 import dataclasses
@@ -66,47 +66,15 @@ def embed(params, tokens_BxT, cfg, axis: str):
   return leave(jnp.where(owned[..., None], x, 0), axis)
 
 
-def forward(params, tokens_BxT, mask_BxT, cfg, axis: str, gather_layer=None, *,
-            positions_BxT=None, segments_BxT=None, branches_BxT=None, band=None):
+def forward(params, tokens_BxT, mask_BxT, cfg, axis: str, gather_layer=None, **rows):
   """`model.forward` on a device's slices (`params` placed by `param_specs(cfg, axis)`):
   replicated `[B, T, D]` hidden states; `cfg` is the global config. `gather_layer` and
-  the packed-row arguments as in `model.forward` (FSDP over another axis of this
+  the packed-row keywords (`rows`) as in `model.forward` (FSDP over another axis of this
   device's slices)."""
-  k = jax.lax.axis_size(axis)
-  lcfg = local_config(cfg, k)
-  compute = model_lib.DTYPES[cfg.compute_dtype]
-  if mask_BxT is None:
-    mask_BxT = jnp.ones(tokens_BxT.shape, jnp.int32)
-  if positions_BxT is None:
-    positions_BxT = model_lib.default_positions(mask_BxT)
-  eps, offset = cfg.norm_eps, cfg.norm_offset
-  visibility = dict(segments_BxT=segments_BxT, branches_BxT=branches_BxT, band=band)
-
-  def layer_fn(x_BxTxD, layer_and_setting):
-    layer, setting = layer_and_setting
-    if gather_layer is not None:
-      layer = gather_layer(layer)
-    layer = jax.tree.map(lambda w: w.astype(compute), layer)
-    h = enter(model_lib.rms_norm(x_BxTxD, layer["attn_norm"], eps, offset), axis)
-    h = leave(model_lib.attention(h, layer, setting, positions_BxT, mask_BxT, lcfg,
-                                  **visibility), axis)
-    if cfg.post_norms:
-      h = model_lib.rms_norm(h, layer["post_attn_norm"], eps, offset)
-    x_BxTxD = x_BxTxD + h
-    h = enter(model_lib.rms_norm(x_BxTxD, layer["mlp_norm"], eps, offset), axis)
-    h = leave(model_lib.mlp(h, layer, lcfg), axis)
-    if cfg.post_norms:
-      h = model_lib.rms_norm(h, layer["post_mlp_norm"], eps, offset)
-    return x_BxTxD + h, None
-
-  policy = model_lib.REMAT_POLICIES[cfg.remat]
-  if gather_layer is not None and policy is None:
-    policy = jax.checkpoint_policies.checkpoint_dots  # as model.forward: no gathered weight
-  if policy is not None:
-    layer_fn = jax.checkpoint(layer_fn, policy=policy)
-  x_BxTxD, _ = jax.lax.scan(layer_fn, embed(params, tokens_BxT, cfg, axis),
-                            (params["layers"], model_lib.layer_settings(cfg)))
-  return model_lib.rms_norm(x_BxTxD, params["final_norm"], eps, offset)
+  return model_lib.decoder(
+      params, embed(params, tokens_BxT, cfg, axis), mask_BxT, cfg, gather_layer,
+      layer_cfg=local_config(cfg, jax.lax.axis_size(axis)),
+      enter=lambda h: enter(h, axis), leave=lambda h: leave(h, axis), **rows)
 
 
 def sync_replicated_grads(grads, axis: str):
