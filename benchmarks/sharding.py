@@ -55,10 +55,12 @@ def _layout(name):
 
 def memory_table(models, refs, layouts, topology):
   print(f"per-chip memory of one DPO step on {topology} (GiB; sum = arguments + "
-        "non-donated outputs + temporaries; peak = the compiler's peak_memory_in_bytes, "
+        "non-donated outputs + temporaries as analysed; peak = the compiler's "
+        "peak_memory_in_bytes; allocated = what its buffer assignment places in HBM, "
         "what the fit is judged on)")
-  print("| model | params | reference | layout | arguments | temporaries | sum | peak | fits |")
-  print("|---|---|---|---|---|---|---|---|---|")
+  print("| model | params | reference | layout | arguments | temporaries | sum | peak | "
+        "allocated | fits |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
   for model in models:
     for ref in refs:
       for fsdp, k in map(_layout, layouts):
@@ -80,12 +82,12 @@ def memory_table(models, refs, layouts, topology):
         layout = ("FSDP" if fsdp else "ZeRO-1") + (f" + TP {k}" if k > 1 else "")
         head = f"| {model} | {s['num_params'] / 1e9:.2f}B | {ref} | {layout} |"
         if s["error"] is not None:
-          print(f"{head} - | - | - | - | no: {s['error'][:120]} |")
+          print(f"{head} - | - | - | - | - | no: {s['error'][:120]} |")
         else:
           fits = "yes" if s["need"] <= s["chip"].hbm_bytes else "no"
-          peak = f"{s['peak'] / GiB:.2f}" if s["peak"] else "-"
+          peak, hbm = (f"{s[k] / GiB:.2f}" if s[k] else "-" for k in ("peak", "hbm"))
           print(f"{head} {s['argument'] / GiB:.2f} | {s['temp'] / GiB:.2f} | "
-                f"{s['total'] / GiB:.2f} | {peak} | {fits} |")
+                f"{s['total'] / GiB:.2f} | {peak} | {hbm} | {fits} |")
         print(f"  (compiled in {time.perf_counter() - t0:.0f} s)", flush=True)
 
 

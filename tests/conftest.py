@@ -1,9 +1,22 @@
 """Gives every test 8 simulated CPU devices; must run before JAX initialises a backend."""
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache per test session, inherited by the trainer
+# subprocesses: the tests compile the same small steps again and again (every resume,
+# every restore on another layout), and a hit skips XLA's compile. Keyed on the HLO and
+# the compile options, so a hit is the very executable a compile would have built.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _cache = tempfile.mkdtemp(prefix="tunix-tests-jax-cache-")
+  atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+  os.environ.update(JAX_COMPILATION_CACHE_DIR=_cache,
+                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 import chex  # noqa: E402  (after JAX_PLATFORMS, before any backend starts)
 

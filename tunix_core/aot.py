@@ -12,6 +12,11 @@ target's device count, and `impl="auto"` resolves as that platform would run it.
 `--target_topology=local` compiles for this host's devices instead.
 """
 
+import glob
+import os
+import re
+import tempfile
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
@@ -56,20 +61,31 @@ def _gib(n: int) -> str:
   return f"{n / GiB:.2f} GiB" if n >= GiB // 10 else f"{n / (1 << 20):.1f} MiB"
 
 
+def _allocated_in_hbm(dump_dir: str) -> int | None:
+  """The bytes the compiler's buffer assignment places in device memory (colour 0) for
+  the train step, from the memory-usage report of an XLA dump; None where it has none."""
+  for path in glob.glob(os.path.join(dump_dir, "*train_step*memory-usage-report.txt")):
+    with open(path) as f:
+      found = re.search(r"Memory Space: default \(color=0\)\s*\nTotal bytes: (\d+)", f.read())
+    if found:
+      return int(found.group(1))
+  return None
+
+
 def compile_stats(cfg, target: str, model_config=None, devices=None) -> dict:
   """Compiles `cfg`'s train step for `target` (`model_config` overrides the flags'
   model; `devices`, the target's `(chip, devices)` when known already). Returns `{"chip",
   "devices", "num_params", "error"}` plus, when it compiled, `kernels.tpu.compiled_stats`
-  per device, `"total"` (arguments + outputs not in donated arguments + temporaries) and
-  `"need"`, what the fit is judged on: the compiler's `peak` where it reports one (but
-  never less than the arguments and outputs themselves, which the caller holds for the
-  whole step, while the compiler's heap simulation may end an argument's life at its
-  last use), else `total`; `"error"` is the compiler's refusal or None.
+  per device, `"total"` (arguments + outputs not in donated arguments + temporaries as
+  analysed), `"hbm"` (for a TPU target: the bytes the compiler's buffer assignment
+  allocates in HBM, read from an XLA dump into a temporary directory; None where the
+  dump lacks it) and `"need"`, what the fit is judged on: `hbm`, else the compiler's
+  `peak`, else `total`, but never less than the arguments and outputs the caller holds
+  through the step; `"error"` is the compiler's refusal or None.
 
-  Why the peak: on TPU `temp_size_in_bytes` exceeds the temporaries the compiler's buffer
-  assignment allocates in HBM (for the 7B FSDP step of the README, 7.22 GiB against one
-  5.39 GiB preallocated block in the XLA dump), while `peak_memory_in_bytes` equals the
-  arguments plus that block (14.79 vs 9.41 + 5.39 GiB); the sum overstates.
+  Why not `total`: on TPU `temp_size_in_bytes` can exceed the temporaries the buffer
+  assignment allocates (for the 7B FSDP step of the README: 7.25 GiB, against one
+  preallocated block of 5.40 GiB), so the sum overstates what the chip must hold.
   """
   chip, devices = devices or target_devices(target)
   cfg.validate(len(devices))
@@ -77,18 +93,21 @@ def compile_stats(cfg, target: str, model_config=None, devices=None) -> dict:
   steps = step_lib.StepFunctions(cfg, step_lib.make_mesh(devices, cfg.model_parallel), mcfg)
   out = {"chip": chip, "devices": devices, "error": None,
          "num_params": sum(x.size for x in jax.tree.leaves(steps.param_shapes))}
-  try:
-    with jax.set_mesh(steps.mesh):  # so impl="auto" and the kernel tiles see the target
-      compiled = steps.train_step.lower(*abstract_inputs(steps)).compile()
-  except Exception as e:  # noqa: BLE001 - the compiler's refusal is the answer
-    message = str(e)
-    lines = [l for l in message.splitlines() if "exceeds" in l or "RESOURCE_EXHAUSTED" in l]
-    out["error"] = (lines or message.splitlines() or [""])[0].strip()[:500]
-    return out
+  with tempfile.TemporaryDirectory() as dump_dir:
+    try:
+      with jax.set_mesh(steps.mesh):  # so impl="auto" and the kernel tiles see the target
+        compiled = steps.train_step.lower(*abstract_inputs(steps)).compile(
+            {"xla_dump_to": dump_dir} if chip is not None else None)
+    except Exception as e:  # noqa: BLE001 - the compiler's refusal is the answer
+      message = str(e)
+      lines = [l for l in message.splitlines() if "exceeds" in l or "RESOURCE_EXHAUSTED" in l]
+      out["error"] = (lines or message.splitlines() or [""])[0].strip()[:500]
+      return out
+    hbm = _allocated_in_hbm(dump_dir) if chip is not None else None
   stats = tpu.compiled_stats(compiled)
   total = stats["argument"] + stats["output"] - stats["alias"] + stats["temp"]
   held = stats["argument"] + stats["output"] - stats["alias"]
-  out.update(stats, total=total, need=max(stats["peak"], held) if stats["peak"] else total)
+  out.update(stats, total=total, hbm=hbm, need=max(hbm or stats["peak"] or total, held))
   return out
 
 
@@ -112,9 +131,15 @@ def compile_only(cfg, target: str, log=print) -> int:
   need = stats["need"]
   log(f"per device: arguments {_gib(stats['argument'])}, outputs {_gib(stats['output'])} "
       f"({_gib(stats['alias'])} of them in donated arguments), temporaries "
-      f"{_gib(stats['temp'])}; sum {_gib(stats['total'])}"
-      + (f"; compiler's peak {_gib(stats['peak'])}" if stats["peak"] else "")
-      + (f"; needs {_gib(need)} of {_gib(chip.hbm_bytes)} HBM" if chip else ""))
+      f"{_gib(stats['temp'])} as analysed")
+  figures = {"allocated by the compiler's buffer assignment": stats["hbm"],
+             "the compiler's peak": stats["peak"],
+             "arguments + temporaries as analysed": stats["total"]}
+  basis = next((name for name, n in figures.items() if n == need),
+               "the arguments and outputs held through the step")
+  others = [f"{name} {_gib(n)}" for name, n in figures.items() if n and name != basis]
+  log(f"total {_gib(need)}" + (f" of {_gib(chip.hbm_bytes)} HBM" if chip else "")
+      + f" ({'; '.join([basis] + others)})")
   log(f"cost analysis per device: {stats['flops']:.4g} flops, "
       f"{stats['bytes_accessed']:.4g} bytes accessed")
   if chip is not None and need > chip.hbm_bytes:
