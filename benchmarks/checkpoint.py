@@ -24,12 +24,11 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
 
-from tunix_core import checkpoint  # noqa: E402
-from tunix_core import config as config_lib  # noqa: E402
-from tunix_core import step as step_lib  # noqa: E402
+from tunix_core.checkpoints import store as checkpoint  # noqa: E402
+from tunix_core.training import config as config_lib  # noqa: E402
+from tunix_core.training import plan as plan_lib  # noqa: E402
+from tunix_core.training import step as step_lib  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -74,8 +73,9 @@ def main():
   p.add_argument("--repeats", type=int, default=3)
   args = p.parse_args()
 
-  cfg = config_lib.TrainConfig(output_dir="", train_data="", model=args.preset, batch_size=8)
-  trainer = step_lib.StepFunctions(cfg, Mesh(np.array(jax.devices()), ("data",)))
+  cfg = config_lib.TrainConfig(output_dir="/tmp/unused", model=args.preset, batch_size=8,
+                               compile_only=True)  # planned for the flags' worst case
+  trainer = step_lib.make_steps(plan_lib.make_plan(cfg, jax.devices()), jax.devices())
   state = trainer.init_state(jax.random.PRNGKey(0))
   state = {"params": state["params"], "opt_state": state["opt_state"]}
   nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))

@@ -2,11 +2,12 @@
 
     python benchmarks/dpo_step.py [--layers 4 --d_model 256 --num_heads 4 --num_kv_heads 2
         --head_dim 64 --mlp_dim 1024 --vocab 32000 --pairs 8 --prompt_len 128
-        --response_len 128 --steps 10 --logprob_impl auto --head_on_scored true
+        --response_len 128 --steps 10 --logprob_impl auto
         --prefix_sharing true --packing false]
 
-One step is the trainer's own (`step.StepFunctions` with the trainer's defaults, so
-every optimisation the trainer turns on by default is on here): the policy and an
+One step is the trainer's own (a `training.plan.StepPlan` made from the batch, as the
+trainer makes it from its data, with the trainer's defaults, so every optimisation the
+trainer turns on by default is on here): the policy and an
 in-step frozen reference, fused log-probs, the DPO loss, backward and AdamW, over every
 local device. The pairs are padded as the peer benchmark's (`benchmarks/peer_tunix.py`):
 one prompt of `prompt_len` shared by both responses, left-padded by `prompt_len / 4` on
@@ -16,11 +17,10 @@ the others.
 
 Prints the median step's tokens/s, where tokens are `pairs x 2 x (prompt_len +
 response_len)` per step (the whole rows, padding included, so the figure compares with
-a trainer that does all the work), the model FLOPs of a step (`tunix_core.flops`: the
-nominal work on every position) and MFU against a large `jnp.dot` timed in the same
-run on one device, times the devices. The FLOPs are the nominal work of the unshared,
-unpacked rows with the head on every position, whatever the step skips, so MFU above
-100% means the step does less work than that nominal model. The peak RSS is this
+a trainer that does all the work), the model FLOPs of the planned step
+(`training.flops.step_flops`: the work the step does, never more) and MFU against the
+peak the trainer uses (`training.flops.peak_flops`: nominal for known chips, else a
+measured matmul peak cached per machine), times the devices. The peak RSS is this
 process's `ru_maxrss`. The last line is one JSON object.
 """
 
@@ -34,15 +34,14 @@ import time
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
 
 import kernels
-from tunix_core import config as config_lib
-from tunix_core import flops
 from tunix_core import model as model_lib
-from tunix_core import packing
-from tunix_core import scored
-from tunix_core import step as step_lib
+from tunix_core.data import packing
+from tunix_core.training import config as config_lib
+from tunix_core.training import flops
+from tunix_core.training import plan as plan_lib
+from tunix_core.training import step as step_lib
 
 
 def padded_pairs(rng, pairs, prompt_len, response_len, vocab):
@@ -85,7 +84,7 @@ def main():
   p.add_argument("--response_len", type=int, default=128)
   p.add_argument("--steps", type=int, default=10)
   p.add_argument("--logprob_impl", default=config_lib.TrainConfig.logprob_impl)
-  for name in ("head_on_scored", "prefix_sharing", "packing"):
+  for name in ("prefix_sharing", "packing"):
     p.add_argument(f"--{name}", default=str(getattr(config_lib.TrainConfig, name)).lower(),
                    choices=["true", "false"])
   args = p.parse_args()
@@ -99,19 +98,14 @@ def main():
   cfg = config_lib.TrainConfig(output_dir=tempfile.mkdtemp(), train_data="", steps=args.steps,
                                batch_size=args.pairs, logprob_impl=args.logprob_impl,
                                max_length=T, max_prompt_length=args.prompt_len,
-                               head_on_scored=on("head_on_scored"),
                                prefix_sharing=on("prefix_sharing"), packing=on("packing"))
   host_batch = padded_pairs(np.random.default_rng(0), args.pairs, args.prompt_len,
                             args.response_len, args.vocab)
   devices = jax.devices()
-  packed = None
-  if cfg.prefix_sharing or cfg.packing:
-    packed = packing.make_spec([packing.pair_sizes(host_batch, cfg.prefix_sharing)],
-                               args.pairs // len(devices), cfg.prefix_sharing, cfg.packing)
-  steps = step_lib.StepFunctions(
-      cfg, Mesh(np.array(devices), ("data",)), model_config=mcfg,
-      scored_size=scored.block_size(scored.max_span(host_batch["loss_mask"]), T),
-      packed=packed)
+  plan = plan_lib.make_plan(dataclasses.replace(cfg, compile_only=True), devices,
+                            packing.pair_sizes(host_batch, cfg.prefix_sharing),
+                            model_config=mcfg)
+  steps = step_lib.make_steps(plan, devices)
   state = steps.init_state(jax.random.PRNGKey(0))
   ref_params = jax.tree.map(lambda x: x.copy(), state["params"])
   batch = steps.put_batch(host_batch)
@@ -127,27 +121,19 @@ def main():
     jax.block_until_ready(metrics)
     times.append(time.perf_counter() - t0)
   step_s = statistics.median(times)
-  peak = flops.matmul_peak(model_lib.DTYPES[mcfg.compute_dtype]) * len(devices)
-  step_flops = flops.step_flops(mcfg, args.pairs, T, reference_forward=True)
+  peak = flops.peak_flops(devices[0], model_lib.DTYPES[mcfg.compute_dtype])[0] * len(devices)
+  step_flops = flops.step_flops(plan)
   tokens = 2 * args.pairs * T
   result = {"tokens_per_sec": tokens / step_s, "mfu": step_flops / step_s / peak,
             "median_step_s": step_s, "step_flops": step_flops, "peak_flops": peak,
             "compile_s": compile_s, "devices": len(devices), "platform": devices[0].platform,
-            "logprob_impl": args.logprob_impl, "head_on_scored": cfg.head_on_scored,
-            "prefix_sharing": cfg.prefix_sharing, "packing": cfg.packing,
-            "scored_size": steps.scored_size,
-            "packed": dataclasses.asdict(packed) if packed else None,
+            "logprob_impl": args.logprob_impl, "plan": plan.describe(),
             "loss": float(metrics["loss"]),
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-  if packed:
-    layout = (f"model rows {packed.rows} x {packed.length} per {packed.pairs} pairs, head on "
-              f"{packed.head} positions")
-  else:
-    layout = f"head on {steps.scored_size or T} of {T} positions per row"
+  print(plan.describe())
   print(f"{tokens / step_s:,.0f} tokens/s, {step_flops / 1e9:.2f} GFLOP per step, MFU "
-        f"{result['mfu']:.1%} of a measured {peak / 1e9:.1f} GFLOP/s matmul peak (median of "
-        f"{args.steps} steps after a {compile_s:.1f} s compile; {layout}; peak RSS "
-        f"{result['peak_rss_mib']:.0f} MiB)")
+        f"{result['mfu']:.1%} of {peak / 1e9:.1f} GFLOP/s (median of {args.steps} steps "
+        f"after a {compile_s:.1f} s compile; peak RSS {result['peak_rss_mib']:.0f} MiB)")
   print(json.dumps(result))
 
 

@@ -26,9 +26,9 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from tunix_core import collectives  # noqa: E402
 from tunix_core import model  # noqa: E402
-from tunix_core import zero  # noqa: E402
+from tunix_core.parallel import collectives  # noqa: E402
+from tunix_core.parallel import zero  # noqa: E402
 
 
 def main():

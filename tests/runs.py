@@ -1,6 +1,8 @@
 """The small trainer runs the checkpoint, fault-injection and sharding tests share, their
 output, and how two runs are compared."""
 
+import dataclasses
+import functools
 import json
 import os
 
@@ -8,9 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tunix_core import config as config_lib
 from tunix_core import data as data_lib
-from tunix_core import resume
+from tunix_core.checkpoints import resume
+from tunix_core.training import config as config_lib
+from tunix_core.training import plan as plan_lib
+from tunix_core.training import step as step_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "data", "train.jsonl")
@@ -24,6 +28,22 @@ def config(out, **overrides) -> config_lib.TrainConfig:
   return config_lib.TrainConfig(**{**base, **overrides})
 
 
+def quickstart_config(out, **kw) -> config_lib.TrainConfig:
+  """configs/quickstart.flags as a TrainConfig, with `kw` on top."""
+  values = {}
+  fields = {f.name: f.type for f in dataclasses.fields(config_lib.TrainConfig)}
+  with open(f"{REPO}/configs/quickstart.flags") as f:
+    for line in f:
+      if line.startswith("--"):
+        name, value = line.strip()[2:].split("=", 1)
+        kind = fields[name]
+        values[name] = ({"bool": lambda v: v == "true", "int": int, "float": float}
+                        .get(kind if isinstance(kind, str) else kind.__name__, str)(value))
+  values.update(train_data=f"{REPO}/data/train.jsonl",
+                eval_data=f"{REPO}/data/eval.jsonl")
+  return config_lib.TrainConfig(**{**values, "output_dir": str(out), **kw})
+
+
 def rows(out) -> list[dict]:
   with open(os.path.join(out, "metrics.jsonl")) as f:
     return [json.loads(line) for line in f]
@@ -34,21 +54,33 @@ def losses(out) -> dict:
   return {r["step"]: r["loss"] for r in rows(out) if "loss" in r}
 
 
+@functools.lru_cache(maxsize=None)
+def dataset(max_length: int, max_prompt_length: int) -> data_lib.PreferenceDataset:
+  """`TRAIN` encoded with the byte tokenizer (once per shape)."""
+  return data_lib.load_dataset(TRAIN, data_lib.ByteTokenizer(), max_length, max_prompt_length)
+
+
+def steps(cfg, devices, **plan_kw) -> step_lib.StepFunctions:
+  """The step functions of `cfg` on `devices`, planned for `TRAIN` as the trainer plans
+  for its data (`plan_kw` go to `plan.make_plan`)."""
+  sizes = plan_lib.data_sizes(cfg, [dataset(cfg.max_length, cfg.max_prompt_length)])
+  return step_lib.make_steps(plan_lib.make_plan(cfg, devices, sizes, **plan_kw), devices)
+
+
 def step_run(steps, cfg, num_steps=3):
   """`(metrics of each step, final logical params)` of `num_steps` train steps of `steps`
   (a `step.StepFunctions` for `cfg`) on the first pairs of `TRAIN`, in-step or
   precomputed reference as `cfg` says."""
-  ds = data_lib.load_dataset(TRAIN, data_lib.ByteTokenizer(), cfg.max_length,
-                             cfg.max_prompt_length)
+  ds = dataset(cfg.max_length, cfg.max_prompt_length)
   state = steps.init_state(jax.random.PRNGKey(0))
   ref = jax.tree.map(lambda x: jnp.array(x, copy=True), state["params"])
   out = []
   for i in range(num_steps):
     B = cfg.batch_size
     batch = steps.put_batch(data_lib.take_pairs(ds, np.arange(B * i, B * (i + 1))))
-    if cfg.precompute_ref_logps:
+    if cfg.reference == "precomputed":
       batch["ref_logps"] = steps.ref_logps(ref, batch)
-    state, metrics = steps.train_step(state, None if cfg.precompute_ref_logps else ref, batch)
+    state, metrics = steps.train_step(state, ref if cfg.reference == "step" else None, batch)
     out.append({k: float(v) for k, v in metrics.items() if k != "nonfinite"})
   return out, jax.device_get(steps.logical_params(state["params"]))
 
@@ -81,6 +113,6 @@ def restore_and_compare(steps, ckpt, step, meta, want_params, want_mu) -> dict:
   assert resume.verify(steps, state, meta)[1] == []
   jax.tree.map(np.testing.assert_array_equal,
                jax.device_get(steps.logical_params(state["params"])), want_params)
-  mu = jax.device_get(steps.layout.to_logical(state["opt_state"][0].mu))
+  mu = jax.device_get(steps.layout.cut.to_logical(state["opt_state"][0].mu))
   jax.tree.map(np.testing.assert_array_equal, mu, want_mu)
   return state

@@ -1,16 +1,21 @@
 """`--compile_only`: the train step compiled for a TPU slice ahead of time (needs
 `libtpu`, skipped without it) or for the local devices, allocating nothing."""
 
+import dataclasses
 import os
 import shutil
 import subprocess
 import sys
 
+import jax
 import pytest
 
+import runs
 from kernels import tpu
-from tunix_core import aot
-from tunix_core import config as config_lib
+from tunix_core.aot import compile as aot
+from tunix_core.run import loop
+from tunix_core.training import config as config_lib
+from tunix_core.training import step as step_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "data", "train.jsonl")
@@ -27,8 +32,10 @@ def _config(tmp_path, **kw):
 def test_local_compile_reports_memory_and_fits(tmp_path):
   lines = []
   assert aot.compile_only(_config(tmp_path), "local", log=lines.append) == 0
-  assert "8 x cpu" in lines[0].lower()
-  assert lines[1].startswith("per device: arguments") and lines[-1] == "fits"
+  assert "8 x cpu" in lines[1].lower()   # after the data line
+  assert lines[2].startswith("plan: shared rows, ")
+  assert lines[3].startswith("per device: arguments")
+  assert lines[4].startswith("total ") and " per device: fits (" in lines[4]
   assert not os.listdir(tmp_path)  # no checkpoints, caches or metrics: nothing ran
 
 
@@ -41,9 +48,12 @@ def test_tpu_slice_from_an_hf_config_alone_validated_for_the_target(tmp_path):
   shutil.copy(os.path.join(REPO, "tests", "fixtures", "hf", "gemma2", "config.json"),
               model_dir)
   lines = []
-  cfg = _config(tmp_path / "out", hf_model_dir=str(model_dir), compute_dtype="bfloat16")
+  # No --train_data (reading it would need the tokenizer): the flags' worst case, and
+  # --compute_dtype=auto resolves to bfloat16 for the TPU target.
+  cfg = _config(tmp_path / "out", hf_model_dir=str(model_dir), train_data="")
   assert aot.compile_only(cfg, "v5e-8", log=lines.append) == 0
-  assert "8 x TPU v5 lite" in lines[0] and "of 16.00 GiB HBM" in lines[2]
+  assert "8 x TPU v5 lite" in lines[0] and "bfloat16 compute" in lines[1]
+  assert "of 16.0 GiB HBM: fits" in lines[3]
   # Checked against the slice's 8 devices, not this host's.
   with pytest.raises(config_lib.ConfigError, match="not divisible by the 4 devices"):
     aot.compile_only(_config(tmp_path, batch_size=6), "v4-8", log=lines.append)
@@ -59,11 +69,14 @@ def test_7b_does_not_fit_a_v5e_8_without_sharded_params(tmp_path):
       [sys.executable, os.path.join(REPO, "trainer.py"), "--model=7b", "--compile_only",
        "--target_topology=v5e-8", "--batch_size=8", "--max_length=1024",
        "--max_prompt_length=512", "--compute_dtype=bfloat16", "--remat=full",
-       "--precompute_ref_logps", f"--train_data={TRAIN}", f"--output_dir={tmp_path}"],
+       "--precompute_ref_logps", f"--output_dir={tmp_path}"],
       env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 1, proc.stdout + proc.stderr[-2000:]
   assert "exceeds available HBM" in proc.stdout, proc.stdout
   assert "6,738,415,616 params" in proc.stdout
+  # No --train_data: planned for the flags' worst case; the old flag still works.
+  assert "plan: shared rows, 1 x 1536 tokens and 1040 LM-head slots per 1 pair(s)" in proc.stdout
+  assert "--precompute_ref_logps is deprecated; use --reference=precomputed" in proc.stderr
   assert not os.path.exists(os.path.join(tmp_path, "metrics.jsonl"))
   assert "Traceback" not in proc.stdout + proc.stderr
 
@@ -75,12 +88,42 @@ def test_fit_is_judged_on_what_the_buffer_assignment_allocates(tmp_path):
   XLA dump: the arguments, outputs and one preallocated block of temporaries), never
   less than the buffers the caller holds through the step (arguments, outputs not
   donated)."""
-  stats = aot.compile_stats(_config(tmp_path, fsdp=True), "v5e-8")
+  chip, devices = aot.target_devices("v5e-8")
+  stats = aot.compile_stats(aot.plan_for(_config(tmp_path, fsdp=True), devices), chip, devices)
   assert stats["error"] is None and stats["hbm"] is not None
   held = stats["argument"] + stats["output"] - stats["alias"]
   assert 0 < held < stats["hbm"] == stats["need"]
   lines = []
   assert aot.compile_only(_config(tmp_path, fsdp=True), "v5e-8", log=lines.append) == 0
-  assert lines[2].startswith(f"total {aot._gib(stats['hbm'])} of 16.00 GiB HBM "
-                             "(allocated by the compiler's buffer assignment; ")
+  assert lines[4].startswith(f"total {aot._gib(stats['hbm'])} per device of 16.0 GiB HBM: "
+                             "fits (allocated by the compiler's buffer assignment; ")
   assert not os.listdir(tmp_path)  # the dump went to a temporary directory
+
+
+class _Lowered(Exception):
+  """Stops a run at its first train step, carrying the step's lowered text."""
+
+
+def test_compile_only_lowers_the_very_step_the_run_trains(tmp_path, monkeypatch):
+  """The quickstart's flags: `--compile_only`'s program (abstract inputs, planned from
+  --train_data) is the run's first train step's, HLO text for HLO text."""
+  cfg = runs.quickstart_config(tmp_path)
+
+  class Capture(step_lib.StepFunctions):
+
+    def __init__(self, *args, **kw):
+      super().__init__(*args, **kw)
+      jitted = self.train_step
+
+      def first_step(*args):
+        raise _Lowered(jitted.lower(*args).as_text())
+
+      self.train_step = first_step
+
+  monkeypatch.setattr(step_lib, "StepFunctions", Capture)
+  with pytest.raises(_Lowered) as trained:
+    loop.train(cfg, **runs.QUIET)
+  monkeypatch.undo()
+  _, lowered = aot.lower(aot.plan_for(dataclasses.replace(cfg, compile_only=True),
+                                      jax.devices()), jax.devices())
+  assert lowered.as_text() == str(trained.value)

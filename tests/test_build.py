@@ -1,8 +1,12 @@
-"""BUILD must list every library module, binary and test file (Bazel cannot run here)."""
+"""BUILD must list every library module, binary and test file (Bazel cannot run here), and
+the package keeps its architecture: imports only go down the sub-packages' floors, no
+import cycle (imports inside functions included), no module far over 300 lines."""
 
 import ast
 import glob
 import os
+
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,9 +27,10 @@ def _targets():
 def test_every_module_is_in_a_library():
   listed = {s for rule, _, srcs in _targets() if rule == "py_library" for s in srcs}
   for pkg in ("kernels", "tunix_core"):
-    for path in glob.glob(os.path.join(REPO, pkg, "*.py")):
+    for path in glob.glob(os.path.join(REPO, pkg, "**", "*.py"), recursive=True):
       rel = os.path.relpath(path, REPO)
-      assert rel in listed, f"{rel} is missing from a py_library in BUILD"
+      assert rel in listed or rel.endswith("__main__.py"), (
+          f"{rel} is missing from a py_library in BUILD")
 
 
 def test_every_test_file_has_a_py_test():
@@ -38,9 +43,93 @@ def test_every_test_file_has_a_py_test():
 def test_binaries_and_listed_files_exist():
   targets = _targets()
   binaries = {srcs[0] for rule, _, srcs in targets if rule == "py_binary"}
-  assert "trainer.py" in binaries
+  assert "trainer.py" in binaries and "tunix_core/hf/__main__.py" in binaries
   for path in glob.glob(os.path.join(REPO, "benchmarks", "*.py")):
     assert os.path.relpath(path, REPO) in binaries, f"{path} has no py_binary in BUILD"
   for _, name, srcs in targets:
     for src in srcs:
       assert os.path.exists(os.path.join(REPO, src)), f"{name} lists missing file {src}"
+
+
+# Floors of the sub-packages: a module imports only from lower floors and its own
+# package. Entry points (`__main__` modules) sit above everything.
+FLOORS = {"kernels": 0, "tunix_core.model": 1, "tunix_core.data": 1, "tunix_core.hf": 2,
+          "tunix_core.parallel": 2, "tunix_core.training": 3, "tunix_core.checkpoints": 4,
+          "tunix_core.run": 5, "tunix_core.aot": 6}
+
+
+def _modules() -> dict:
+  """`{dotted module name: path}` of every module of kernels and tunix_core."""
+  out = {}
+  for pkg in ("kernels", "tunix_core"):
+    for path in glob.glob(os.path.join(REPO, pkg, "**", "*.py"), recursive=True):
+      name = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".")
+      out[name.removesuffix(".__init__")] = path
+  return out
+
+
+def _imports(path: str, modules: dict) -> set:
+  """The library modules `path` imports anywhere in it (functions included)."""
+  found = set()
+  for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+    if isinstance(node, ast.Import):
+      names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+      # `from pkg import sub` imports the submodule; `from pkg import name`, the package.
+      names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules
+               else node.module for a in node.names]
+    else:
+      continue
+    for name in names:
+      while name and name not in modules:
+        name = name.rpartition(".")[0]
+      if name:
+        found.add(name)
+  return found
+
+
+def _package(module: str) -> str:
+  parts = module.split(".")
+  return ".".join(parts[:2]) if parts[0] == "tunix_core" and len(parts) > 1 else parts[0]
+
+
+def _graph():
+  modules = _modules()
+  return {m: _imports(p, modules) - {m} for m, p in modules.items()
+          if not m.endswith("__main__")}
+
+
+def test_imports_only_go_down():
+  for module, imported in _graph().items():
+    if module == "tunix_core":
+      continue
+    mine = _package(module)
+    for other in imported:
+      theirs = _package(other)
+      if theirs == mine or other == "tunix_core":
+        continue
+      assert FLOORS[theirs] < FLOORS[mine], f"{module} imports {other} (a higher floor)"
+
+
+def test_no_import_cycle():
+  graph, done, path = _graph(), set(), []
+
+  def visit(m):
+    if m in path:
+      pytest.fail("import cycle: " + " -> ".join(path[path.index(m):] + [m]))
+    if m in done:
+      return
+    path.append(m)
+    for n in sorted(graph.get(m, ())):
+      visit(n)
+    path.pop()
+    done.add(m)
+
+  for m in sorted(graph):
+    visit(m)
+
+
+def test_no_module_far_over_300_lines():
+  for path in _modules().values():
+    with open(path, encoding="utf-8") as f:
+      assert sum(1 for _ in f) <= 320, f"{path} is over ~300 lines: split it by concept"

@@ -16,12 +16,12 @@ import pytest
 from jax.sharding import Mesh
 
 import runs
-from tunix_core import checkpoint
-from tunix_core import config as config_lib
 from tunix_core import data as data_lib
-from tunix_core import resume
-from tunix_core import step as step_lib
-from tunix_core import train
+from tunix_core.checkpoints import resume
+from tunix_core.checkpoints import store as checkpoint
+from tunix_core.run import loop as train
+from tunix_core.training import config as config_lib
+from tunix_core.training import step as step_lib
 
 REPO = runs.REPO
 TRAIN = runs.TRAIN
@@ -113,7 +113,7 @@ def test_sigkill_during_async_save_keeps_previous_checkpoint(tmp_path):
 def test_restore_on_fewer_devices(tmp_path, num_devices):
   cfg = _config(tmp_path, steps=2, save_every=2)
   saved = train.train(cfg, **QUIET)["state"]
-  small = step_lib.StepFunctions(cfg, Mesh(np.array(jax.devices()[:num_devices]), ("data",)))
+  small = runs.steps(cfg, jax.devices()[:num_devices])
   ckpt = checkpoint.Checkpointer(str(tmp_path / "checkpoints"))
   restored = resume.restore_state(small, ckpt, 2, ckpt.read_meta(2))
   ckpt.close()

@@ -11,8 +11,8 @@ import optax
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from tunix_core import collectives
-from tunix_core import zero
+from tunix_core.parallel import collectives
+from tunix_core.parallel import zero
 
 N = 8
 

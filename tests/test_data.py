@@ -131,7 +131,7 @@ TRL_FIXTURE = os.path.join(REPO, "tests", "fixtures", "trl", "expected.json")
 def _hf_tok(model_dir=HF_TOKENIZER):
   pytest.importorskip("tokenizers")
   pytest.importorskip("jinja2")
-  from tunix_core import hf_tokenizer  # pylint: disable=g-import-not-at-top
+  from tunix_core.hf import tokenizer as hf_tokenizer  # pylint: disable=g-import-not-at-top
   return hf_tokenizer.HFTokenizer(model_dir)
 
 

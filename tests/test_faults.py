@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import pytest
 
 import runs
-from tunix_core import checkpoint
 from tunix_core import data as data_lib
-from tunix_core import health
-from tunix_core import objective
-from tunix_core import train
+from tunix_core.checkpoints import store as checkpoint
+from tunix_core.run import loop as train
+from tunix_core.training import health
+from tunix_core.training import objective
 
 REPO = runs.REPO
 TRAIN = runs.TRAIN

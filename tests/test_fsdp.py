@@ -15,15 +15,15 @@ from jax.sharding import Mesh, PartitionSpec as P
 from kernels import tpu
 import runs
 from oracles import rel_error
-from tunix_core import aot
-from tunix_core import checkpoint
-from tunix_core import collectives
-from tunix_core import config as config_lib
-from tunix_core import fsdp
 from tunix_core import model as model_lib
-from tunix_core import step as step_lib
-from tunix_core import train
-from tunix_core import zero
+from tunix_core.aot import compile as aot
+from tunix_core.checkpoints import store as checkpoint
+from tunix_core.parallel import collectives
+from tunix_core.parallel import fsdp
+from tunix_core.parallel import zero
+from tunix_core.run import loop as train
+from tunix_core.training import config as config_lib
+from tunix_core.training import step as step_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "data", "train.jsonl")
@@ -104,7 +104,7 @@ def test_gather_is_full_and_its_vjp_is_the_mean_reduce_scatter(impl, comm):
 
 
 def _run(cfg, n):
-  return runs.step_run(step_lib.StepFunctions(cfg, _mesh(n)), cfg)
+  return runs.step_run(runs.steps(cfg, jax.devices()[:n]), cfg)
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ def test_fsdp_on_8_matches_zero1_on_1(tmp_path, zero1_one_device):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kw", [dict(grad_accum_steps=2, batch_size=16), dict(sync_impl="ring"),
-                                dict(precompute_ref_logps=True), dict(remat="full"),
+                                dict(reference="precomputed"), dict(remat="full"),
                                 dict(max_grad_norm=0.05)])
 def test_fsdp_matches_zero1_on_8(tmp_path, kw):
   runs.assert_agree(_run(_config(tmp_path / "f", fsdp=True, **kw), 8),
@@ -127,7 +127,7 @@ def test_fsdp_matches_zero1_on_8(tmp_path, kw):
 
 
 def _compiled(cfg, n=8):
-  steps = step_lib.StepFunctions(cfg, _mesh(n))
+  steps = runs.steps(cfg, jax.devices()[:n])
   return steps, steps.train_step.lower(*aot.abstract_inputs(steps)).compile()
 
 
@@ -154,11 +154,11 @@ def _collectives(text, op):
 @pytest.mark.slow
 @pytest.mark.parametrize("remat", ["full", "none"])
 def test_one_gather_per_layer_forward_and_one_gather_and_scatter_backward(tmp_path, remat):
-  cfg = _config(tmp_path, fsdp=True, remat=remat, precompute_ref_logps=True)
+  cfg = _config(tmp_path, fsdp=True, remat=remat, reference="precomputed")
   steps, compiled = _compiled(cfg)
   text = compiled.as_text()
-  layer = steps.fsdp.layer_plan.bucket_size(0)
-  rest = len(steps.fsdp.rest_plans)  # embedding, final norm, head: one gather each
+  layer = steps.layout.cut.layer_plan.bucket_size(0)
+  rest = len(steps.layout.cut.rest_plans)  # embedding, final norm, head: one gather each
   gathers, scatters = _collectives(text, "all-gather"), _collectives(text, "reduce-scatter")
   # The layer scan's forward body gathers the layer once; the backward body gathers it
   # again (it was not saved) and reduce-scatters its gradient once.
@@ -171,14 +171,14 @@ def test_one_gather_per_layer_forward_and_one_gather_and_scatter_backward(tmp_pa
 def test_restores_across_counts_and_layouts(tmp_path):
   cfg = _config(tmp_path, fsdp=True, steps=2, save_every=2)
   saved = train.train(cfg, **QUIET)["state"]
-  big = step_lib.StepFunctions(cfg, _mesh(8))
+  big = runs.steps(cfg, jax.devices())
   want_params = jax.device_get(big.logical_params(saved["params"]))
-  want_mu = jax.device_get(big.layout.to_logical(saved["opt_state"][0].mu))
+  want_mu = jax.device_get(big.layout.cut.to_logical(saved["opt_state"][0].mu))
   ckpt = checkpoint.Checkpointer(str(tmp_path / "checkpoints"))
   meta = ckpt.read_meta(2)
   assert meta["layout"] == "fsdp" and meta["num_shards"] == 8
   for n, use_fsdp in ((4, True), (1, True), (8, False), (1, False)):
-    steps = step_lib.StepFunctions(_config(tmp_path, fsdp=use_fsdp), _mesh(n))
+    steps = runs.steps(_config(tmp_path, fsdp=use_fsdp), jax.devices()[:n])
     state = runs.restore_and_compare(steps, ckpt, 2, meta, want_params, want_mu)
     assert state["opt_state"][0].mu["embed"].shape[0] == n
   ckpt.close()

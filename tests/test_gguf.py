@@ -16,8 +16,8 @@ import pytest
 
 import oracles
 from tunix_core import hf
-from tunix_core import hf_gguf
 from tunix_core import model as model_lib
+from tunix_core.hf import gguf as hf_gguf
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("safetensors")
@@ -304,8 +304,8 @@ def test_smollm2_dpo_steps_move_the_margins(smollm2, tmp_path):
   import math  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   pytest.importorskip("jinja2")
-  from tunix_core import config as config_lib  # pylint: disable=g-import-not-at-top
-  from tunix_core import train  # pylint: disable=g-import-not-at-top
+  from tunix_core.training import config as config_lib  # pylint: disable=g-import-not-at-top
+  from tunix_core.run import loop as train  # pylint: disable=g-import-not-at-top
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   cfg = config_lib.TrainConfig(
       output_dir=str(tmp_path), train_data=os.path.join(repo, "data", "chat_train.jsonl"),

@@ -18,8 +18,8 @@ import pytest
 
 import oracles
 from tunix_core import hf
-from tunix_core import hf_tokenizer
 from tunix_core import model as model_lib
+from tunix_core.hf import tokenizer as hf_tokenizer
 
 pytest.importorskip("safetensors")
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf")

@@ -19,12 +19,12 @@ import jax
 import numpy as np
 import pytest
 
-from tunix_core import config as config_lib
 from tunix_core import data as data_lib
-from tunix_core import export
 from tunix_core import hf
 from tunix_core import model as model_lib
-from tunix_core import train
+from tunix_core.checkpoints import export
+from tunix_core.run import loop as train
+from tunix_core.training import config as config_lib
 
 pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")

@@ -12,8 +12,8 @@ from absl.testing import parameterized
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, Mesh, PartitionSpec as P
 
 import kernels
-from kernels import IGNORE_INDEX
 from kernels import dispatch
+from kernels import IGNORE_INDEX
 from oracles import make_inputs, rel_error, numpy_logprob_grads, numpy_logprobs
 
 

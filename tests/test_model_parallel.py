@@ -2,6 +2,7 @@
 FSDP x TP on a 4 x 2 mesh of 8 devices against ZeRO-1 on one device, the per-slice
 `Stacked` layout against NumPy, restores from TP to no TP, and one-line config errors."""
 
+import dataclasses
 import json
 
 import jax
@@ -9,15 +10,15 @@ import numpy as np
 import pytest
 
 import runs
-from tunix_core import checkpoint
-from tunix_core import collectives
-from tunix_core import config as config_lib
-from tunix_core import fsdp
 from tunix_core import model as model_lib
-from tunix_core import step as step_lib
-from tunix_core import tensor_parallel as tp
-from tunix_core import train
-from tunix_core import zero
+from tunix_core.checkpoints import store as checkpoint
+from tunix_core.parallel import collectives
+from tunix_core.parallel import fsdp
+from tunix_core.parallel import mesh as mesh_lib
+from tunix_core.parallel import tensor_parallel as tp
+from tunix_core.parallel import zero
+from tunix_core.run import loop as train
+from tunix_core.training import config as config_lib
 
 TINY_TP = model_lib.preset("tiny_tp")  # the tiny model, vocabulary 260 (splits 2 and 4 ways)
 
@@ -31,13 +32,14 @@ def _tp_config(out, **kw):
 
 
 def _run(cfg, n, k):
-  return runs.step_run(step_lib.StepFunctions(cfg, step_lib.make_mesh(jax.devices()[:n], k)), cfg)
+  cfg = dataclasses.replace(cfg, model_parallel=k)
+  return runs.step_run(runs.steps(cfg, jax.devices()[:n]), cfg)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kw", [dict(max_grad_norm=0.05), dict(fsdp=True),
                                 dict(fsdp=True, grad_accum_steps=2, batch_size=16),
-                                dict(fsdp=True, sync_impl="ring", precompute_ref_logps=True)],
+                                dict(fsdp=True, sync_impl="ring", reference="precomputed")],
                          ids=["zero1-clipped", "fsdp", "fsdp-accum", "fsdp-ring-precomputed"])
 def test_4x2_matches_one_device(tmp_path, kw):
   """Params and metrics of 3 steps on a ("data", "model") = 4 x 2 mesh equal ZeRO-1 on
@@ -82,15 +84,15 @@ def test_restore_tp2_on_other_layouts(tmp_path, use_fsdp):
   moments."""
   cfg = _tp_config(tmp_path, fsdp=use_fsdp, model_parallel=2, steps=2, save_every=2)
   saved = train.train(cfg, **runs.QUIET)["state"]
-  big = step_lib.StepFunctions(cfg, step_lib.make_mesh(jax.devices(), 2))
+  big = runs.steps(cfg, jax.devices())
   want_params = jax.device_get(big.logical_params(saved["params"]))
-  want_mu = jax.device_get(big.layout.to_logical(saved["opt_state"][0].mu))
+  want_mu = jax.device_get(big.layout.cut.to_logical(saved["opt_state"][0].mu))
   ckpt = checkpoint.Checkpointer(str(tmp_path / "checkpoints"))
   meta = ckpt.read_meta(2)
   assert meta["model_parallel"] == 2 and meta["num_shards"] == 4
   for n, k, to_fsdp in ((1, 1, False), (4, 1, True), (8, 2, not use_fsdp)):
-    steps = step_lib.StepFunctions(_tp_config(tmp_path, fsdp=to_fsdp),
-                                   step_lib.make_mesh(jax.devices()[:n], k))
+    steps = runs.steps(_tp_config(tmp_path, fsdp=to_fsdp, model_parallel=k),
+                       jax.devices()[:n])
     runs.restore_and_compare(steps, ckpt, 2, meta, want_params, want_mu)
   ckpt.close()
 
@@ -120,5 +122,5 @@ def test_bad_settings_are_one_line_errors(tmp_path):
   with pytest.raises(config_lib.ConfigError, match="4 data-parallel shards"):
     _tp_config(tmp_path, model_parallel=2, batch_size=6).validate(8)
   with pytest.raises(ValueError, match="does not divide the 8 devices"):
-    step_lib.make_mesh(jax.devices(), 3)
+    mesh_lib.make_mesh(jax.devices(), 3)
   _tp_config(tmp_path, model_parallel=2, fsdp=True, batch_size=4).validate(8)

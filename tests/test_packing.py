@@ -1,6 +1,7 @@
-"""Prefix sharing and packing (`tunix_core.packing`): the packed rows of a batch worked out
-by hand, and log-probs, gradients, losses of every type and train steps on packed rows
-equal to the pairs' own rows, for every model family."""
+"""The model rows of a pair batch (`tunix_core.data.packing`: plain, shared, packed): the
+rows and head slots worked out by hand; log-probs and gradients of every row layout
+against the naive oracle (materialised logits on the pairs' own whole rows) for every
+model family; losses of every type and train steps equal across layouts."""
 
 import dataclasses
 
@@ -14,16 +15,28 @@ import kernels
 import runs
 from kernels import tpu
 from oracles import rel_error
-from tunix_core import config as config_lib
 from tunix_core import data as data_lib
 from tunix_core import model as model_lib
-from tunix_core import objective
-from tunix_core import packing
-from tunix_core import step as step_lib
+from tunix_core.data import packing
+from tunix_core.training import config as config_lib
+from tunix_core.training import objective
 
 IGNORE = kernels.IGNORE_INDEX
-MODES = [(True, False), (True, True), (False, True)]
-MODE_IDS = ["shared", "shared+packed", "packed"]
+MODES = [(False, False), (True, False), (True, True), (False, True)]
+MODE_IDS = ["plain", "shared", "shared+packed", "packed"]
+
+
+def _naive_logps(params, batch, mcfg):
+  """The oracle: float32 `[B, 2, T]` log-probs of each pair's rows as they are (padding
+  included), from materialised logits (`model.logits`); 0 where unscored."""
+  B, _, T = batch["tokens"].shape
+  rows = lambda x: x.reshape(2 * B, T)
+  logp = jax.nn.log_softmax(model_lib.logits(params, rows(batch["tokens"]),
+                                             rows(batch["attention_mask"]), mcfg), -1)
+  targets = rows(batch["targets"])
+  valid = targets != IGNORE
+  picked = jnp.take_along_axis(logp, jnp.where(valid, targets, 0)[..., None], -1)[..., 0]
+  return (picked * valid).reshape(B, 2, T)
 
 
 def _pair_batch():
@@ -49,10 +62,11 @@ def _pair_batch():
 
 def test_shared_and_packed_rows_by_hand():
   b = _pair_batch()
-  lengths, scored_counts = packing.pair_sizes(b, share=True)
-  np.testing.assert_array_equal(lengths, [6, 7])          # 3 + 2 + 1; 3 + 4 (two sequences)
-  np.testing.assert_array_equal(scored_counts, [3, 3])
-  spec = packing.make_spec([(lengths, scored_counts)], 2, share=True, pack=True)
+  sizes = packing.pair_sizes(b, share=True)
+  np.testing.assert_array_equal(sizes.tokens, [6, 7])    # 3 + 2 + 1; 3 + 4 (two sequences)
+  np.testing.assert_array_equal(sizes.scored, [3, 3])
+  np.testing.assert_array_equal(sizes.longest, [5, 4])
+  spec = packing.make_spec(sizes, 2, share=True, pack=True)
   assert spec == packing.Spec(pairs=2, rows=1, length=128, head=16, band=7, share=True)
   p = packing.pack(b, spec)
   np.testing.assert_array_equal(p["row_tokens"][0, :13], [5, 6, 7, 8, 9, 3, 5, 6, 2, 5, 4, 2, 2])
@@ -67,8 +81,21 @@ def test_shared_and_packed_rows_by_hand():
   np.testing.assert_array_equal(p["head_dst"][:6], [0 * T + 3, 0 * T + 4, 1 * T + 3,
                                                     2 * T + 1, 3 * T + 1, 3 * T + 2])
   assert (p["head_targets"][6:] == IGNORE).all() and (p["head_dst"][6:] == 2 * 2 * T).all()
-  unpacked = packing.make_spec([packing.pair_sizes(b, True)], 1, share=True, pack=False)
+  unpacked = packing.make_spec(packing.pair_sizes(b, True), 1, share=True, pack=False)
   assert (unpacked.rows, unpacked.length, unpacked.band) == (1, 16, None)
+  # Plain: each response its own row, real tokens from the row's start.
+  plain = packing.make_spec(packing.pair_sizes(b, False), 2, share=False, pack=False)
+  assert plain == packing.Spec(pairs=2, rows=4, length=16, head=16, band=None, share=False)
+  p = packing.pack(b, plain)
+  for r, toks in enumerate([[5, 6, 7, 8, 9], [5, 6, 7, 3], [5, 6, 2], [5, 4, 2, 2]]):
+    np.testing.assert_array_equal(p["row_tokens"][r, :len(toks)], toks)
+    np.testing.assert_array_equal(p["row_positions"][r, :len(toks)], np.arange(len(toks)))
+    np.testing.assert_array_equal(p["row_segments"][r], [1] * len(toks) + [0] * (16 - len(toks)))
+  assert (p["row_branches"] == 0).all()
+  np.testing.assert_array_equal(p["head_src"][:6], [2, 3, 16 + 2, 32 + 1, 48 + 1, 48 + 2])
+  np.testing.assert_array_equal(p["head_targets"][:6], [8, 9, 3, 2, 2, 2])
+  np.testing.assert_array_equal(p["head_dst"][:6], [3, 4, T + 3, 2 * T + 1, 3 * T + 1,
+                                                    3 * T + 2])
   with pytest.raises(ValueError, match=r"needs 6 tokens per row .* compiled for 4"):
     packing.pack(b, dataclasses.replace(spec, length=4))
   with pytest.raises(ValueError, match="not whole groups of 3"):
@@ -97,13 +124,14 @@ def _batch(n=8, length=48):
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=() if f == "gemma2" else
                                                   pytest.mark.slow) for f in FAMILIES])
-def test_logprobs_and_gradients_equal_unpacked_rows(family):
+def test_logprobs_and_gradients_of_every_layout_equal_the_naive_oracle(family):
   mcfg = FAMILIES[family]
   host = _batch()
   params = model_lib.init_params(jax.random.PRNGKey(0), mcfg)
 
   def total(params, batch, spec):
-    logps = objective.sequence_logps(params, batch, mcfg, "xla", packed=spec)
+    logps = (_naive_logps(params, batch, mcfg) if spec is None else
+             objective.sequence_logps(params, batch, mcfg, "xla", spec))
     weights = jnp.arange(logps.size).reshape(logps.shape) / logps.size
     return jnp.sum(logps * weights), logps
 
@@ -111,7 +139,7 @@ def test_logprobs_and_gradients_equal_unpacked_rows(family):
   (_, want), want_g = grad(params, jax.tree.map(jnp.asarray, host), None)
   assert float(jnp.abs(want).sum()) > 0
   for share, pack in MODES:
-    spec = packing.make_spec([packing.pair_sizes(host, share)], 4, share, pack)
+    spec = packing.make_spec(packing.pair_sizes(host, share), 4, share, pack)
     if pack:
       assert spec.band < spec.length  # the banded attention really runs
     (_, got), got_g = grad(params, jax.tree.map(jnp.asarray, packing.pack(host, spec)), spec)
@@ -121,20 +149,22 @@ def test_logprobs_and_gradients_equal_unpacked_rows(family):
 
 
 @pytest.mark.slow
-def test_every_loss_type_and_its_gradient_equal_unpacked_rows():
+def test_every_loss_type_and_its_gradient_equal_on_plain_and_packed_rows():
   mcfg = FAMILIES["llama"]
   host = _batch()
-  spec = packing.make_spec([packing.pair_sizes(host, True)], 8, True, True)
+  spec = packing.make_spec(packing.pair_sizes(host, True), 8, True, True)
+  plain = packing.make_spec(packing.pair_sizes(host, False), 8, False, False)
   params = model_lib.init_params(jax.random.PRNGKey(0), mcfg)
   ref = jax.tree.map(lambda x: x * 0.9, params)
-  ref_logps = objective.sequence_logps(ref, jax.tree.map(jnp.asarray, host), mcfg, "xla")
+  ref_logps = _naive_logps(ref, jax.tree.map(jnp.asarray, host), mcfg)
   for loss_type in kernels.LOSS_TYPES:
     cfg = runs.config("/tmp", loss_type=loss_type, label_smoothing=0.1 if loss_type in
                       ("sigmoid", "robust") else 0.0)
     run = jax.jit(jax.value_and_grad(
-        lambda p, b, packed: objective.dpo_objective(p, ref_logps, b, cfg, mcfg, packed=packed),
+        lambda p, b, rows: objective.dpo_objective(p, ref_logps, b, cfg, mcfg, rows),
         has_aux=True), static_argnums=2)
-    (want, want_m), want_g = run(params, jax.tree.map(jnp.asarray, host), None)
+    (want, want_m), want_g = run(params, jax.tree.map(jnp.asarray, packing.pack(host, plain)),
+                                 plain)
     (got, got_m), got_g = run(params, jax.tree.map(jnp.asarray, packing.pack(host, spec)), spec)
     for k in dict(want_m, loss=None):
       w, g = (want, got) if k == "loss" else (want_m[k], got_m[k])
@@ -143,34 +173,19 @@ def test_every_loss_type_and_its_gradient_equal_unpacked_rows():
       assert rel_error(g, w) < 1e-5, loss_type
 
 
-def _spec(cfg, num_devices, share, pack):
-  ds = data_lib.load_dataset(runs.TRAIN, data_lib.ByteTokenizer(), cfg.max_length,
-                             cfg.max_prompt_length)
-  pairs = cfg.batch_size // (num_devices * cfg.grad_accum_steps)
-  return packing.make_spec([packing.pair_sizes(data_lib.take_pairs(ds, np.arange(len(ds))),
-                                               share)], pairs, share, pack)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("share,pack,kw", [
-    (True, False, dict(loss_type="ipo", precompute_ref_logps=True)),
+    (True, False, dict(loss_type="ipo", reference="precomputed")),
     (True, True, dict(grad_accum_steps=2)),
     (False, True, dict(grad_accum_steps=2, loss_type="hinge"))],
                          ids=["shared-ipo-precomputed", "shared+packed-accum",
                               "packed-accum-hinge"])
-def test_train_steps_on_8_devices_equal_unpacked_rows(tmp_path, share, pack, kw):
-  cfg = runs.config(tmp_path, steps=3, batch_size=16, **kw)
-  mesh = Mesh(np.array(jax.devices()), ("data",))
-  spec = _spec(cfg, 8, share, pack)
-  runs.assert_agree(runs.step_run(step_lib.StepFunctions(cfg, mesh, packed=spec), cfg),
-                    runs.step_run(step_lib.StepFunctions(cfg, mesh), cfg))
-
-
-def test_config_needs_the_head_on_scored(tmp_path):
-  cfg = runs.config(tmp_path, head_on_scored=False)
-  with pytest.raises(config_lib.ConfigError, match="--prefix_sharing and --packing"):
-    cfg.validate(8)
-  runs.config(tmp_path, head_on_scored=False, prefix_sharing=False).validate(8)
+def test_train_steps_on_8_devices_equal_plain_rows(tmp_path, share, pack, kw):
+  cfg = runs.config(tmp_path, steps=3, batch_size=16, prefix_sharing=share, packing=pack, **kw)
+  plain = dataclasses.replace(cfg, prefix_sharing=False, packing=False)
+  assert runs.steps(plain, jax.devices()).plan.rows.layout == "plain"
+  runs.assert_agree(runs.step_run(runs.steps(cfg, jax.devices()), cfg),
+                    runs.step_run(runs.steps(plain, jax.devices()), plain))
 
 
 @pytest.mark.slow
@@ -179,36 +194,20 @@ def test_fsdp_4x2_tensor_parallel_packed_equals_unpacked_on_one_device(tmp_path)
   against the pairs' own rows on one device."""
   cfg = runs.config(tmp_path, steps=3, model="tiny_tp", fsdp=True, bucket_mb=25.0,
                     packing=True)
-  spec = _spec(cfg, 4, True, True)
-  big = step_lib.StepFunctions(cfg, step_lib.make_mesh(jax.devices(), 2), packed=spec)
-  one = dataclasses.replace(cfg, fsdp=False)
-  runs.assert_agree(runs.step_run(big, cfg), runs.step_run(
-      step_lib.StepFunctions(one, step_lib.make_mesh(jax.devices()[:1], 1)), one))
-
-
-def _quickstart(out, **kw):
-  """configs/quickstart.flags as a TrainConfig, with `kw` on top."""
-  values = {}
-  fields = {f.name: f.type for f in dataclasses.fields(config_lib.TrainConfig)}
-  with open(f"{runs.REPO}/configs/quickstart.flags") as f:
-    for line in f:
-      if line.startswith("--"):
-        name, value = line.strip()[2:].split("=", 1)
-        kind = fields[name]
-        values[name] = ({"bool": lambda v: v == "true", "int": int, "float": float}
-                        .get(kind if isinstance(kind, str) else kind.__name__, str)(value))
-  values.update(train_data=f"{runs.REPO}/data/train.jsonl",
-                eval_data=f"{runs.REPO}/data/eval.jsonl")
-  return config_lib.TrainConfig(**{**values, "output_dir": str(out), **kw})
+  cfg = dataclasses.replace(cfg, model_parallel=2)
+  one = dataclasses.replace(cfg, fsdp=False, model_parallel=1, prefix_sharing=False,
+                            packing=False)
+  runs.assert_agree(runs.step_run(runs.steps(cfg, jax.devices()), cfg),
+                    runs.step_run(runs.steps(one, jax.devices()[:1]), one))
 
 
 @pytest.mark.slow
 def test_quickstart_first_15_steps_equal_with_prefix_sharing_on_and_off(tmp_path):
-  from tunix_core import train  # pylint: disable=g-import-not-at-top
+  from tunix_core.run import loop as train  # pylint: disable=g-import-not-at-top
   got = {}
   for share in (True, False):
     out = tmp_path / str(share)
-    cfg = _quickstart(out, steps=15, log_every=1, save_every=0, eval_every=15,
+    cfg = runs.quickstart_config(out, steps=15, log_every=1, save_every=0, eval_every=15,
                       prefix_sharing=share)
     train.train(cfg, devices=jax.devices()[:1], **runs.QUIET)
     got[share] = runs.rows(out)
@@ -230,7 +229,7 @@ def test_packed_rows_compile_for_v5e_with_the_flash_kernel_and_segment_ids():
   mesh = Mesh(np.array(devices), ("data",))
   mcfg = dataclasses.replace(_TINY, head_dim=128, compute_dtype="bfloat16")
   host = _batch(16)
-  spec = packing.make_spec([packing.pair_sizes(host, False)], 2, False, True)
+  spec = packing.make_spec(packing.pair_sizes(host, False), 2, False, True)
   on = lambda spec_: NamedSharding(mesh, spec_)
   batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=on(P("data")))
            for k, v in packing.pack(host, spec).items()}
@@ -239,7 +238,7 @@ def test_packed_rows_compile_for_v5e_with_the_flash_kernel_and_segment_ids():
 
   def grads(params, batch):
     return jax.grad(lambda p: jnp.sum(objective.sequence_logps(p, batch, mcfg, "auto",
-                                                               packed=spec)))(params)
+                                                               spec)))(params)
 
   step = jax.jit(jax.shard_map(grads, mesh=mesh, in_specs=(P(), P("data")), out_specs=P(),
                                check_vma=False))

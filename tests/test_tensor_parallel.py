@@ -13,7 +13,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import kernels
 from oracles import rel_error
 from tunix_core import model as model_lib
-from tunix_core import tensor_parallel as tp
+from tunix_core.parallel import tensor_parallel as tp
 
 LLAMA = model_lib.ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4,
                               num_kv_heads=4, head_dim=8, mlp_dim=48)

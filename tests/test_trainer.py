@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+import runs
 from tunix_core import data as data_lib
-from tunix_core import config as config_lib
-from tunix_core import step as step_lib
-from tunix_core import train
+from tunix_core.run import loop as train
+from tunix_core.training import config as config_lib
+from tunix_core.training import step as step_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "data", "train.jsonl")
@@ -41,7 +42,8 @@ def test_flagfile_run_on_8_devices_loss_falls_from_ln2(tmp_path):
   flagfile.write_text("\n".join([
       f"--output_dir={tmp_path / 'out'}", f"--train_data={TRAIN}", f"--eval_data={EVAL}",
       "--max_length=40", "--max_prompt_length=20", "--batch_size=16", "--steps=10",
-      "--log_every=1", "--eval_every=10", "--learning_rate=2e-3", "--warmup_steps=2"]) + "\n")
+      "--log_every=1", "--eval_every=10", "--learning_rate=2e-3", "--warmup_steps=2",
+      "--precompute_ref_logps"]) + "\n")
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
              JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, os.path.join(REPO, "trainer.py"),
@@ -49,6 +51,10 @@ def test_flagfile_run_on_8_devices_loss_falls_from_ln2(tmp_path):
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "on 8 cpu device(s)" in proc.stdout
+  # The deprecated flag still works, and says so; the default run saves its last step.
+  assert "--precompute_ref_logps is deprecated; use --reference=precomputed" in proc.stderr
+  assert "reference: precomputed" in proc.stdout
+  assert os.listdir(tmp_path / "out" / "checkpoints") == ["10"]
   rows = _rows(tmp_path / "out")
   train_rows = [r for r in rows if "loss" in r]
   eval_rows = [r for r in rows if "eval/loss" in r]
@@ -66,18 +72,44 @@ def test_flagfile_run_on_8_devices_loss_falls_from_ln2(tmp_path):
 @pytest.mark.slow
 def test_precomputed_reference_matches_in_step_reference(tmp_path):
   a = train.train(_config(tmp_path / "a"), log=lambda *_: None)
-  b = train.train(_config(tmp_path / "b", precompute_ref_logps=True), log=lambda *_: None)
+  b = train.train(_config(tmp_path / "b", reference="precomputed"), log=lambda *_: None)
   la = [r["loss"] for r in _rows(tmp_path / "a")]
   lb = [r["loss"] for r in _rows(tmp_path / "b")]
   np.testing.assert_allclose(lb, la, rtol=1e-5, atol=1e-6)
   cache = os.listdir(tmp_path / "b" / "ref_cache")
   assert len(cache) == 1 and cache[0].startswith("ref_logps_")
   # A second run reuses the cache file (same data, same initial params).
-  train.train(_config(tmp_path / "b", precompute_ref_logps=True, steps=1), log=lambda *_: None)
+  train.train(_config(tmp_path / "b", reference="precomputed", steps=1), log=lambda *_: None)
   assert os.listdir(tmp_path / "b" / "ref_cache") == cache
   chex_params = [a["state"]["params"], b["state"]["params"]]
   for x, y in zip(*map(jax.tree.leaves, chex_params)):
     np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-4, atol=1e-6)
+
+
+def test_every_config_field_is_a_flag_with_its_help_and_the_old_reference_flags_alias():
+  import trainer  # pylint: disable=g-import-not-at-top  (defines the flags)
+  f = trainer.flags.FLAGS
+  helpfull = f.get_help()  # what --helpfull prints
+  squeezed = "".join(helpfull.split())  # absl wraps lines (also at hyphens)
+  for field in dataclasses.fields(config_lib.TrainConfig):
+    assert f"--{field.name}:" in helpfull or f"--[no]{field.name}:" in helpfull
+    assert "".join(field.metadata["help"].split()) in squeezed, field.name
+  try:
+    for argv, want in ((["--reference_free"], "none"),
+                       (["--precompute_ref_logps"], "precomputed"),
+                       (["--reference=precomputed", "--precompute_ref_logps"], "precomputed"),
+                       ([], "step")):
+      lines = []
+      f.unparse_flags()
+      f(["trainer.py", "--output_dir=/tmp/x"] + argv)
+      assert trainer.config_from_flags(warn=lines.append).reference == want
+      assert len(lines) == (want != "step")
+    f.unparse_flags()
+    f(["trainer.py", "--output_dir=/tmp/x", "--reference=step", "--reference_free"])
+    with pytest.raises(config_lib.ConfigError, match="--reference_free contradicts"):
+      trainer.config_from_flags(warn=lambda _: None)
+  finally:
+    f.unparse_flags()
 
 
 @pytest.mark.parametrize("override,message", [
@@ -131,7 +163,7 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path):
     # Plain SGD, so the params after one step show the gradient itself.
     cfg = _config(tmp_path, grad_accum_steps=accum, max_grad_norm=0.0, optimizer="sgd",
                   learning_rate=1.0)
-    trainer = step_lib.StepFunctions(cfg, mesh)
+    trainer = runs.steps(cfg, jax.devices()[:1])
     state = trainer.init_state(jax.random.PRNGKey(0))
     ref = jax.tree.map(jnp.copy, state["params"])
     state, metrics = trainer.train_step(state, ref, trainer.put_batch(batch))
@@ -140,7 +172,7 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path):
 
 
 def test_optimizer_state_is_sharded_one_eighth(tmp_path):
-  trainer = step_lib.StepFunctions(_config(tmp_path), Mesh(np.array(jax.devices()), ("data",)))
+  trainer = runs.steps(_config(tmp_path), jax.devices())
   state = trainer.init_state(jax.random.PRNGKey(0))
   mu = state["opt_state"][0].mu["layers"]["wq"]  # adamw's first moment of one leaf
   full = state["params"]["layers"]["wq"].size
@@ -150,7 +182,7 @@ def test_optimizer_state_is_sharded_one_eighth(tmp_path):
 
 def test_diverged_replicas_are_detected(tmp_path):
   devices = jax.devices()
-  trainer = step_lib.StepFunctions(_config(tmp_path), Mesh(np.array(devices), ("data",)))
+  trainer = runs.steps(_config(tmp_path), devices)
   params = trainer.init_state(jax.random.PRNGKey(0))["params"]
   trainer.check_replicas(params)  # identical copies pass
 
@@ -165,7 +197,7 @@ def test_diverged_replicas_are_detected(tmp_path):
 
 def test_reference_cache_key_follows_every_bit_of_the_reference():
   from tunix_core import model as model_lib  # pylint: disable=g-import-not-at-top
-  from tunix_core import ref_cache  # pylint: disable=g-import-not-at-top
+  from tunix_core.run import ref_cache  # pylint: disable=g-import-not-at-top
   dataset = data_lib.load_dataset(TRAIN, data_lib.ByteTokenizer(), 40, 20)
   params = model_lib.init_params(jax.random.PRNGKey(0), model_lib.preset("tiny"))
   key = ref_cache._data_hash(dataset, params)  # pylint: disable=protected-access

@@ -1,0 +1,176 @@
+"""`--compile_only`: the step plan a run's flags would train, compiled for a target
+topology, and whether it fits, without allocating anything.
+
+The plan is the one `run.loop.train` builds (`training.plan.make_plan`): from the data
+when `--train_data` is given (it is read and encoded, nothing else), else from the
+flags' worst case. With `libtpu` installed, `--target_topology=v5e-8` (or any name in
+`kernels.tpu.TOPOLOGIES`) gives the devices of that TPU slice on any host, even with
+`JAX_PLATFORMS=cpu`; the step is lowered with `jax.ShapeDtypeStruct` inputs sharded on a
+mesh of them and compiled by the real TPU compiler (Pallas kernels included). Nothing is
+initialised or loaded: the params, optimizer state, reference and batch are abstract
+(under `--reference=precomputed` the reference log-probs are an abstract input too),
+and `--hf_model_dir` contributes only its `config.json` and tokenizer. Settings are
+validated against the target's device count, and `impl="auto"` and
+`--compute_dtype=auto` resolve as that platform would run them.
+`--target_topology=local` compiles for this host's devices instead.
+"""
+
+import glob
+import os
+import re
+import tempfile
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kernels import tpu
+from tunix_core import model as model_lib
+from tunix_core.data import packing
+from tunix_core.run import source
+from tunix_core.training import plan as plan_lib
+from tunix_core.training import step as step_lib
+
+GiB = 1 << 30
+
+
+def target_devices(name: str) -> tuple[tpu.Chip | None, list]:
+  """`(chip or None for local devices, devices)` of a `--target_topology`."""
+  if name == "local":
+    return None, jax.devices()
+  if not tpu.has_libtpu():
+    raise RuntimeError("compiling for a TPU topology needs libtpu: pip install "
+                       "'jax[tpu]' (the `tpu` extra)")
+  return tpu.topology_devices(name)
+
+
+def abstract_inputs(steps: step_lib.StepFunctions) -> tuple:
+  """`(state, ref_params, batch)` of `steps.train_step` as sharded ShapeDtypeStructs: the
+  batch with its plan's model rows and head slots (`data.packing`)."""
+  cfg, rows = steps.cfg, steps.plan.rows
+  scalar = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=steps.replicated)
+  state = {"params": steps.abstract_params(), "opt_state": steps.abstract_opt_state(),
+           "step": scalar(()), "nonfinite": scalar((3,))}
+  ref_params = None
+  if steps.plan.reference == "step":
+    ref_params = steps.abstract_params(model_lib.DTYPES[cfg.ref_param_dtype()])
+  groups = cfg.batch_size // rows.pairs
+  shapes = {k: (cfg.batch_size, 2, cfg.max_length)
+            for k in ("tokens", "targets", "loss_mask", "attention_mask")}
+  shapes.update({k: (groups * rows.rows, rows.length) for k in packing.ROW_KEYS})
+  shapes.update({k: (groups * rows.head,) for k in packing.HEAD_KEYS})
+  batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=steps.pairs)
+           for k, shape in shapes.items()}
+  if steps.plan.reference == "precomputed":
+    batch["ref_logps"] = jax.ShapeDtypeStruct(shapes["tokens"], jnp.float32,
+                                              sharding=steps.pairs)
+  return state, ref_params, batch
+
+
+def lower(plan: plan_lib.StepPlan, devices):
+  """`(steps, the train step of `plan` lowered on `devices` with abstract inputs)`."""
+  steps = step_lib.make_steps(plan, devices)
+  with jax.set_mesh(steps.mesh):  # so impl="auto" and the kernel tiles see the target
+    return steps, steps.train_step.lower(*abstract_inputs(steps))
+
+
+def _gib(n: int) -> str:
+  """Bytes in GiB, or MiB below 0.1 GiB, to 3 significant figures."""
+  value, unit = (n / GiB, "GiB") if n >= GiB // 10 else (n / (1 << 20), "MiB")
+  return f"{value:#.3g}".rstrip(".") + f" {unit}"
+
+
+def _allocated_in_hbm(dump_dir: str) -> int | None:
+  """The bytes the compiler's buffer assignment places in device memory (colour 0) for
+  the train step, from the memory-usage report of an XLA dump; None where it has none."""
+  for path in glob.glob(os.path.join(dump_dir, "*train_step*memory-usage-report.txt")):
+    with open(path) as f:
+      found = re.search(r"Memory Space: default \(color=0\)\s*\nTotal bytes: (\d+)", f.read())
+    if found:
+      return int(found.group(1))
+  return None
+
+
+def compile_stats(plan: plan_lib.StepPlan, chip, devices) -> dict:
+  """Compiles `plan`'s train step for `devices` (of `chip`, None for local devices).
+  Returns `{"chip",
+  "devices", "num_params", "error"}` plus, when it compiled, `kernels.tpu.compiled_stats`
+  per device, `"total"` (arguments + outputs not in donated arguments + temporaries as
+  analysed), `"hbm"` (for a TPU target: the bytes the compiler's buffer assignment
+  allocates in HBM, read from an XLA dump into a temporary directory; None where the
+  dump lacks it) and `"need"`, what the fit is judged on: `hbm`, else the compiler's
+  `peak`, else `total`, but never less than the arguments and outputs the caller holds
+  through the step; `"error"` is the compiler's refusal or None.
+
+  Why not `total`: on TPU `temp_size_in_bytes` can exceed the temporaries the buffer
+  assignment allocates (for the 7B FSDP step of the README: 7.25 GiB, against one
+  preallocated block of 5.40 GiB), so the sum overstates what the chip must hold.
+  """
+  out = {"chip": chip, "devices": devices, "error": None}
+  with tempfile.TemporaryDirectory() as dump_dir:
+    try:
+      steps, lowered = lower(plan, devices)
+      out["num_params"] = sum(x.size for x in jax.tree.leaves(steps.param_shapes))
+      with jax.set_mesh(steps.mesh):
+        compiled = lowered.compile({"xla_dump_to": dump_dir} if chip is not None else None)
+    except Exception as e:  # noqa: BLE001 - the compiler's refusal is the answer
+      message = str(e)
+      lines = [l for l in message.splitlines() if "exceeds" in l or "RESOURCE_EXHAUSTED" in l]
+      out["error"] = (lines or message.splitlines() or [""])[0].strip()[:500]
+      return out
+    hbm = _allocated_in_hbm(dump_dir) if chip is not None else None
+  stats = tpu.compiled_stats(compiled)
+  total = stats["argument"] + stats["output"] - stats["alias"] + stats["temp"]
+  held = stats["argument"] + stats["output"] - stats["alias"]
+  out.update(stats, total=total, hbm=hbm, need=max(hbm or stats["peak"] or total, held))
+  return out
+
+
+def plan_for(cfg, devices, log=lambda *_: None) -> plan_lib.StepPlan:
+  """The plan `run.loop.train` would build for `cfg` on `devices`: from the data when
+  `--train_data` is given, else the flags' worst case."""
+  cfg.validate(len(devices))
+  sizes = None
+  if cfg.train_data:
+    splits = [d for d in source.load_data(cfg, log) if d is not None]
+    sizes = plan_lib.data_sizes(cfg, splits)
+  return plan_lib.make_plan(cfg, devices, sizes)
+
+
+def compile_only(cfg, target: str, log=print) -> int:
+  """Compiles the train step `cfg` would run for `target`; logs its plan, per-device
+  memory and the cost analysis. Returns the exit status: 0 if it compiles and fits the
+  chip's HBM, 1 if the compiler refuses it (its message logged) or what it needs
+  (`compile_stats`' "need") exceeds HBM."""
+  chip, devices = target_devices(target)
+  where = f"{target} ({len(devices)} x {devices[0].device_kind})"
+  plan = plan_for(cfg, devices, log)
+  num_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(
+      lambda: model_lib.init_params(jax.random.PRNGKey(0), plan.model))))
+  log(f"compile only: {cfg.hf_model_dir or cfg.model} ({num_params:,} params, "
+      f"{plan.layout}) for {where}")
+  log(plan.describe())
+  stats = compile_stats(plan, chip, devices)
+  if stats["error"] is not None:
+    log(f"does not fit: {stats['error']}")
+    return 1
+  need = stats["need"]
+  log(f"per device: arguments {_gib(stats['argument'])}, outputs {_gib(stats['output'])} "
+      f"({_gib(stats['alias'])} of them in donated arguments), temporaries "
+      f"{_gib(stats['temp'])} as analysed")
+  figures = {"allocated by the compiler's buffer assignment": stats["hbm"],
+             "the compiler's peak": stats["peak"],
+             "arguments + temporaries as analysed": stats["total"]}
+  basis = next((name for name, n in figures.items() if n == need),
+               "the arguments and outputs held through the step")
+  others = [f"{name} {_gib(n)}" for name, n in figures.items() if n and name != basis]
+  fits = chip is None or need <= chip.hbm_bytes
+  log(f"total {_gib(need)} per device" + (f" of {_gib(chip.hbm_bytes)} HBM" if chip else "")
+      + f": {'fits' if fits else 'does not fit'} ({'; '.join([basis] + others)})")
+  log(f"cost analysis per device: {stats['flops']:.4g} flops, "
+      f"{stats['bytes_accessed']:.4g} bytes accessed")
+  if not fits:
+    log(f"does not fit: {_gib(need)} per device exceeds the {_gib(chip.hbm_bytes)} of a "
+        f"{chip.name} chip")
+  return 0 if fits else 1

@@ -1,0 +1,69 @@
+"""A saved step of a run as a Hugging Face directory (`python -m tunix_core.hf export`).
+
+The step's params are restored (and verified against their saved fingerprints) on the
+local devices, whatever device count wrote them; the model config comes from the
+checkpoint's metadata and the tokenizer and config files from the run's
+`--hf_model_dir` (recorded in the metadata; `src_dir` overrides it).
+"""
+
+import dataclasses
+import os
+
+import jax
+
+from tunix_core import hf
+from tunix_core import model as model_lib
+from tunix_core.checkpoints import resume
+from tunix_core.checkpoints import store as checkpoint
+from tunix_core.training import config as config_lib
+from tunix_core.training import plan as plan_lib
+from tunix_core.training import step as step_lib
+
+
+def _known(cls, values: dict) -> dict:
+  """The entries of `values` that are fields of dataclass `cls` (older metadata may
+  lack new fields, which keep their defaults)."""
+  names = {f.name for f in dataclasses.fields(cls)}
+  return {k: v for k, v in values.items() if k in names}
+
+
+def export_step(output_dir: str, out_dir: str, step: int | None = None,
+                dtype: str = "bfloat16", src_dir: str | None = None, log=print) -> int:
+  """Writes step `step` (default: the newest) of the run in `output_dir` to `out_dir`;
+  returns the step. Raises `checkpoint.CheckpointError` for a missing or damaged step."""
+  ckpt = checkpoint.Checkpointer(os.path.join(output_dir, "checkpoints"), async_save=False)
+  try:
+    available = ckpt.steps()
+    if not available:
+      raise checkpoint.CheckpointError(f"{ckpt.directory} holds no complete checkpoint")
+    step = available[-1] if step is None else step
+    if step not in available:
+      raise checkpoint.CheckpointError(f"{ckpt.directory} has no step {step}; it has "
+                                       f"{available}")
+    meta = ckpt.read_meta(step)
+    cfg = config_lib.TrainConfig(**_known(config_lib.TrainConfig, meta["config"]))
+    mcfg = model_lib.ModelConfig(**_known(model_lib.ModelConfig, meta["model_config"]))
+    # The params restore the same under any plan of this model: plan a one-step,
+    # data-free run on the local devices (ZeRO-1 without TP holds logical arrays).
+    devices = jax.devices()
+    plan_cfg = dataclasses.replace(
+        cfg, model_parallel=1, fsdp=False, compile_only=True, train_data="", eval_data="",
+        eval_every=0, check_replicas_every=0, batch_size=len(devices), grad_accum_steps=1)
+    steps = step_lib.make_steps(plan_lib.make_plan(plan_cfg, devices, model_config=mcfg),
+                                devices)
+    state = resume.restore_state(steps, ckpt, step, meta)
+    _, bad = resume.verify(steps, state, meta, params_only=True)
+    if bad:
+      raise checkpoint.CheckpointError(f"step {step} fails verification: {len(bad)} arrays "
+                                       f"differ, e.g. {bad[0]}")
+  finally:
+    ckpt.close(quiet=True)
+  src_dir = src_dir or meta.get("source", {}).get("hf_model_dir")
+  if src_dir and not os.path.isdir(src_dir):
+    log(f"warning: {src_dir} is gone; exporting without its tokenizer files")
+    src_dir = None
+  hf.save_params(steps.logical_params(state["params"]), mcfg, out_dir, src_dir=src_dir, dtype=dtype)
+  log(f"exported step {step} of {output_dir} to {out_dir} ({dtype}"
+      + (f", tokenizer and config from {src_dir})" if src_dir else ")"))
+  return step
+

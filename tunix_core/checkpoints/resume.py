@@ -1,0 +1,155 @@
+"""Resuming: find the newest usable checkpoint step, check it and restore it on this mesh.
+
+A step is usable when its metadata reads back, it was written by the same model and
+run settings (`config.RESUME_FIELDS`), its arrays restore, and (with
+`--verify_checkpoint`, the default) their fingerprints, recomputed on device, equal the
+saved ones. Under `--resume=auto` an unusable step is moved aside and the next older one
+is tried; under `--resume=required` it is an error.
+"""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+
+from tunix_core.checkpoints.store import Checkpointer
+from tunix_core.checkpoints.store import CheckpointError
+from tunix_core.checkpoints.store import fingerprints
+from tunix_core.parallel import layout as layout_lib
+from tunix_core.parallel import zero
+from tunix_core.training import config as config_lib
+
+
+def config_mismatch(saved: dict, current: dict, fields) -> str | None:
+  """A message naming the first field in `fields` whose saved value differs, or None."""
+  current = json.loads(json.dumps(current))  # as the metadata stores it: tuples as lists
+  for field in fields:
+    if field in saved and saved[field] != current.get(field):
+      return (f"checkpoint was written with {field}={saved[field]!r} but this run has "
+              f"{field}={current.get(field)!r}")
+  return None
+
+
+def _saved_layout(steps, meta: dict):
+  """The cut of the optimizer state the checkpoint described by `meta` was written in
+  (older checkpoints carry no "layout" and no "model_parallel": they are ZeRO-1 without
+  TP)."""
+  return layout_lib.make(
+      steps.mcfg, steps.tx, data_shards=meta["num_shards"],
+      model_parallel=meta.get("model_parallel", 1), fsdp=meta.get("layout") == "fsdp",
+      bucket_bytes=int(steps.cfg.bucket_mb * 2**20)).cut
+
+
+def same_layout(steps, meta: dict) -> bool:
+  return (meta["num_shards"] == steps.num_devices
+          and meta.get("model_parallel", 1) == steps.model_parallel
+          and meta.get("layout", "zero1") == steps.layout.name)
+
+
+def restore_state(steps, ckpt: Checkpointer, step: int, meta: dict) -> dict:
+  """The train state at `step` (whose metadata is `meta`), placed on the mesh of `steps`
+  (a `step.StepFunctions`) in its layout. Params are saved as logical arrays and restored
+  into `steps.logical_shardings()` (split under FSDP) before they are cut; the optimizer
+  state is re-cut when it was saved for another device count or layout (FSDP or not,
+  --model_parallel)."""
+  old = _saved_layout(steps, meta)
+  divides = old.num_shards % steps.mesh.size == 0
+  opt_abstract = zero.abstract_opt_state(old, steps.tx,
+                                         steps.rows if divides else steps.replicated)
+  params_abstract = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      steps.param_shapes, steps.logical_shardings())
+  restored = ckpt.restore(step, {"params": params_abstract, "opt_state": opt_abstract})
+  opt_state = restored["opt_state"]
+  if not same_layout(steps, meta):
+    opt_state = jax.jit(lambda s: zero.relayout_opt_state(s, old, steps.layout.cut),
+                        out_shardings=steps.rows)(opt_state)
+  return {"params": steps.place_params(restored["params"]), "opt_state": opt_state,
+          "step": jax.device_put(jnp.asarray(step, jnp.int32), steps.replicated),
+          "nonfinite": steps.put_nonfinite(meta.get("nonfinite", [0, 0, 0]))}
+
+
+def verify(steps, state: dict, meta: dict, params_only: bool = False
+           ) -> tuple[int, list[str]]:
+  """Recomputes the fingerprints of the restored `state` and compares them with the
+  saved ones: `(arrays checked, paths that differ)`. Params are compared as the logical
+  arrays they were saved as; the optimizer state only when it was restored in the
+  layout it was saved in (and not `params_only`)."""
+  tree = {"params": steps.logical_params(state["params"])}
+  if same_layout(steps, meta) and not params_only:
+    tree["opt_state"] = state["opt_state"]
+  got = fingerprints(tree)
+  want = meta["fingerprints"]
+  return len(got), [k for k in got if got[k] != want.get(k)]
+
+
+class _Unusable(Exception):
+  """A step that cannot be resumed from: unreadable, or failing verification."""
+
+
+def _unreadable(e: Exception) -> _Unusable:
+  return _Unusable(f"is unreadable ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+
+
+def _load(steps, ckpt: Checkpointer, step: int, cfg, log, source: dict
+          ) -> tuple[dict, dict]:
+  """`(state, meta)` of `step`, checked; `_Unusable` if damaged, `ConfigError` if it was
+  written by a different run configuration."""
+  try:
+    meta = ckpt.read_meta(step)
+  except Exception as e:  # noqa: BLE001 - Orbax raises many kinds on a damaged step
+    raise _unreadable(e) from None
+  mcfg = steps.mcfg
+  mismatch = (config_mismatch(meta["model_config"], dataclasses.asdict(mcfg),
+                              [f.name for f in dataclasses.fields(mcfg)])
+              or config_mismatch(meta["config"], dataclasses.asdict(cfg),
+                                 config_lib.RESUME_FIELDS)
+              or config_mismatch(meta.get("source", {}), source, ("hf_fingerprint",)))
+  if mismatch:
+    raise config_lib.ConfigError(f"cannot resume from step {step}: {mismatch}")
+  try:
+    state = restore_state(steps, ckpt, step, meta)
+  except Exception as e:  # noqa: BLE001
+    raise _unreadable(e) from None
+  if cfg.verify_checkpoint:
+    n, bad = verify(steps, state, meta)
+    if bad:
+      raise _Unusable(f"fails verification: {len(bad)} arrays differ, e.g. {bad[0]}")
+    log(f"checkpoint step {step}: {n} array fingerprints verified")
+  return state, meta
+
+
+def resume(steps, ckpt: Checkpointer, cfg, log, source: dict | None = None
+           ) -> tuple[dict | None, dict | None]:
+  """`(state, meta)` of the checkpoint `cfg.resume` says to resume from, on the mesh of
+  `steps`, or `(None, None)` for a fresh start.
+
+  Steps are tried newest first. Under "auto" a step that is unreadable or fails
+  verification is reported in one line, moved aside (`Checkpointer.reject`) and the next
+  older one is tried; under "required" it is a `CheckpointError`. A step written by a
+  different configuration (or, per `source`, from different pretrained weights) is a
+  `ConfigError` in either mode.
+  """
+  existing = ckpt.steps()
+  if cfg.resume == "never":
+    if existing:
+      raise config_lib.ConfigError(
+          f"--resume=never but {ckpt.directory} already holds checkpoints (steps "
+          f"{existing}); use --resume=auto or another --output_dir")
+    return None, None
+  for step in reversed(existing):
+    try:
+      state, meta = _load(steps, ckpt, step, cfg, log, source or {})
+    except _Unusable as e:
+      msg = f"checkpoint step {step} in {ckpt.directory} {e}"
+      if cfg.resume == "required":
+        raise CheckpointError(msg) from None
+      log(f"{msg}; moved aside to {ckpt.reject(step)}; trying the previous step")
+      continue
+    log(f"resumed from step {step} ({ckpt.directory}), data position {meta['data_state']}")
+    return state, meta
+  if cfg.resume == "required":
+    raise CheckpointError(f"--resume=required but {ckpt.directory} holds no complete "
+                          "checkpoint")
+  return None, None

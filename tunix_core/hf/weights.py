@@ -1,0 +1,234 @@
+"""Hugging Face checkpoints in and out: `config.json` to `ModelConfig`, safetensors to the
+params pytree and back.
+
+`model_type`s "llama" (Llama 2, 3, 3.x), "mistral", "qwen2", "qwen3", "gemma", "gemma2",
+"gemma3_text" and the text part of "gemma3" (`tunix_core.hf_config` reads their configs);
+anything else is a named `HFError`, never a silent approximation. `safetensors`,
+`tokenizers` and `jinja2` are imported lazily (the `hf` extra), `gguf` too.
+
+Layouts: HF `Linear` weights are `[out, in]`; ours are `[in, out]` with layers stacked on
+a leading `[L]` axis, so every projection is transposed on the way in and out. Norm
+weights are stored as the checkpoint has them (Gemma's centred on 0, `norm_offset=1`).
+"""
+
+import contextlib
+import functools
+import json
+import os
+import shutil
+
+import numpy as np
+
+from tunix_core import model as model_lib
+from tunix_core.hf import config as hf_config
+
+HFError = hf_config.HFError
+
+PREFIX = "model."
+# Our per-layer leaf -> (HF name under `model.layers.{i}.`, transposed).
+LAYER_TENSORS = {
+    "attn_norm": ("input_layernorm.weight", False),
+    "wq": ("self_attn.q_proj.weight", True),
+    "wk": ("self_attn.k_proj.weight", True),
+    "wv": ("self_attn.v_proj.weight", True),
+    "wo": ("self_attn.o_proj.weight", True),
+    "mlp_norm": ("post_attention_layernorm.weight", False),
+    "w_gate": ("mlp.gate_proj.weight", True),
+    "w_up": ("mlp.up_proj.weight", True),
+    "w_down": ("mlp.down_proj.weight", True),
+}
+# Present only when the config asks for them.
+BIAS_TENSORS = {"bq": ("self_attn.q_proj.bias", False), "bk": ("self_attn.k_proj.bias", False),
+                "bv": ("self_attn.v_proj.bias", False)}
+QK_NORM_TENSORS = {"q_norm": ("self_attn.q_norm.weight", False),
+                   "k_norm": ("self_attn.k_norm.weight", False)}
+# Gemma 2 / 3 norm both sides of each block; their `post_attention_layernorm` is the
+# attention's output norm, and the MLP's input norm is `pre_feedforward_layernorm`.
+POST_NORM_TENSORS = {"post_attn_norm": ("post_attention_layernorm.weight", False),
+                     "mlp_norm": ("pre_feedforward_layernorm.weight", False),
+                     "post_mlp_norm": ("post_feedforward_layernorm.weight", False)}
+# Tensors of a multimodal checkpoint's other towers, which a text model leaves alone.
+OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                "model.multi_modal_projector.")
+SHARD_BYTES = 5 << 30  # `save_params` splits files above this, as `transformers` does
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "generation_config.json", "tokenizer.model")
+
+
+def _canonical(name: str) -> str:
+  """A tensor name with the prefixes checkpoints vary in reduced to `model.`."""
+  for prefix in ("model.language_model.", "language_model.model.", "model."):
+    if name.startswith(prefix):
+      return PREFIX + name[len(prefix):]
+  return name if name.startswith("lm_head.") else PREFIX + name
+
+
+def _tensor_files(model_dir: str) -> dict:
+  """`{canonical name: (file path, stored name)}` of a single-file or index-sharded
+  safetensors checkpoint, other towers of a multimodal one left out."""
+  index = os.path.join(model_dir, "model.safetensors.index.json")
+  if os.path.isfile(index):
+    with open(index) as f:
+      names = {name: os.path.join(model_dir, file)
+               for name, file in json.load(f)["weight_map"].items()}
+  else:
+    single = os.path.join(model_dir, "model.safetensors")
+    if not os.path.isfile(single):
+      raise HFError(f"{model_dir} has neither model.safetensors nor "
+                    "model.safetensors.index.json")
+    from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+    with safe_open(single, framework="numpy") as f:
+      names = {name: single for name in f.keys()}
+  return {_canonical(name): (path, name) for name, path in names.items()
+          if not name.startswith(OTHER_TOWERS)}
+
+
+def _leaf_shapes(cfg) -> dict:
+  import jax  # pylint: disable=g-import-not-at-top
+  shapes = jax.eval_shape(lambda: model_lib.init_params(jax.random.PRNGKey(0), cfg))
+  return {tuple(k.key for k in path): leaf.shape
+          for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]}
+
+
+def expected_tensors(cfg: model_lib.ModelConfig, shapes: dict | None = None) -> dict:
+  """`{HF tensor name: (our leaf path, layer index or None, transposed, HF shape)}`;
+  `shapes` is `_leaf_shapes(cfg)` when the caller has it."""
+  shapes = shapes or _leaf_shapes(cfg)
+  out = {PREFIX + "embed_tokens.weight": (("embed",), None, False, shapes[("embed",)]),
+         PREFIX + "norm.weight": (("final_norm",), None, False, shapes[("final_norm",)])}
+  if not cfg.tie_embeddings:
+    out["lm_head.weight"] = (("lm_head",), None, True, shapes[("lm_head",)][::-1])
+  layer_tensors = {**LAYER_TENSORS, **(BIAS_TENSORS if cfg.qkv_bias else {}),
+                   **(QK_NORM_TENSORS if cfg.qk_norm else {}),
+                   **(POST_NORM_TENSORS if cfg.post_norms else {})}
+  for leaf, (name, transposed) in layer_tensors.items():
+    per_layer = shapes[("layers", leaf)][1:]
+    for i in range(cfg.num_layers):
+      out[f"{PREFIX}layers.{i}.{name}"] = (("layers", leaf), i, transposed,
+                                          per_layer[::-1] if transposed else per_layer)
+  return out
+
+
+def load_params(model_dir: str, cfg: model_lib.ModelConfig, *, dtype=None,
+                shardings=None) -> dict:
+  """The params pytree of `cfg` from an HF directory's safetensors.
+
+  Args:
+    model_dir: directory with `model.safetensors` or `model.safetensors.index.json`.
+    cfg: its `ModelConfig` (`read_config`).
+    dtype: dtype of the returned leaves (default `cfg.param_dtype`).
+    shardings: optional pytree of `jax.sharding.Sharding`s with the params' structure;
+      each leaf is then placed with `jax.make_array_from_callback`, each device's
+      block read from the files alone (sliced before it is read).
+
+  Tensors are read from the memory-mapped files one stacked leaf (or, with `shardings`,
+  one device's block of it) at a time, so the host holds at most that beyond the files'
+  page cache. A missing, unexpected or
+  mis-shaped tensor is an `HFError` naming it (a tied checkpoint that also stores
+  `lm_head.weight` is accepted, the copy ignored).
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+  files = _tensor_files(model_dir)
+  shapes = _leaf_shapes(cfg)
+  wanted = expected_tensors(cfg, shapes)
+  extra = sorted(set(files) - set(wanted) - ({"lm_head.weight"} if cfg.tie_embeddings else set()))
+  missing = sorted(set(wanted) - set(files))
+  if missing or extra:
+    raise HFError(f"{model_dir} does not match its config: missing {missing[:5]}, "
+                  f"unexpected {extra[:5]}")
+  dtype = np.dtype(model_lib.DTYPES[cfg.param_dtype] if dtype is None else dtype)
+  by_leaf = {}
+  for name, (leaf, layer, transposed, shape) in wanted.items():
+    by_leaf.setdefault(leaf, []).append((layer or 0, name, transposed))
+  params = {}
+  with contextlib.ExitStack() as stack:
+    handles = {}
+
+    def tensor(name):
+      """The lazily sliceable tensor `name`: only what is indexed is read."""
+      path, stored = files[name]
+      if path not in handles:
+        handles[path] = stack.enter_context(safe_open(path, framework="numpy"))
+      return handles[path].get_slice(stored)
+
+    for name, (_, _, _, shape) in wanted.items():  # headers only
+      if tuple(tensor(name).get_shape()) != tuple(shape):
+        raise HFError(f"tensor {name} has shape {tuple(tensor(name).get_shape())}, "
+                      f"expected {tuple(shape)}")
+    for leaf, tensors in by_leaf.items():
+      tensors = [(name, transposed) for _, name, transposed in sorted(tensors)]
+      stacked = wanted[tensors[0][0]][1] is not None
+      read = functools.partial(_read_block, tensor, tensors, stacked, len(shapes[leaf]), dtype)
+      node = params
+      for key in leaf[:-1]:
+        node = node.setdefault(key, {})
+      if shardings is None:
+        node[leaf[-1]] = jax.numpy.asarray(read(()))
+      else:
+        sharding = shardings
+        for key in leaf:
+          sharding = sharding[key]
+        node[leaf[-1]] = jax.make_array_from_callback(shapes[leaf], sharding, read)
+  return params
+
+
+def _read_block(tensor, tensors, stacked: bool, ndim: int, dtype, index) -> np.ndarray:
+  """Block `index` (a tuple of slices, as `make_array_from_callback` passes it) of one
+  of our leaves, read from its HF tensors (`[(name, transposed)]`, in layer order when
+  `stacked`): each HF tensor is sliced before it is read, so a device's block costs only
+  its own bytes."""
+  index = tuple(index) + (slice(None),) * (ndim - len(index))
+  layers, index = (range(len(tensors))[index[0]], index[1:]) if stacked else ([0], index)
+  blocks = []
+  for i in layers:
+    name, transposed = tensors[i]
+    block = tensor(name)[index[::-1] if transposed else index]
+    blocks.append(block.T if transposed else block)
+  return (np.stack(blocks) if stacked else blocks[0]).astype(dtype, copy=False)
+
+
+def save_params(params: dict, cfg: model_lib.ModelConfig, out_dir: str, *, src_dir=None,
+                dtype="bfloat16", shard_bytes=SHARD_BYTES) -> None:
+  """Writes `params` as an HF directory: safetensors with HF names and `[out, in]`
+  layouts (`metadata={"format": "pt"}`), split with an index above `shard_bytes`;
+  `config.json` (the source's, updated, when `src_dir` has one); and whichever tokenizer
+  and generation files `src_dir` has. `dtype` is the stored dtype ("bfloat16",
+  "float32"). Each tensor is copied to the host on its own, so the host never holds
+  the model twice."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  np_dtype = np.dtype(model_lib.DTYPES[dtype])
+  os.makedirs(out_dir, exist_ok=True)
+  shards, current, size = [], {}, 0
+  for name, (leaf, layer, transposed, _) in expected_tensors(cfg).items():
+    value = params
+    for key in leaf:
+      value = value[key]
+    value = np.asarray(jax.device_get(value[layer] if layer is not None else value))
+    value = np.ascontiguousarray((value.T if transposed else value).astype(np_dtype))
+    if current and size + value.nbytes > shard_bytes:
+      shards.append(current)
+      current, size = {}, 0
+    current[name] = value
+    size += value.nbytes
+  shards.append(current)
+  names = (["model.safetensors"] if len(shards) == 1 else
+           [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+  for file, tensors in zip(names, shards):
+    save_file(tensors, os.path.join(out_dir, file), metadata={"format": "pt"})
+  if len(shards) > 1:
+    index = dict(metadata=dict(total_size=sum(v.nbytes for t in shards for v in t.values())),
+                 weight_map={name: file for file, t in zip(names, shards) for name in t})
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+      json.dump(index, f, indent=2)
+  config = hf_config.hf_config(cfg, dtype)
+  if src_dir and os.path.isfile(os.path.join(src_dir, "config.json")):
+    with open(os.path.join(src_dir, "config.json")) as f:
+      config = hf_config.merged_config(json.load(f), config)
+  with open(os.path.join(out_dir, "config.json"), "w") as f:
+    json.dump(config, f, indent=2)
+  for file in TOKENIZER_FILES:
+    if src_dir and os.path.isfile(os.path.join(src_dir, file)):
+      shutil.copy(os.path.join(src_dir, file), os.path.join(out_dir, file))
+

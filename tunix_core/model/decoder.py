@@ -1,0 +1,289 @@
+"""A decoder-only transformer as pure functions over a params pytree.
+
+Token embedding, RMSNorm, rotary position embeddings, grouped-query attention and a
+gated MLP, with the per-family options of `ModelConfig` (Llama, Mistral, Qwen2, Qwen3,
+Gemma 1/2/3; see `tunix_core.model_config`). Layers are stacked along a leading axis and
+run with `lax.scan`; what differs between layers (sliding window or not, Gemma 3's local
+rope) travels through the scan as arrays built from the config, not as Python branches.
+The forward pass stops at the final norm: it returns hidden states `[B, T, D]` and the LM
+head is applied by `kernels.fused_logprobs`, so no `[B, T, V]` logits exist here (`logits`
+builds them, for evaluation and tests only).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from kernels import attention as attention_lib
+from tunix_core.model import config as model_config
+
+# The config lives in its own module; these names are part of this module's API.
+ModelConfig = model_config.ModelConfig
+RematPolicy = model_config.RematPolicy
+DTYPES = model_config.DTYPES
+ROPE_TYPES = model_config.ROPE_TYPES
+MLP_ACTIVATIONS = model_config.MLP_ACTIVATIONS
+LAYER_TYPES = model_config.LAYER_TYPES
+REMAT_POLICIES = model_config.REMAT_POLICIES
+PRESETS = model_config.PRESETS
+preset = model_config.preset
+
+
+def _layer_leaves(cfg: ModelConfig) -> dict:
+  """`{per-layer leaf: (shape without [L], PartitionSpec without L given model axis m)}`."""
+  D, F = cfg.d_model, cfg.mlp_dim
+  q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  leaves = {"attn_norm": ((D,), "norm"), "wq": ((D, q_dim), "col"),
+            "wk": ((D, kv_dim), "col"), "wv": ((D, kv_dim), "col"),
+            "wo": ((q_dim, D), "row"), "mlp_norm": ((D,), "norm"),
+            "w_gate": ((D, F), "col"), "w_up": ((D, F), "col"), "w_down": ((F, D), "row")}
+  if cfg.qkv_bias:
+    leaves.update(bq=((q_dim,), "bias"), bk=((kv_dim,), "bias"), bv=((kv_dim,), "bias"))
+  if cfg.qk_norm:
+    leaves.update(q_norm=((cfg.head_dim,), "norm"), k_norm=((cfg.head_dim,), "norm"))
+  if cfg.post_norms:
+    leaves.update(post_attn_norm=((D,), "norm"), post_mlp_norm=((D,), "norm"))
+  return leaves
+
+
+def init_params(key: jax.Array, cfg: ModelConfig) -> dict:
+  """Random params: normal(0, 1/sqrt(fan_in)) matrices, zero biases, norm scales that
+  multiply by one (1, or 0 under Gemma's `norm_offset=1`).
+
+  Layer weights carry a leading `[L]` axis so the forward can scan over layers.
+  """
+  dtype = DTYPES[cfg.param_dtype]
+  L, D = cfg.num_layers, cfg.d_model
+  leaves = _layer_leaves(cfg)
+  keys = iter(jax.random.split(key, len(leaves) + 2))
+
+  def dense(shape, fan_in):
+    return (jax.random.normal(next(keys), shape, jnp.float32) / jnp.sqrt(fan_in)).astype(dtype)
+
+  def leaf(shape, kind):
+    if kind == "norm":
+      return jnp.full((L,) + shape, 1.0 - cfg.norm_offset, dtype)
+    if kind == "bias":
+      return jnp.zeros((L,) + shape, dtype)
+    return dense((L,) + shape, shape[0])
+
+  params = {"embed": dense((cfg.vocab_size, D), 1.0),
+            "layers": {name: leaf(*spec) for name, spec in leaves.items()},
+            "final_norm": jnp.full((D,), 1.0 - cfg.norm_offset, dtype)}
+  if not cfg.tie_embeddings:
+    params["lm_head"] = dense((D, cfg.vocab_size), D)
+  return params
+
+
+def param_specs(cfg: ModelConfig, model_axis: str | None = None) -> dict:
+  """`PartitionSpec`s with the structure of `init_params(key, cfg)`.
+
+  With `model_axis=None` every param is replicated (pure data parallelism). With a
+  mesh axis name, attention heads, MLP columns and the vocabulary are split over it
+  Megatron-style; norm scales stay replicated.
+  """
+  m = model_axis
+  by_kind = {"norm": P(None, None), "bias": P(None, m), "col": P(None, None, m),
+             "row": P(None, m, None)}
+  specs = {"embed": P(m, None),
+           "layers": {name: by_kind[kind] for name, (_, kind) in _layer_leaves(cfg).items()},
+           "final_norm": P(None)}
+  if not cfg.tie_embeddings:
+    specs["lm_head"] = P(None, m)
+  return specs
+
+
+def lm_head(params: dict, cfg: ModelConfig) -> jax.Array:
+  """The `[D, V]` output projection (the transposed embedding when tied)."""
+  return params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+
+
+def rms_norm(x_BxTxD: jax.Array, scale_D: jax.Array, eps: float, offset: float = 0.0
+             ) -> jax.Array:
+  """RMSNorm in float32, scaled by `offset + scale_D` before the cast back (as Gemma
+  and Llama both do in float32)."""
+  x = x_BxTxD.astype(jnp.float32)
+  x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+  return (x * (offset + scale_D.astype(jnp.float32))).astype(x_BxTxD.dtype)
+
+
+def rope_frequencies(cfg: ModelConfig, local: bool = False) -> np.ndarray:
+  """Float32 `[head_dim / 2]` rotary frequencies: `cfg.rope_type`'s scaling of
+  `rope_theta`, or for a local (sliding) layer with `rope_local_theta` set, that theta
+  unscaled."""
+  half = cfg.head_dim // 2
+  theta = cfg.rope_local_theta if local and cfg.rope_local_theta else cfg.rope_theta
+  freqs_K = (theta ** (-np.arange(half, dtype=np.float64) * 2 / cfg.head_dim)
+             ).astype(np.float32)
+  if local and cfg.rope_local_theta or cfg.rope_type == "default":
+    return freqs_K
+  if cfg.rope_type == "linear":
+    return freqs_K / np.float32(cfg.rope_factor)
+  wavelen_K = 2 * np.pi / freqs_K
+  low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+  orig = cfg.rope_original_max_positions
+  smooth_K = (orig / wavelen_K - low) / (high - low)
+  blended_K = (1 - smooth_K) * freqs_K / cfg.rope_factor + smooth_K * freqs_K
+  return np.where(wavelen_K > orig / low, freqs_K / cfg.rope_factor,
+                  np.where(wavelen_K < orig / high, freqs_K, blended_K)).astype(np.float32)
+
+
+def layer_settings(cfg: ModelConfig) -> dict:
+  """What differs between layers, as arrays scanned with the layer params:
+  `window` int32 `[L]` (keys each query may see; 0: all) and `freqs` float32
+  `[L, head_dim / 2]` (rotary frequencies). Constants, not params."""
+  sliding = cfg.sliding_layers()
+  return {"window": np.array([cfg.sliding_window if s else 0 for s in sliding], np.int32),
+          "freqs": np.stack([rope_frequencies(cfg, local=s) for s in sliding])}
+
+
+def apply_rope(x_BxTxHxK: jax.Array, positions_BxT: jax.Array, freqs_K: jax.Array
+               ) -> jax.Array:
+  """Rotary embedding on the last axis, rotating its two halves against each other."""
+  angles_BxTxK = positions_BxT[..., None].astype(jnp.float32) * freqs_K
+  sin, cos = jnp.sin(angles_BxTxK)[:, :, None, :], jnp.cos(angles_BxTxK)[:, :, None, :]
+  x1, x2 = jnp.split(x_BxTxHxK.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxTxHxK.dtype)
+
+
+def softcap(x: jax.Array, cap: float) -> jax.Array:
+  """`cap * tanh(x / cap)`; the identity for `cap == 0`."""
+  return cap * jnp.tanh(x / cap) if cap else x
+
+
+def attention(x_BxTxD, layer, setting, positions_BxT, mask_BxT, cfg: ModelConfig,
+              segments_BxT=None, branches_BxT=None, band: int | None = None):
+  """Causal grouped-query attention; keys where `mask_BxT` is 0 are never attended, nor
+  keys `setting["window"]` or more positions back (when it is not 0), nor keys of another
+  segment or response branch (`kernels.attention.Visibility`). On TPU the flash kernels
+  run it when they can (`cfg.attention_impl`, `kernels.attention`)."""
+  B, T, D = x_BxTxD.shape
+  H, KV, K = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  # Matmuls on `[B * T, D]`: XLA:CPU runs the weight gradients of 3-D dots (two
+  # contracting dims) at half the speed of the 2-D ones.
+  x_NxD = x_BxTxD.reshape(B * T, D)
+  q, k, v = x_NxD @ layer["wq"], x_NxD @ layer["wk"], x_NxD @ layer["wv"]
+  if cfg.qkv_bias:
+    q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
+  q_BxTxHxK, k_BxTxVxK = q.reshape(B, T, H, K), k.reshape(B, T, KV, K)
+  v_BxTxVxK = v.reshape(B, T, KV, K)
+  if cfg.qk_norm:
+    q_BxTxHxK = rms_norm(q_BxTxHxK, layer["q_norm"], cfg.norm_eps, cfg.norm_offset)
+    k_BxTxVxK = rms_norm(k_BxTxVxK, layer["k_norm"], cfg.norm_eps, cfg.norm_offset)
+  q_BxTxHxK = apply_rope(q_BxTxHxK, positions_BxT, setting["freqs"])
+  k_BxTxVxK = apply_rope(k_BxTxVxK, positions_BxT, setting["freqs"])
+  scale = (cfg.query_pre_attn_scalar or K) ** -0.5
+  impl = attention_lib.resolve(cfg.attention_impl, T, bool(cfg.sliding_window),
+                               cfg.attn_softcap, branches_BxT is not None)
+  if impl == "pallas":
+    ids_BxT = mask_BxT if segments_BxT is None else segments_BxT * (mask_BxT > 0)
+    out_BxTxHxK = attention_lib.flash_causal_attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK,
+                                                       ids_BxT, scale)
+    return (out_BxTxHxK.reshape(B * T, H * K) @ layer["wo"]).reshape(B, T, -1)
+  vis = attention_lib.Visibility(positions_BxT, mask_BxT, segments_BxT, branches_BxT, band)
+  out_BxTxHK = attention_lib.xla_attention(
+      q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis, scale, cfg.attn_softcap,
+      setting["window"] if cfg.sliding_window else 0)
+  return (out_BxTxHK.reshape(B * T, H * K) @ layer["wo"]).reshape(B, T, -1)
+
+
+def mlp(x_BxTxD, layer, cfg: ModelConfig):
+  """The gated MLP, its matmuls on `[B * T, D]` (as in `attention`)."""
+  x_NxD = x_BxTxD.reshape(-1, x_BxTxD.shape[-1])
+  gate = x_NxD @ layer["w_gate"]
+  gate = (jax.nn.silu(gate) if cfg.mlp_activation == "silu"
+          else jax.nn.gelu(gate, approximate=True))
+  return ((gate * (x_NxD @ layer["w_up"])) @ layer["w_down"]).reshape(x_BxTxD.shape[:-1] + (-1,))
+
+
+def embed(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig) -> jax.Array:
+  """Token embeddings `[B, T, D]` in the compute dtype; Gemma's sqrt(d_model) factor is
+  rounded to the param dtype and applied in it, as `transformers` does."""
+  x_BxTxD = params["embed"][tokens_BxT]
+  if cfg.embed_scale:
+    x_BxTxD = x_BxTxD * jnp.asarray(np.sqrt(np.float32(cfg.d_model)), x_BxTxD.dtype)
+  return x_BxTxD.astype(DTYPES[cfg.compute_dtype])
+
+
+def default_positions(mask_BxT: jax.Array) -> jax.Array:
+  """Rope positions of padded rows: the count of real tokens before each position."""
+  return jnp.maximum(jnp.cumsum(mask_BxT, axis=-1) - 1, 0)
+
+
+def forward(params: dict, tokens_BxT: jax.Array, mask_BxT: jax.Array | None,
+            cfg: ModelConfig, gather_layer=None, *, positions_BxT=None, segments_BxT=None,
+            branches_BxT=None, band: int | None = None) -> jax.Array:
+  """Final hidden states `[B, T, D]` in the compute dtype.
+
+  Args:
+    params: pytree from `init_params`; differentiable.
+    tokens_BxT: int32 token ids.
+    mask_BxT: 1 for real tokens, 0 for padding (left or right); None means all real.
+      Padding keys are never attended to and positions count real tokens only, so the
+      hidden states of real tokens do not depend on how much padding surrounds them.
+    cfg: the model config.
+    gather_layer: FSDP (`tunix_core.fsdp`): maps the scanned slice of
+      `params["layers"]` (a device's pieces of one layer) to that layer's full params.
+      The layer is then rematerialised with a policy that never saves the gathered
+      weights (`--remat=none` saves every matmul output instead of everything), so the
+      backward gathers it again rather than keeping every layer alive.
+    positions_BxT, segments_BxT, branches_BxT, band: packed rows (`tunix_core.packing`):
+      explicit rope positions (default: counting real tokens), segment ids and response
+      branch ids of `kernels.attention.Visibility`, and its static band.
+  """
+  return decoder(params, embed(params, tokens_BxT, cfg), mask_BxT, cfg, gather_layer,
+                 positions_BxT=positions_BxT, segments_BxT=segments_BxT,
+                 branches_BxT=branches_BxT, band=band)
+
+
+def decoder(params: dict, x_BxTxD: jax.Array, mask_BxT: jax.Array | None, cfg: ModelConfig,
+            gather_layer=None, *, positions_BxT=None, segments_BxT=None, branches_BxT=None,
+            band: int | None = None, layer_cfg: ModelConfig | None = None,
+            enter=lambda h: h, leave=lambda h: h) -> jax.Array:
+  """`forward` after the embedding `x_BxTxD`: the layer scan and the final norm. Tensor
+  parallelism (`tunix_core.tensor_parallel`) passes the shapes of one device's slices as
+  `layer_cfg` and the ops around each attention and MLP block: `enter` on its input,
+  `leave` on its output; `cfg` stays the global config."""
+  if mask_BxT is None:
+    mask_BxT = jnp.ones(x_BxTxD.shape[:2], jnp.int32)
+  if positions_BxT is None:
+    positions_BxT = default_positions(mask_BxT)
+  compute, lcfg = DTYPES[cfg.compute_dtype], layer_cfg or cfg
+  eps, offset = cfg.norm_eps, cfg.norm_offset
+  visibility = dict(segments_BxT=segments_BxT, branches_BxT=branches_BxT, band=band)
+
+  def layer_fn(x_BxTxD, layer_and_setting):
+    layer, setting = layer_and_setting
+    if gather_layer is not None:
+      layer = gather_layer(layer)
+    layer = jax.tree.map(lambda w: w.astype(compute), layer)
+    h = enter(rms_norm(x_BxTxD, layer["attn_norm"], eps, offset))
+    h = leave(attention(h, layer, setting, positions_BxT, mask_BxT, lcfg, **visibility))
+    if cfg.post_norms:
+      h = rms_norm(h, layer["post_attn_norm"], eps, offset)
+    x_BxTxD = x_BxTxD + h
+    h = leave(mlp(enter(rms_norm(x_BxTxD, layer["mlp_norm"], eps, offset)), layer, lcfg))
+    if cfg.post_norms:
+      h = rms_norm(h, layer["post_mlp_norm"], eps, offset)
+    return x_BxTxD + h, None
+
+  policy = REMAT_POLICIES[cfg.remat]
+  if gather_layer is not None and policy is None:
+    policy = jax.checkpoint_policies.checkpoint_dots  # no gathered weight is a dot output
+  if policy is not None:
+    layer_fn = jax.checkpoint(layer_fn, policy=policy)
+  x_BxTxD, _ = jax.lax.scan(layer_fn, x_BxTxD, (params["layers"], layer_settings(cfg)))
+  return rms_norm(x_BxTxD, params["final_norm"], eps, offset)
+
+
+def logits(params: dict, tokens_BxT: jax.Array, mask_BxT: jax.Array | None,
+           cfg: ModelConfig) -> jax.Array:
+  """Float32 `[B, T, V]` logits with `final_softcap` applied, for evaluation and tests
+  only: training never builds them (`kernels.fused_logprobs` applies the head and the cap
+  per tile). Same arguments as `forward`; differentiable in `params`."""
+  hidden_BxTxD = forward(params, tokens_BxT, mask_BxT, cfg)
+  head_DxV = lm_head(params, cfg).astype(hidden_BxTxD.dtype)
+  return softcap(jnp.einsum("btd,dv->btv", hidden_BxTxD, head_DxV,
+                            preferred_element_type=jnp.float32), cfg.final_softcap)

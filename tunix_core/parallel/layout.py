@@ -1,0 +1,255 @@
+"""The parameter layouts of a run behind one protocol: ZeRO-1, FSDP, and tensor
+parallelism over either.
+
+A layout decides where params and optimizer state live and how a step computes with
+and updates them; the step calls the protocol and never asks which layout it has.
+`make` is the one place the choice is made (from `--fsdp` and `--model_parallel`):
+
+- `Zero1`: params replicated over "data"; the optimizer state is 1/N per device
+  (`zero.ShardedOptimizer`: bucketed reduce-scatter, local update, all-gather).
+- `FSDP`: params in `fsdp.Layout`'s flat pieces split over "data", one layer gathered at
+  a time inside the layer scan; the update stays local.
+- `TensorParallel`: either of them applied to each of the K slices of a "model" axis
+  (`tensor_parallel`): heads, MLP columns and vocabulary split Megatron-style.
+
+Three forms of the same params appear: *logical* arrays (what a checkpoint or an HF
+directory holds), the *step* form the train state keeps (ZeRO-1: the logical arrays,
+split over "model" under TP; FSDP: `[N, ...]` pieces) and, inside `shard_map`, what one
+device *computes* with (`gather`). The optimizer state is always `[num_shards, ...]`
+rows of `cut`'s pieces.
+"""
+
+from typing import Protocol
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from tunix_core import model as model_lib
+from tunix_core.parallel import collectives
+from tunix_core.parallel import fsdp as fsdp_lib
+from tunix_core.parallel import tensor_parallel as tp_lib
+from tunix_core.parallel import zero
+
+DATA, MODEL = "data", "model"
+
+
+class Layout(Protocol):
+  """What the step, checkpoints and resume need of a parameter layout."""
+
+  name: str                # "zero1" or "fsdp": how checkpoints record the state's rows
+  num_shards: int          # rows of the optimizer state (data shards x model slices)
+  model_axis: str | None   # the tensor-parallel mesh axis; None without TP
+  replica_axis: str | None  # the axis params are replicated over (None: no replicas)
+  param_shapes: dict       # ShapeDtypeStructs of the logical params
+  cut: object              # the optimizer state's cut: `to_pieces`, `to_logical`,
+                           # `local_shapes`, `num_shards`, `treedef`
+  param_specs: dict        # PartitionSpecs of the step-form params (params' structure)
+  row_spec: P              # PartitionSpec of `[num_shards, ...]` rows
+
+  def logical_specs(self) -> dict:
+    """PartitionSpecs of logical params outside the step (loading, checkpoints)."""
+
+  def to_step(self, logical: dict) -> dict:
+    """Logical params -> the step form; jit-able."""
+
+  def from_step(self, params: dict) -> dict:
+    """The step form -> logical params; jit-able."""
+
+  def abstract_params(self, dtype=None) -> dict:
+    """ShapeDtypeStructs of the step form (global shapes; leaves in `dtype`)."""
+
+  def gather(self, params: dict) -> tuple:
+    """Inside `shard_map`: `(params, gather_layer)`: the device's step-form params with
+    every non-layer leaf whole, and the function the layer scan gathers each layer's
+    slice with (None: layers are whole). Differentiable."""
+
+  def forward(self, params: dict, gather_layer, tokens_BxT, mask_BxT,
+              mcfg: model_lib.ModelConfig, **rows) -> jax.Array:
+    """Inside `shard_map`: hidden states `[B, T, D]` of `model.forward` on `gather`'s
+    params; `rows` are its packed-row keywords."""
+
+  def sync_grads(self, grads: dict) -> dict:
+    """Inside `shard_map`: gradients of the step-form params made whole within the
+    device's model slice (before the data-parallel sync of `update`)."""
+
+  def init_opt(self, params: dict):
+    """Inside `shard_map`: this device's optimizer state for the step-form params."""
+
+  def update(self, grads: dict, opt_state, params: dict) -> zero.UpdateResult:
+    """Inside `shard_map`: synced, clipped and applied; the new params in step form."""
+
+
+class Whole:
+  """The compute side of params a device holds whole (no TP, no gathering): ZeRO-1's,
+  and `WHOLE`, for the objective on plain params outside any step."""
+
+  model_axis = None
+
+  def gather(self, params: dict) -> tuple:
+    return params, None
+
+  def forward(self, params, gather_layer, tokens_BxT, mask_BxT, mcfg, **rows):
+    return model_lib.forward(params, tokens_BxT, mask_BxT, mcfg, gather_layer, **rows)
+
+  def sync_grads(self, grads: dict) -> dict:
+    return grads
+
+
+WHOLE = Whole()
+
+
+class Zero1(Whole):
+  """ZeRO-1: replicated params, optimizer state split over "data"."""
+
+  name, replica_axis = "zero1", DATA
+
+  def __init__(self, param_shapes: dict, opt: zero.ShardedOptimizer):
+    self.param_shapes, self.opt = param_shapes, opt
+    self.cut = zero.Zero1Layout(opt.plan)
+    self.num_shards = self.cut.num_shards
+    self.param_specs = jax.tree.map(lambda _: P(), param_shapes)
+    self.row_spec = P(DATA)
+
+  def logical_specs(self) -> dict:
+    return self.param_specs
+
+  def to_step(self, logical: dict) -> dict:
+    return logical
+
+  def from_step(self, params: dict) -> dict:
+    return params
+
+  def abstract_params(self, dtype=None) -> dict:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype),
+                        self.param_shapes)
+
+  def init_opt(self, params: dict):
+    return self.opt.init(params)
+
+  def update(self, grads, opt_state, params) -> zero.UpdateResult:
+    return self.opt.update(grads, opt_state, params)
+
+
+class FSDP(Zero1):
+  """FSDP: params, gradients and optimizer state split over "data" in `fsdp.Layout`'s
+  pieces (`[N, ...]` step form, a `[1, ...]` block per device)."""
+
+  name, replica_axis = "fsdp", None
+
+  def __init__(self, param_shapes: dict, opt: zero.ShardedOptimizer, compute_dtype,
+               comm_dtype):
+    self.param_shapes, self.opt = param_shapes, opt
+    self.cut = fsdp_lib.Layout(param_shapes, opt.plan.num_shards, DATA,
+                               compute_dtype=compute_dtype, impl=opt.impl,
+                               comm_dtype=comm_dtype)
+    self.num_shards = self.cut.num_shards
+    self.row_spec = P(DATA)
+    self.param_specs = jax.tree.map(lambda _: self.row_spec, param_shapes)
+
+  def logical_specs(self) -> dict:
+    n = self.cut.num_shards
+    return jax.tree.map(lambda x: fsdp_lib.logical_spec(x.shape, n, DATA), self.param_shapes)
+
+  def to_step(self, logical: dict) -> dict:
+    return self.cut.to_pieces(logical)
+
+  def from_step(self, params: dict) -> dict:
+    return self.cut.to_logical(params)
+
+  def abstract_params(self, dtype=None) -> dict:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((self.num_shards,) + x.shape,
+                                                       dtype or x.dtype),
+                        self.cut.local_shapes())
+
+  def gather(self, params: dict) -> tuple:
+    local = self.cut.local(params)
+    return dict(self.cut.gather_rest(local), layers=local["layers"]), self.cut.gather_layer
+
+  def init_opt(self, params: dict):
+    return self.opt.tx.init(self.cut.local(params))
+
+  def update(self, grads, opt_state, params) -> zero.UpdateResult:
+    # The gathers' VJP reduce-scattered the gradients already: the update is local.
+    local = self.cut.local
+    out = self.opt.update_sharded(local(grads), opt_state, local(params))
+    return out._replace(params=jax.tree.map(lambda x: x[None], out.params))
+
+
+class TensorParallel:
+  """`inner` (a `Zero1` or `FSDP` over one model slice's shapes) on each of the K slices
+  of the "model" axis. Under ZeRO-1 the step form is the logical params split by
+  `model.param_specs`; under FSDP, `tensor_parallel.Stacked` rows over both axes."""
+
+  model_axis = MODEL
+
+  def __init__(self, inner: Zero1, mcfg: model_lib.ModelConfig, k: int):
+    self.inner, self.mcfg = inner, mcfg
+    self.name, self.replica_axis = inner.name, inner.replica_axis
+    self.cut = tp_lib.Stacked(inner.cut, mcfg, k)
+    self.num_shards = self.cut.num_shards
+    self.row_spec = P((DATA, MODEL))
+    self.pieces = inner.replica_axis is None  # FSDP: the params are rows too
+    self.param_specs = (jax.tree.map(lambda _: self.row_spec, inner.param_shapes)
+                        if self.pieces else model_lib.param_specs(mcfg, MODEL))
+    self.param_shapes = jax.eval_shape(
+        lambda: model_lib.init_params(jax.random.PRNGKey(0), mcfg))
+
+  def logical_specs(self) -> dict:
+    if not self.pieces:
+      return self.param_specs
+    n = self.inner.cut.num_shards
+    return jax.tree.map(lambda x: fsdp_lib.logical_spec(x.shape, n, DATA), self.param_shapes)
+
+  def to_step(self, logical: dict) -> dict:
+    return self.cut.to_pieces(logical) if self.pieces else logical
+
+  def from_step(self, params: dict) -> dict:
+    return self.cut.to_logical(params) if self.pieces else params
+
+  def abstract_params(self, dtype=None) -> dict:
+    if not self.pieces:
+      return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype),
+                          self.param_shapes)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((self.num_shards,) + x.shape,
+                                                       dtype or x.dtype),
+                        self.cut.local_shapes())
+
+  def gather(self, params: dict) -> tuple:
+    return self.inner.gather(params)
+
+  def forward(self, params, gather_layer, tokens_BxT, mask_BxT, mcfg, **rows):
+    return tp_lib.forward(params, tokens_BxT, mask_BxT, mcfg, MODEL, gather_layer, **rows)
+
+  def sync_grads(self, grads: dict) -> dict:
+    return tp_lib.sync_replicated_grads(grads, MODEL)
+
+  def init_opt(self, params: dict):
+    return self.inner.init_opt(params)
+
+  def update(self, grads, opt_state, params) -> zero.UpdateResult:
+    return self.inner.update(grads, opt_state, params)
+
+
+def make(mcfg: model_lib.ModelConfig, tx, *, data_shards: int, model_parallel: int = 1,
+         fsdp: bool = False, bucket_bytes: int = 25 << 20, sync_impl: str = "xla",
+         comm_dtype=None, max_grad_norm: float | None = None) -> Layout:
+  """The layout of `mcfg`'s params on `data_shards` x `model_parallel` devices, updating
+  with the optax transformation `tx` (`zero.ShardedOptimizer`'s settings as named)."""
+  k = model_parallel
+  shapes = lambda cfg: jax.eval_shape(lambda: model_lib.init_params(jax.random.PRNGKey(0),
+                                                                    cfg))
+  param_shapes = shapes(mcfg)
+  local_shapes = shapes(tp_lib.local_config(mcfg, k)) if k > 1 else param_shapes
+  split = None
+  if k > 1:
+    split = jax.tree.map(lambda d: d is not None, tp_lib.split_dims(mcfg),
+                         is_leaf=lambda x: x is None)
+  plan = collectives.BucketPlan.create(local_shapes, data_shards, bucket_bytes)
+  opt = zero.ShardedOptimizer(tx, plan, DATA, max_grad_norm=max_grad_norm, impl=sync_impl,
+                              comm_dtype=comm_dtype, model_axis=MODEL if k > 1 else None,
+                              split=split)
+  if fsdp:
+    inner = FSDP(local_shapes, opt, model_lib.DTYPES[mcfg.compute_dtype], comm_dtype)
+  else:
+    inner = Zero1(local_shapes, opt)
+  return TensorParallel(inner, mcfg, k) if k > 1 else inner

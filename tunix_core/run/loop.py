@@ -1,0 +1,165 @@
+"""The DPO training loop: data in, steps dispatched, metrics, evaluation, checkpoints.
+
+`train(cfg)` reads top to bottom: load the data, build the step functions on a mesh of
+every device, resume or initialise the state, optionally precompute the reference
+log-probs, then loop. The loop dispatches step N+1 before it reads step N's metrics, so
+the host never stalls the device; checkpoints are saved asynchronously.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tunix_core import data as data_lib
+from tunix_core import model as model_lib
+from tunix_core.checkpoints import resume
+from tunix_core.checkpoints import store as checkpoint
+from tunix_core.run import evaluate as evaluate_lib
+from tunix_core.run import metrics as metrics_lib
+from tunix_core.run import preemption
+from tunix_core.run import ref_cache
+from tunix_core.run import source as source_lib
+from tunix_core.training import flops
+from tunix_core.training import health as health_lib
+from tunix_core.training import plan as plan_lib
+from tunix_core.training import step as step_lib
+from tunix_core.training.config import ConfigError
+from tunix_core.training.config import TrainConfig
+
+
+def _precompute_refs(cfg, steps, ref_params, train_set, eval_set, log):
+  """Reference log-prob tables `(train, eval)` under `--reference=precomputed`, else
+  Nones."""
+  if cfg.reference != "precomputed":
+    return None, None
+  cache_dir = os.path.join(cfg.output_dir, "ref_cache")
+  train_ref = ref_cache.precompute_ref_logps(steps, ref_params, train_set, cache_dir)
+  eval_ref = (None if eval_set is None else
+              ref_cache.precompute_ref_logps(steps, ref_params, eval_set, cache_dir))
+  log(f"reference log-probs precomputed (cache: {cache_dir})")
+  return train_ref, eval_ref
+
+
+def _every(n: int, step: int, last: int) -> bool:
+  """True on multiples of `n` and on the last step; never when `n` is 0."""
+  return bool(n) and (step % n == 0 or step == last)
+
+
+def train(cfg: TrainConfig, log=print, devices=None) -> dict:
+  """Runs DPO training on `devices` (default: all), resuming from and writing
+  checkpoints in `{output_dir}/checkpoints`.
+
+  Returns `{"train": last logged train row, "eval": last eval metrics, "state": final
+  train state}`. Raises `preemption.Preempted` after saving on SIGTERM/SIGINT,
+  `health.NonFiniteStep` when a step is NaN/Inf under `--on_nonfinite=stop`,
+  `checkpoint.CheckpointWriteError` when a save fails, and `ConfigError`,
+  `data_lib.DataError` or `checkpoint.CheckpointError` on bad input.
+  """
+  devices = devices or jax.devices()
+  cfg.validate(len(devices))
+  primary = jax.process_index() == 0
+  log = log if primary else (lambda *_: None)
+  try:
+    os.makedirs(cfg.output_dir, exist_ok=True)
+  except OSError as e:
+    raise ConfigError(f"--output_dir={cfg.output_dir!r} cannot be created: {e}") from None
+  train_set, eval_set = source_lib.load_data(cfg, log)
+  plan = plan_lib.make_plan(cfg, devices, plan_lib.data_sizes(
+      cfg, [d for d in (train_set, eval_set) if d is not None]))
+  mcfg = plan.model
+  steps = step_lib.make_steps(plan, devices)
+  key = jax.random.PRNGKey(cfg.seed)
+  ckpt = checkpoint.Checkpointer(os.path.join(cfg.output_dir, "checkpoints"), keep=cfg.keep,
+                                 keep_period=cfg.keep_period or None)
+  source = source_lib.source(cfg)
+  state, meta = resume.resume(steps, ckpt, cfg, log, source=source)
+  start = 0 if meta is None else meta["step"]
+  # The reference is the frozen initial policy (on a resume: the pretrained weights
+  # reloaded, or the init rebuilt from the seed), in its own buffers, so donating the
+  # train state never invalidates it.
+  ref_dtype = model_lib.DTYPES[cfg.ref_param_dtype()]
+  if state is None:
+    state = steps.init_state(key, source_lib.initial_params(cfg, steps))
+    ref_params = jax.tree.map(lambda x: jnp.array(x, ref_dtype, copy=True), state["params"])
+  else:
+    ref_params = source_lib.initial_params(cfg, steps, ref_dtype) or steps.init_params(key)
+    ref_params = jax.tree.map(lambda x: x.astype(ref_dtype), ref_params)
+  num_params = sum(x.size for x in jax.tree.leaves(steps.param_shapes))
+  mesh = " x ".join(f"{n} {axis}" for axis, n in steps.mesh.shape.items())
+  log(f"model: {cfg.hf_model_dir or cfg.model} ({num_params:,} params, "
+      f"{cfg.param_dtype}) on {len(devices)} "
+      f"{devices[0].platform} device(s) in {jax.process_count()} process(es), mesh {mesh}")
+  log(plan.describe())
+  train_ref, eval_ref = _precompute_refs(cfg, steps, ref_params, train_set, eval_set, log)
+  if plan.reference != "step":
+    ref_params = None  # the step never runs the reference forward
+
+  it = data_lib.BatchIterator(train_set, cfg.batch_size, cfg.seed,
+                              state=meta["data_state"] if meta else None)
+  writer = (metrics_lib.MetricsWriter(cfg.output_dir, resume_step=start, log=log)
+            if primary else None)
+  peak, peak_source = flops.peak_flops(
+      next(d for d in devices if d.process_index == jax.process_index()),
+      model_lib.DTYPES[mcfg.compute_dtype])
+  log(f"MFU against {len(devices)} x {peak / 1e12:.3g} TFLOP/s ({peak_source})")
+  progress = metrics_lib.Progress(writer, log, start, cfg.steps,
+                                  step_flops=flops.step_flops(plan),
+                                  peak_flops=peak * len(devices))
+
+  def flush():
+    """Logs the deferred step; a non-finite step found there stops or is counted."""
+    health = progress.flush()
+    if health is not None:
+      health_lib.check_finite(health, cfg.on_nonfinite, lambda *_: None)
+
+  def save(step):
+    # Never checkpoint a state that went through a non-finite step under "stop" (this
+    # read costs nothing extra: the save's fingerprints wait for the state anyway).
+    health = jax.device_get(state["nonfinite"])
+    health_lib.check_finite(health, cfg.on_nonfinite, log)
+    digest = checkpoint.save_state(
+        ckpt, step, dict(state, params=steps.logical_params(state["params"])),
+        data_state=it.get_state(), num_shards=steps.num_devices, rng_key=key, config=cfg,
+        model_config=mcfg, nonfinite=health, source=source,
+        layout=steps.layout.name, model_parallel=steps.model_parallel)
+    log(f"checkpoint step {step}: saving asynchronously (content digest {digest})")
+
+  try:
+    with preemption.StopSignal() as stop:
+      for step in range(start + 1, cfg.steps + 1):
+        idx = it.next_indices()
+        batch = ref_cache.with_ref(data_lib.take_pairs(train_set, idx), train_ref, idx)
+        progress.count_tokens(int(batch["attention_mask"].sum()))
+        state, metrics = steps.train_step(state, ref_params, steps.put_batch(batch))
+        if step == start + 1 or (cfg.check_replicas_every
+                                 and step % cfg.check_replicas_every == 0):
+          steps.check_replicas(state["params"])
+        flush()  # the previous step's metrics, read with this step queued
+        if _every(cfg.log_every, step, cfg.steps):
+          progress.defer(step, metrics)
+        if eval_set is not None and _every(cfg.eval_every, step, cfg.steps):
+          flush()
+          progress.eval(step, evaluate_lib.evaluate(steps, state["params"], ref_params,
+                                                    eval_set, eval_ref))
+        if stop.should_stop(step):
+          flush()
+          save(step)
+          ckpt.wait()
+          log(f"stop signal: step {step} saved and committed")
+          raise preemption.Preempted(step)
+        if _every(cfg.save_every, step, cfg.steps) or step == cfg.steps:
+          save(step)
+      flush()
+      health_lib.check_finite(jax.device_get(state["nonfinite"]), cfg.on_nonfinite, log)
+  except BaseException:
+    progress.close()
+    ckpt.close(quiet=True)  # an error is on its way already; let pending saves finish
+    raise
+  progress.close()
+  ckpt.close()
+  log(f"done: steps {start + 1}-{cfg.steps} in {progress.elapsed()}")
+  if cfg.export_hf_dir:
+    source_lib.export(cfg, mcfg, steps.logical_params(state["params"]), log)
+  return {"train": progress.last_train, "eval": progress.last_eval, "state": state}

@@ -1,0 +1,108 @@
+"""Where a run's model comes from and goes to: a built-in preset with the byte tokenizer,
+or a Hugging Face directory (`--hf_model_dir`) with its tokenizer, chat template and
+pretrained weights; and the final policy written back in HF format (`--export_hf_dir`).
+
+The HF modules are imported only when a run uses them, so a preset run needs none of
+the `hf` extra.
+"""
+
+import hashlib
+import json
+import os
+
+import jax
+
+from tunix_core import data as data_lib
+from tunix_core import model as model_lib
+from tunix_core.training import config as config_lib
+
+# Bytes read from each end of a weight file for its fingerprint (see `fingerprint`).
+_EDGE_BYTES = 1 << 20
+
+
+def tokenizer(cfg) -> data_lib.Tokenizer:
+  """The run's tokenizer, with `--chat_template` applied."""
+  if cfg.hf_model_dir:
+    from tunix_core.hf import tokenizer as hf_tokenizer  # pylint: disable=g-import-not-at-top
+    tok = hf_tokenizer.HFTokenizer(cfg.hf_model_dir)
+  else:
+    tok = data_lib.ByteTokenizer()
+  return data_lib.with_chat_template(tok, cfg.chat_template)
+
+
+def load_data(cfg, log, vocab_size: int | None = None):
+  """`(train_set, eval_set or None)` of the run, encoded with its tokenizer (ids checked
+  against `vocab_size`, default the model's); logs their sizes."""
+  tok = tokenizer(cfg)
+  vocab_size = vocab_size or cfg.model_config().vocab_size
+  def load(path):
+    return data_lib.load_dataset(path, tok, cfg.max_length, cfg.max_prompt_length,
+                                 cfg.skip_bad_lines, vocab_size=vocab_size)
+  train_set = load(cfg.train_data)
+  eval_set = load(cfg.eval_data) if cfg.eval_data else None
+  mismatches = train_set.num_prefix_mismatch + (eval_set.num_prefix_mismatch if eval_set
+                                                else 0)
+  log(f"data: {len(train_set)} train pairs ({train_set.num_dropped} dropped, "
+      f"{train_set.num_skipped_lines} bad lines skipped)"
+      + (f", {len(eval_set)} eval pairs" if eval_set else "")
+      + (f"; {mismatches} responses tokenized apart from their prompt (the joint "
+         "tokens did not start with the prompt's)" if mismatches else ""))
+  if eval_set is not None and len(eval_set) < cfg.batch_size:
+    raise config_lib.ConfigError(f"--eval_data has {len(eval_set)} pairs, fewer than --batch_size")
+  return train_set, eval_set
+
+
+def fingerprint(model_dir: str) -> str:
+  """A digest of an HF directory's `config.json` and weight files that changes whenever
+  they do, without reading 14 GB: each safetensors file's size, its header (names,
+  dtypes, shapes and offsets of every tensor) and the first and last MiB of its data."""
+  digest = hashlib.sha256()
+  names = sorted(f for f in os.listdir(model_dir)
+                 if f == "config.json" or f.endswith((".safetensors", ".safetensors.index.json")))
+  for name in names:
+    path = os.path.join(model_dir, name)
+    size = os.path.getsize(path)
+    digest.update(f"{name}:{size}:".encode())
+    with open(path, "rb") as f:
+      if not name.endswith(".safetensors"):
+        digest.update(f.read())
+        continue
+      header = f.read(8)
+      digest.update(header + f.read(int.from_bytes(header, "little")) + f.read(_EDGE_BYTES))
+      f.seek(max(0, size - _EDGE_BYTES))
+      digest.update(f.read())
+  return digest.hexdigest()[:32]
+
+
+def source(cfg) -> dict:
+  """What the checkpoint metadata records of the initial policy (empty for a preset);
+  resuming against a different `hf_fingerprint` is refused."""
+  if not cfg.hf_model_dir:
+    return {}
+  return {"hf_model_dir": os.path.abspath(cfg.hf_model_dir),
+          "hf_fingerprint": fingerprint(cfg.hf_model_dir)}
+
+
+def initial_params(cfg, steps, dtype=None) -> dict | None:
+  """The pretrained weights of `--hf_model_dir` in `steps`' layout (in `dtype`, default
+  `--param_dtype`), or None for a preset (initialised from the seed). Each device reads
+  its block of the logical arrays (`steps.logical_shardings()`: split under FSDP) from
+  the files before they are cut into the run's layout."""
+  if not cfg.hf_model_dir:
+    return None
+  from tunix_core import hf  # pylint: disable=g-import-not-at-top
+  return steps.place_params(hf.load_params(cfg.hf_model_dir, steps.mcfg, dtype=dtype,
+                                           shardings=steps.logical_shardings()))
+
+
+def export(cfg, mcfg: model_lib.ModelConfig, params: dict, log) -> None:
+  """Writes `params` to `--export_hf_dir` as an HF directory (process 0 only), with the
+  tokenizer and config of `--hf_model_dir` when there is one."""
+  if jax.process_index() == 0:
+    from tunix_core import hf  # pylint: disable=g-import-not-at-top
+    hf.save_params(params, mcfg, cfg.export_hf_dir, src_dir=cfg.hf_model_dir or None,
+                   dtype=cfg.export_param_dtype())
+    with open(os.path.join(cfg.export_hf_dir, "tunix_export.json"), "w") as f:
+      json.dump({"source": source(cfg), "steps": cfg.steps}, f, indent=2)
+  log(f"exported the policy to {cfg.export_hf_dir} (Hugging Face format, "
+      f"{cfg.export_param_dtype()})")

@@ -1,0 +1,304 @@
+"""The run config: one frozen dataclass whose fields are the trainer's flags.
+
+`TrainConfig.validate` is the one place settings are checked; every failure is a
+`ConfigError` whose one-line message names the flag, before anything is compiled.
+"""
+
+import dataclasses
+import os
+
+import kernels
+from kernels import attention as attention_lib
+from kernels import tpu
+from tunix_core import model as model_lib
+from tunix_core.parallel import collectives
+from tunix_core.parallel import tensor_parallel
+from tunix_core.training import optim
+
+RESUME_MODES = ("auto", "never", "required")
+# Where the frozen reference's log-probs come from (`--reference`).
+REFERENCE_MODES = ("step", "precomputed", "none")
+# --chat_template values besides a path to a jinja file.
+CHAT_TEMPLATES = ("auto", "none")
+# What a step with a non-finite loss, metric or gradient norm does: end the run (its
+# update is never applied) or skip its update and count it.
+NONFINITE_ACTIONS = ("stop", "skip")
+
+# Settings that must not change across a resume (the model's own fields are checked
+# separately): they decide the data order or the meaning of the optimizer state.
+RESUME_FIELDS = ("max_length", "max_prompt_length", "seed", "batch_size", "optimizer",
+                 "train_data", "chat_template")
+
+
+class ConfigError(ValueError):
+  """A setting that cannot work; the message names the flag."""
+
+
+def _flag(default, help_text: str, **metadata):
+  """A config field that is also a trainer flag: its default, `--help` text and (for
+  choice settings) the name of its `CHOICES` entry."""
+  return dataclasses.field(default=default, metadata=dict(help=help_text, **metadata))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Everything a run depends on; `trainer.py` defines one flag per field, with the
+  field's default and help (`metadata["help"]`), so flags, defaults, help and the docs'
+  flag table (`flag_table`, under the heading of `metadata["group"]`) cannot drift."""
+
+  # Run and output.
+  output_dir: str = _flag("", "Directory for metrics.jsonl, checkpoints, trainer.log and the "
+                          "reference log-prob cache; created if missing. Required.", group="run")
+  steps: int = _flag(100, "Number of optimizer steps.", group="run")
+  batch_size: int = _flag(8, "Preference pairs per step over all devices (2x as many "
+                          "responses); must divide by the data-parallel devices.", group="run")
+  seed: int = _flag(0, "Seed for params init and data shuffling.", group="run")
+  log_every: int = _flag(10, "Log a metrics row every N steps (and the last).", group="run")
+  eval_every: int = _flag(0, "Evaluate on --eval_data every N steps and after the last "
+                          "step; 0 disables evaluation.", group="run")
+  save_every: int = _flag(100, "Save an asynchronous checkpoint every N steps; the last "
+                          "step is always saved (0: only the last step, and on "
+                          "SIGTERM/SIGINT).", group="run")
+  keep: int = _flag(3, "Most recent checkpoints to keep.", group="run")
+  keep_period: int = _flag(0, "Also keep every checkpoint whose step is a multiple of N, "
+                           "permanently (0: none).", group="run")
+  resume: str = _flag("auto", "auto: resume from the latest complete checkpoint if any, "
+                      "else start fresh; never: start fresh, and refuse a directory that "
+                      "has checkpoints; required: fail without a usable checkpoint.",
+                      group="run")
+  verify_checkpoint: bool = _flag(True, "On resume, recompute every restored array's "
+                                  "fingerprint and compare with the saved one; a step that "
+                                  "fails is moved aside and the previous one is used "
+                                  "(auto).", group="run")
+  on_nonfinite: str = _flag("stop", "stop: end the run (exit status 3) at a step whose "
+                            "loss, metrics or gradient norm is NaN/Inf, without applying "
+                            "or saving it; skip: skip such steps' updates and count them.",
+                            group="run")
+  # Data.
+  train_data: str = _flag("", "Training pairs, JSONL: prompt/chosen/rejected strings or "
+                          "TRL conversational messages. Required, but for --compile_only.",
+                          group="data")
+  eval_data: str = _flag("", "Evaluation pairs, same format.", group="data")
+  max_length: int = _flag(64, "Tokens per response row (prompt + response).", group="data")
+  max_prompt_length: int = _flag(32, "Prompt tokens kept (cut from the left); less than "
+                                 "--max_length.", group="data")
+  skip_bad_lines: bool = _flag(False, "Skip malformed JSONL lines and report their count "
+                               "instead of failing.", group="data")
+  chat_template: str = _flag("auto", "For conversational pairs: auto (the tokenizer's "
+                             "own), none (conversational pairs are an error), or a path to "
+                             "a jinja template file.", group="data")
+  prefix_sharing: bool = _flag(True, "Compute each pair's prompt once for the policy, the "
+                               "reference and the backward: one sequence prompt | chosen | "
+                               "rejected in which the rejected response restarts its "
+                               "positions after the prompt and never sees the chosen one; "
+                               "exact.", group="data")
+  packing: bool = _flag(False, "Padding-free packing: the pairs of each device's "
+                        "micro-batch follow each other in one row (segment ids: attention "
+                        "never crosses pairs, positions restart per pair), sized from the "
+                        "data; exact and deterministic.", group="data")
+  # Model.
+  model: str = _flag("tiny", "Model preset; ignored with --hf_model_dir.", group="model")
+  hf_model_dir: str = _flag("", "A Hugging Face model directory (config.json, safetensors, "
+                            "tokenizer.json): its config, tokenizer and weights are the "
+                            "initial policy and the reference (reloaded from here on a "
+                            "resume). Llama, Mistral, Qwen2/3 and Gemma 1/2/3.",
+                            group="model")
+  param_dtype: str = _flag("float32", "Dtype of the trained params and the optimizer's "
+                           "view of them.", group="model")
+  ref_dtype: str = _flag("auto", "Dtype of the frozen reference params (auto: "
+                         "--param_dtype); bfloat16 halves their memory.", group="model")
+  compute_dtype: str = _flag("auto", "Activation/matmul dtype (auto: bfloat16 on TPU, "
+                             "float32 elsewhere); params keep --param_dtype.", group="model")
+  remat: str = _flag("none", "Rematerialisation policy of each layer in the backward.",
+                     group="model")
+  export_hf_dir: str = _flag("", "After the last step, write the policy here as a Hugging "
+                             "Face directory (with --hf_model_dir's config and tokenizer "
+                             "files); empty: no export.", group="model")
+  export_dtype: str = _flag("auto", "Dtype of the exported weights (auto: --param_dtype).",
+                            group="model")
+  # Optimizer.
+  optimizer: str = _flag("adamw", "adamw, rmsprop (the DPO paper's) or sgd.",
+                         group="optimizer")
+  learning_rate: float = _flag(1e-3, "Peak learning rate.", group="optimizer")
+  warmup_steps: int = _flag(0, "Linear warmup steps from 0.", group="optimizer")
+  weight_decay: float = _flag(0.0, "AdamW decoupled weight decay (norm scales excluded).",
+                              group="optimizer")
+  max_grad_norm: float = _flag(1.0, "Clip gradients to this global norm; 0 disables "
+                               "clipping.", group="optimizer")
+  # Loss.
+  beta: float = _flag(0.1, "DPO temperature (KL penalty strength).", group="loss")
+  loss_type: str = _flag("sigmoid", "DPO loss: sigmoid (DPO), ipo, hinge or robust.",
+                         group="loss")
+  label_smoothing: float = _flag(0.0, "Assumed label-flip rate for sigmoid (conservative "
+                                 "DPO) and robust.", group="loss")
+  reference: str = _flag("step", "The frozen reference: step (its forward in every step), "
+                         "precomputed (run once over the data before training, cached on "
+                         "disk) or none (reference-free: its log-probs are taken as zero). "
+                         "--precompute_ref_logps and --reference_free are deprecated "
+                         "aliases.", group="loss")
+  # Parallelism and kernels.
+  fsdp: bool = _flag(False, "Fully sharded data parallel (ZeRO-3): params, gradients, the "
+                     "reference and the optimizer state split over all devices; each layer "
+                     "all-gathered inside the layer scan and its gradient reduce-scattered "
+                     "per layer. Off: ZeRO-1 (replicated params).", group="parallel")
+  model_parallel: int = _flag(1, "Tensor parallelism: devices of the inner 'model' mesh "
+                              "axis (consecutive devices); heads, MLP columns and the "
+                              "vocabulary are split over them Megatron-style. 1: none.",
+                              group="parallel")
+  grad_accum_steps: int = _flag(1, "Micro-batches per step; gradients are synced once per "
+                                "step (under --fsdp: per micro-batch).", group="parallel")
+  bucket_mb: float = _flag(25.0, "Gradient bucket size in MiB for the bucketed "
+                           "reduce-scatter / all-gather.", group="parallel")
+  sync_impl: str = _flag("xla", "xla: one psum_scatter and all_gather per bucket; ring: "
+                         "hand-written ppermute ring.", group="parallel")
+  grad_sync_dtype: str = _flag("float32", "Dtype of gradients on the wire; sums accumulate "
+                               "in float32.", group="parallel")
+  check_replicas_every: int = _flag(0, "Besides after step 1, check every N steps that all "
+                                    "replicas hold identical params (0: only after step "
+                                    "1).", group="parallel")
+  logprob_impl: str = _flag("auto", "kernels.fused_logprobs impl: auto (pallas when "
+                            "compiled for TPU, else xla), xla, pallas, interpret or naive "
+                            "(the oracle).", group="parallel")
+  attention_impl: str = _flag("auto", "Attention: auto (the Pallas flash kernels when "
+                              "compiled for TPU and rows are a multiple of 128 tokens "
+                              "without sliding window, soft-cap or shared prompts, else "
+                              "xla), xla (scores materialised), pallas.", group="parallel")
+  loss_impl: str = _flag("auto", "kernels.dpo_loss impl: auto (pallas when compiled for "
+                         "TPU, else xla), xla, pallas, interpret or naive (the oracle).",
+                         group="parallel")
+  # Ahead-of-time compilation.
+  compile_only: bool = _flag(False, "Compile the train step these flags would run (from "
+                             "--train_data, else the flags' worst case) for "
+                             "--target_topology, print its plan, per-device memory and "
+                             "cost analysis, allocating nothing; exit 0 if it fits, 1 if "
+                             "not.", group="aot")
+  target_topology: str = _flag("local", "Devices --compile_only compiles for: local (this "
+                               "host's) or a TPU slice (needs libtpu, works on any host).",
+                               group="aot")
+
+  def validate(self, num_devices: int) -> None:
+    """Raises ConfigError with one line naming the offending setting."""
+    def need(cond, msg):
+      if not cond:
+        raise ConfigError(msg)
+
+    for name, choices in CHOICES.items():
+      value = getattr(self, name)
+      verb = "is not a preset" if name == "model" else "is unknown"
+      need(value in choices, f"--{name}={value!r} {verb}; choose one of {choices}")
+    need(self.steps > 0, f"--steps must be positive, got {self.steps}")
+    need(self.batch_size > 0, f"--batch_size must be positive, got {self.batch_size}")
+    k = self.model_parallel
+    need(k >= 1 and num_devices % k == 0,
+         f"--model_parallel={k} does not divide the {num_devices} devices")
+    shards = num_devices // k
+    what = (f"{shards} data-parallel shards ({num_devices} devices / --model_parallel={k})"
+            if k > 1 else f"{num_devices} devices")
+    need(self.batch_size % shards == 0,
+         f"--batch_size={self.batch_size} is not divisible by the {what}")
+    need(self.grad_accum_steps > 0, f"--grad_accum_steps must be positive, got "
+         f"{self.grad_accum_steps}")
+    need(self.batch_size % (shards * self.grad_accum_steps) == 0,
+         f"--batch_size={self.batch_size} does not split into {self.grad_accum_steps} "
+         f"micro-batches on each of the {what}")
+    need(self.bucket_mb > 0, f"--bucket_mb must be positive, got {self.bucket_mb}")
+    need(self.check_replicas_every >= 0, "--check_replicas_every must be >= 0")
+    need(not (self.fsdp and self.check_replicas_every),
+         "--check_replicas_every checks replicated params; under --fsdp no param is "
+         "replicated (set it to 0)")
+    need(0 < self.max_prompt_length < self.max_length,
+         f"--max_prompt_length={self.max_prompt_length} must be positive and less than "
+         f"--max_length={self.max_length}")
+    need(self.beta > 0, f"--beta must be positive, got {self.beta}")
+    need(self.learning_rate > 0, f"--learning_rate must be positive, got {self.learning_rate}")
+    need(self.log_every > 0, f"--log_every must be positive, got {self.log_every}")
+    need(self.eval_every >= 0, f"--eval_every must be >= 0, got {self.eval_every}")
+    need(self.output_dir, "--output_dir is required")
+    need(self.train_data or self.compile_only, "--train_data is required (but for "
+         "--compile_only, which then plans for the flags' worst case)")
+    for name in ("train_data", "eval_data"):
+      path = getattr(self, name)
+      need(not path or os.path.isfile(path), f"--{name}={path!r}: no such file")
+    need(not (self.eval_every and not self.eval_data), "--eval_every needs --eval_data")
+    need(not self.hf_model_dir or os.path.isfile(os.path.join(self.hf_model_dir, "config.json")),
+         f"--hf_model_dir={self.hf_model_dir!r} is not a Hugging Face model directory "
+         "(no config.json)")
+    if k > 1:
+      try:
+        tensor_parallel.check(self.model_config(), k)
+      except ValueError as e:
+        raise ConfigError(str(e)) from None
+    need(self.chat_template in CHAT_TEMPLATES or os.path.isfile(self.chat_template),
+         f"--chat_template={self.chat_template!r} is neither {CHAT_TEMPLATES} nor a file")
+    need(not (self.export_hf_dir and os.path.isfile(self.export_hf_dir)),
+         f"--export_hf_dir={self.export_hf_dir!r} is a file")
+
+  def resolved_compute_dtype(self, platform: str) -> str:
+    """`--compute_dtype`, with auto: bfloat16 on TPU, float32 elsewhere."""
+    if self.compute_dtype != "auto":
+      return self.compute_dtype
+    return "bfloat16" if platform == "tpu" else "float32"
+
+  def model_config(self, platform: str = "cpu") -> model_lib.ModelConfig:
+    """The preset's config, or with `--hf_model_dir` the checkpoint's (`hf.HFError` if it
+    cannot be represented exactly), computing as `--compute_dtype` resolves on
+    `platform`."""
+    overrides = dict(param_dtype=self.param_dtype,
+                     compute_dtype=self.resolved_compute_dtype(platform),
+                     remat=self.remat, attention_impl=self.attention_impl)
+    if self.hf_model_dir:
+      from tunix_core.hf import config as hf_config  # pylint: disable=g-import-not-at-top
+      return hf_config.read_config(self.hf_model_dir, **overrides)
+    return model_lib.preset(self.model, **overrides)
+
+  def ref_param_dtype(self) -> str:
+    return self.param_dtype if self.ref_dtype == "auto" else self.ref_dtype
+
+  def export_param_dtype(self) -> str:
+    return self.param_dtype if self.export_dtype == "auto" else self.export_dtype
+
+
+# The allowed values of each choice setting, taken from the module that implements it;
+# the trainer builds its `DEFINE_enum` flags from this table.
+CHOICES = {
+    "model": tuple(model_lib.PRESETS),
+    "param_dtype": tuple(model_lib.DTYPES),
+    "ref_dtype": ("auto",) + tuple(model_lib.DTYPES),
+    "export_dtype": ("auto",) + tuple(model_lib.DTYPES),
+    "compute_dtype": ("auto",) + tuple(model_lib.DTYPES),
+    "reference": REFERENCE_MODES,
+    "remat": tuple(model_lib.REMAT_POLICIES),
+    "optimizer": optim.OPTIMIZERS,
+    "loss_type": kernels.LOSS_TYPES,
+    "logprob_impl": kernels.LOGPROB_IMPLS,
+    "attention_impl": attention_lib.ATTENTION_IMPLS,
+    "loss_impl": kernels.DPO_LOSS_IMPLS,
+    "sync_impl": collectives.IMPLS,
+    "grad_sync_dtype": tuple(collectives.COMM_DTYPES),
+    "resume": RESUME_MODES,
+    "on_nonfinite": NONFINITE_ACTIONS,
+    "target_topology": ("local",) + tuple(tpu.TOPOLOGIES),
+}
+
+
+# The headings of the flag groups (`metadata["group"]`), in the docs' order.
+GROUPS = {"run": "Run and output", "data": "Data", "model": "Model", "optimizer": "Optimizer",
+          "loss": "Loss", "parallel": "Parallelism and kernels",
+          "aot": "Ahead-of-time compilation"}
+
+
+def flag_table() -> str:
+  """The trainer's run flags as Markdown, one table per group (flag, default, help),
+  generated from the fields: `docs/training.md` holds exactly this (a test checks it)."""
+  out = []
+  for group, title in GROUPS.items():
+    out += [f"**{title}**", "", "| flag | default | what |", "|---|---|---|"]
+    for f in dataclasses.fields(TrainConfig):
+      if f.metadata["group"] != group:
+        continue
+      choices = CHOICES.get(f.name)
+      extra = (f" One of: {', '.join(choices)}." if choices and f.name != "target_topology"
+               else "")
+      out.append(f"| `--{f.name}` | `{f.default!r}` | {f.metadata['help']}{extra} |")
+    out.append("")
+  return "\n".join(out)

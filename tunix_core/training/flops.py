@@ -1,0 +1,110 @@
+"""Model FLOPs of a planned DPO step, the devices' peak, and so MFU.
+
+**FLOPs** count the matmul work the planned step does (`plan.StepPlan`: its model rows
+and LM-head slots), never more: per model-row position of a row of `L` tokens,
+
+    dense     = 2 * matmul params of all layers                       (qkv, o, MLP)
+    attention = 4 * num_layers * num_heads * head_dim * keys           (QK^T and PV)
+
+with `keys` the keys a query is scored against, at most the row (`L`) or, packed, the
+band the XLA path scores (`band`); the LM head costs `2 d_model vocab` per head slot.
+A step runs the policy forward and backward (3 forwards: the backward costs two) plus
+the frozen reference's forward when it runs in the step. Norms, rope, softmax and the
+loss are left out (under 1% at these shapes), so MFU cannot pass 100%.
+
+**Peak** (`peak_flops`): the chip's nominal dense bfloat16 matmul peak from a table of
+TPU generations and common GPUs (vendor spec sheets). Anywhere else (a CPU), the median
+of several timed `n x n` matmuls in the compute dtype, measured once per machine and
+cached on disk (`~/.cache/tunix_core/matmul_peak.json`, keyed by device kind, dtype and
+jax version), so two launches of one run share the denominator.
+"""
+
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from tunix_core.model import config as model_config_lib
+
+# Dense bfloat16 FLOP/s per chip, by a substring of `jax.Device.device_kind`: Google
+# Cloud TPU system architecture pages (v4, v5e, v5p, v6e) and NVIDIA data sheets
+# (SXM parts, without sparsity). Most specific names first.
+PEAK_FLOPS = (
+    ("TPU v4", 275e12), ("TPU v5 lite", 197e12), ("TPU v5e", 197e12), ("TPU v5p", 459e12),
+    ("TPU v5", 459e12), ("TPU v6 lite", 918e12), ("TPU v6e", 918e12),
+    ("H200", 989e12), ("H100", 989e12), ("A100", 312e12),
+)
+CACHE = os.path.join(os.path.expanduser("~"), ".cache", "tunix_core", "matmul_peak.json")
+
+
+def layer_matmul_params(mcfg: model_config_lib.ModelConfig) -> int:
+  """Weights of all layers' matmuls (wq wk wv, wo, gate up down)."""
+  D, F, K = mcfg.d_model, mcfg.mlp_dim, mcfg.head_dim
+  q, kv = mcfg.num_heads * K, mcfg.num_kv_heads * K
+  return mcfg.num_layers * (D * (q + 2 * kv) + q * D + 3 * D * F)
+
+
+def forward_flops(mcfg: model_config_lib.ModelConfig, positions: int, keys: int,
+                  head_slots: int) -> float:
+  """Forward FLOPs of `positions` row positions, each scored against `keys` keys, and
+  the LM head on `head_slots` positions."""
+  attention = 4 * mcfg.num_layers * mcfg.num_heads * mcfg.head_dim * keys
+  return (positions * (2.0 * layer_matmul_params(mcfg) + attention)
+          + head_slots * 2.0 * mcfg.d_model * mcfg.vocab_size)
+
+
+def step_flops(plan) -> float:
+  """Model FLOPs of one train step of `plan` (a `plan.StepPlan`) over all devices."""
+  rows, cfg = plan.rows, plan.cfg
+  groups = cfg.batch_size // rows.pairs
+  keys = min(rows.length, rows.band or rows.length)
+  forward = groups * forward_flops(plan.model, rows.rows * rows.length, keys, rows.head)
+  return (3 + (plan.reference == "step")) * forward
+
+
+def _measured_peak(dtype, n: int, repeats: int, device) -> float:
+  """FLOP/s of an `n x n` by `n x n` matmul in `dtype` on `device`: the median of
+  `repeats` timed runs after a warm-up."""
+  a = jax.device_put(jnp.ones((n, n), dtype), device)
+  dot = jax.jit(lambda x: x @ x)
+  dot(a).block_until_ready()
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    dot(a).block_until_ready()
+    times.append(time.perf_counter() - t0)
+  return 2.0 * n ** 3 / statistics.median(times)
+
+
+def peak_flops(device, dtype=jnp.float32, n: int = 1024, repeats: int = 9,
+               cache: str | None = CACHE) -> tuple[float, str]:
+  """`(FLOP/s, where it comes from)` of one `device` computing in `dtype`: the nominal
+  peak of a known chip, else a measured matmul peak cached in `cache` (None: not
+  cached)."""
+  kind = device.device_kind
+  for name, flops in PEAK_FLOPS:
+    if name.lower() in kind.lower():
+      return flops, f"nominal {name} peak"
+  key = f"{kind}|{jnp.dtype(dtype).name}|{n}|jax {jax.__version__}"
+  table = {}
+  if cache and os.path.exists(cache):
+    try:
+      with open(cache) as f:
+        table = json.load(f)
+    except (OSError, ValueError):
+      table = {}  # unreadable: measure again and rewrite it
+  if key not in table:
+    table[key] = _measured_peak(dtype, n, repeats, device)
+    if cache:
+      try:
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        tmp = f"{cache}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+          json.dump(table, f, indent=1)
+        os.replace(tmp, cache)
+      except OSError:
+        pass  # a read-only home: the peak is measured again next time
+  return table[key], f"measured matmul peak of {kind} (median of {repeats}, cached)"

@@ -1,0 +1,61 @@
+"""The DPO objective of a model on a pair batch.
+
+A pair batch is a dict of int32 arrays `[B, 2, T]`: axis 1 is (chosen, rejected), both
+rows of a pair sharing its prompt. This is the one layout from the dataset to the loss;
+the model runs on the model rows `data.packing.pack` added to the batch (plain, shared
+or packed: the step plan's `rows`), the LM head on their scored slots, and the
+log-probs come back as `[B, 2, T]` (`packing.unpack`).
+"""
+
+import jax
+import jax.numpy as jnp
+
+import kernels
+from tunix_core import model as model_lib
+from tunix_core.data import packing
+from tunix_core.parallel import layout as layout_lib
+
+
+def sequence_logps(params, batch: dict, mcfg: model_lib.ModelConfig, impl: str,
+                   rows: packing.Spec, layout: layout_lib.Layout = layout_lib.WHOLE
+                   ) -> jax.Array:
+  """Float32 per-token log-probs `[B, 2, T]` of `batch["targets"]` (0 where unscored).
+
+  `params` are in `layout`'s step form; inside `shard_map` they are a device's part
+  (gathered as they are used under FSDP, tensor-parallel slices with a
+  vocabulary-parallel LM head under TP; the log-probs are the same on every device of
+  the model axis). `batch` carries the model rows and head slots of `rows`
+  (`packing.pack`); the default `layout` is params held whole. Differentiable in `params`; the `[.., V]` logits are never built
+  (`kernels.fused_logprobs`).
+  """
+  params, gather_layer = layout.gather(params)
+  segments_RxL = batch["row_segments"]
+  hidden_RxLxD = layout.forward(
+      params, gather_layer, batch["row_tokens"], (segments_RxL > 0).astype(jnp.int32), mcfg,
+      positions_BxT=batch["row_positions"], segments_BxT=segments_RxL,
+      branches_BxT=batch["row_branches"] if rows.share else None, band=rows.band)
+  hidden_NxSxD, targets_NxS = packing.head_hidden(hidden_RxLxD, batch, rows)
+  logps_NxS = kernels.fused_logprobs(
+      hidden_NxSxD, model_lib.lm_head(params, mcfg).astype(hidden_NxSxD.dtype), targets_NxS,
+      impl=impl, ignore_index=kernels.IGNORE_INDEX, logit_softcap=mcfg.final_softcap or None,
+      vocab_axis=layout.model_axis)
+  return packing.unpack(logps_NxS, batch, rows)
+
+
+def dpo_objective(params, ref_logps_Bx2xT, batch: dict, cfg, mcfg: model_lib.ModelConfig,
+                  rows: packing.Spec, layout: layout_lib.Layout = layout_lib.WHOLE):
+  """`(loss, metrics)` of `kernels.dpo_loss` for `params` on a `[B, 2, T]` pair batch.
+
+  `ref_logps_Bx2xT` are the frozen reference's per-token log-probs (None when the run is
+  reference-free, `cfg.reference == "none"`); `cfg` is a `TrainConfig` (beta, loss
+  type, impls); `layout` and `rows` as in `sequence_logps`. Differentiable in `params`.
+  """
+  logps_Bx2xT = sequence_logps(params, batch, mcfg, cfg.logprob_impl, rows, layout)
+  mask_Bx2xT = batch["loss_mask"]
+  ref = (None, None) if ref_logps_Bx2xT is None else (ref_logps_Bx2xT[:, 0],
+                                                      ref_logps_Bx2xT[:, 1])
+  return kernels.dpo_loss(
+      logps_Bx2xT[:, 0], logps_Bx2xT[:, 1], *ref,
+      chosen_mask=mask_Bx2xT[:, 0], rejected_mask=mask_Bx2xT[:, 1], beta=cfg.beta,
+      loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing,
+      reference_free=cfg.reference == "none", impl=cfg.loss_impl)

@@ -1,0 +1,104 @@
+"""The step plan: every static choice of a run's train step, made once.
+
+A `StepPlan` is built in one place (`make_plan`) from the run config, the data's
+statistics and the devices, and fixes what the compiled step is: the row layout and its
+static shapes (`data.packing.Spec`: plain, shared, packed; row length, LM-head slots,
+pairs per micro-batch), pairs per device and micro-batches, the reference mode, the
+parameter layout, the model config with its resolved dtypes and attention impl. The
+trainer, `--compile_only`, the benchmarks and the tests all build `step.StepFunctions`
+from a plan and nothing else, so what is compiled, measured and tested is what runs.
+
+Without data (`--compile_only` with no `--train_data`) the plan is sized for the worst
+case of the flags (`worst_case_sizes`): every row full (`--max_length` tokens) with a
+prompt of `--max_prompt_length` tokens.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from tunix_core import data as data_lib
+from tunix_core import model as model_lib
+from tunix_core.data import packing
+from tunix_core.training.config import TrainConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+  """The static choices of a train step (hashable; see the module docstring)."""
+
+  cfg: TrainConfig                  # loss, optimizer, impls, sync settings
+  model: model_lib.ModelConfig      # with compute dtype and remat resolved
+  rows: packing.Spec                # one device's micro-batch of model rows
+  data_shards: int                  # devices of the "data" axis
+  model_parallel: int               # devices of the "model" axis (1: no TP)
+
+  @property
+  def reference(self) -> str:
+    """"step" (the frozen reference's forward in every step), "precomputed" (its
+    log-probs ride with the batch) or "none" (reference-free)."""
+    return self.cfg.reference
+
+  @property
+  def pairs_per_device(self) -> int:
+    return self.cfg.batch_size // self.data_shards
+
+  @property
+  def micro_batches(self) -> int:
+    return self.cfg.grad_accum_steps
+
+  @property
+  def layout(self) -> str:
+    return ("FSDP" if self.cfg.fsdp else "ZeRO-1") + (
+        f" x TP {self.model_parallel}" if self.model_parallel > 1 else "")
+
+  def describe(self) -> str:
+    """The plan in one line."""
+    r = self.rows
+    return (f"plan: {r.layout} rows, {r.rows} x {r.length} tokens and {r.head} LM-head "
+            f"slots per {r.pairs} pair(s); {self.pairs_per_device} pair(s) per device in "
+            f"{self.micro_batches} micro-batch(es); reference: {self.reference}; "
+            f"{self.layout} over {self.data_shards * self.model_parallel} device(s); "
+            f"{self.model.param_dtype} params, {self.model.compute_dtype} compute, "
+            f"remat {self.model.remat}, attention {self.model.attention_impl}")
+
+
+def pairs_per_group(cfg: TrainConfig, num_devices: int) -> int:
+  """Pairs one device computes at once (one micro-batch): the one place this is worked
+  out."""
+  data_shards = num_devices // cfg.model_parallel
+  return cfg.batch_size // (data_shards * cfg.grad_accum_steps)
+
+
+def data_sizes(cfg: TrainConfig, splits) -> packing.Sizes:
+  """The `packing.Sizes` of every pair of `splits` (encoded `PreferenceDataset`s)."""
+  return packing.Sizes.join([
+      packing.pair_sizes(data_lib.take_pairs(d, np.arange(len(d))), cfg.prefix_sharing)
+      for d in splits])
+
+
+def worst_case_sizes(cfg: TrainConfig) -> packing.Sizes:
+  """Sizes no encoded pair of these flags exceeds: both rows full (`T = --max_length`
+  tokens) after a prompt of `P = --max_prompt_length`; shared, a pair holds `2T - P`
+  tokens; each row scores at most `T - P + 1` positions (a tokenizer without BOS scores
+  from the prompt's last token on)."""
+  T, P = cfg.max_length, cfg.max_prompt_length
+  one = lambda n: np.array([n])
+  return packing.Sizes(tokens=one(2 * T - P if cfg.prefix_sharing else 2 * T),
+                       scored=one(2 * (T - P + 1)), longest=one(T))
+
+
+def make_plan(cfg: TrainConfig, devices, sizes: packing.Sizes | None = None,
+              model_config: model_lib.ModelConfig | None = None) -> StepPlan:
+  """The plan of `cfg`'s step on `devices` for data of these `sizes` (None: the worst
+  case of the flags); `model_config` overrides the flags' model. Raises
+  `config.ConfigError` for settings that cannot work on these devices."""
+  cfg.validate(len(devices))
+  platform = devices[0].platform
+  mcfg = model_config or cfg.model_config(platform)
+  sizes = worst_case_sizes(cfg) if sizes is None else sizes
+  rows = packing.make_spec(sizes, pairs_per_group(cfg, len(devices)), cfg.prefix_sharing,
+                           cfg.packing, cfg.max_length)
+  return StepPlan(cfg=cfg, model=mcfg, rows=rows,
+                  data_shards=len(devices) // cfg.model_parallel,
+                  model_parallel=cfg.model_parallel)

@@ -1,0 +1,223 @@
+"""The jitted `shard_map` step functions of a step plan, and how batches reach the devices.
+
+`StepFunctions(plan, mesh)` compiles, for a `plan.StepPlan` on a mesh `("data",)` or
+`("data", "model")` (`parallel.mesh.make_mesh`): the train step, the eval step, the
+frozen reference's log-probs and the replica checksum. Where params and optimizer
+state live and how they are gathered, synced and updated is the plan's parameter
+layout (`parallel.layout`: ZeRO-1, FSDP, either under tensor parallelism); the step
+only calls it. The train state is `{"params", "opt_state", "step", "nonfinite"}`:
+params in the layout's step form, optimizer-state leaves `[num_shards, piece]` rows,
+and `nonfinite`, int32 `[3]` (count of non-finite steps so far, the first such step, a
+bit set of what was non-finite in it, bits in `health.NONFINITE_KEYS` order). A step
+whose loss, metrics or gradient norm is not finite leaves params and optimizer state as
+they were; the loop decides whether to stop.
+
+Pair batches are `[B, 2, T]` (chosen, rejected) everywhere; on device they are split over
+"data" on the pair axis (replicated over "model"), each device holding whole groups of
+the plan's model rows (`data.packing`).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from tunix_core import model as model_lib
+from tunix_core.data import packing
+from tunix_core.parallel import collectives
+from tunix_core.parallel import layout as layout_lib
+from tunix_core.parallel import mesh as mesh_lib
+from tunix_core.parallel import zero
+from tunix_core.training import health as health_lib
+from tunix_core.training import objective
+from tunix_core.training import optim
+from tunix_core.training.plan import StepPlan
+
+
+class StepFunctions:
+  """The compiled step functions of `plan` on `mesh`.
+
+  - `train_step(state, ref_params, batch) -> (state, metrics)`; donates `state`.
+  - `eval_step(params, ref_params, batch) -> metrics`.
+  - `ref_logps(ref_params, batch) -> [B, 2, T]` float32, the reference's log-probs.
+  `ref_params` is None unless the plan's reference runs in the step. Metrics are
+  device-mean scalars: the `dpo_loss` keys, `loss`, `grad_norm` and `learning_rate` (the
+  one this step used); the train step's also carry `nonfinite`, the state's `[3]`
+  health after the step (read with the metrics, so checking it costs no extra host sync).
+  """
+
+  def __init__(self, plan: StepPlan, mesh: Mesh):
+    self.plan, self.mesh = plan, mesh
+    self.cfg, self.mcfg = cfg, mcfg = plan.cfg, plan.model
+    self.num_devices = mesh.shape["data"]  # data-parallel shards
+    self.model_parallel = dict(mesh.shape).get("model", 1)
+    self.tx, self.schedule = optim.make_optimizer(cfg)
+    self.layout = layout_lib.make(
+        mcfg, self.tx, data_shards=self.num_devices, model_parallel=self.model_parallel,
+        fsdp=cfg.fsdp, bucket_bytes=int(cfg.bucket_mb * 2**20), sync_impl=cfg.sync_impl,
+        comm_dtype=collectives.COMM_DTYPES[cfg.grad_sync_dtype],
+        max_grad_norm=cfg.max_grad_norm or None)
+    self.param_shapes = self.layout.param_shapes  # logical
+    self.replicated = NamedSharding(mesh, P())
+    self.pairs = NamedSharding(mesh, P("data"))
+    self.rows = NamedSharding(mesh, self.layout.row_spec)
+    named = lambda specs: jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                                       is_leaf=lambda x: isinstance(x, P))
+    pspec = self.layout.param_specs
+    self.param_sharding = named(pspec)
+    ref_spec = pspec if plan.reference == "step" else P()  # else no reference params
+    state_specs = {"params": pspec, "opt_state": self.layout.row_spec, "step": P(),
+                   "nonfinite": P()}
+    smap = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
+    self.train_step = jax.jit(
+        smap(self._train_step, in_specs=(state_specs, ref_spec, P("data")),
+             out_specs=(state_specs, P())), donate_argnums=(0,))
+    self.eval_step = jax.jit(smap(self._eval_step, in_specs=(pspec, ref_spec, P("data")),
+                                  out_specs=P()))
+    self.ref_logps = jax.jit(smap(self._ref_logps, in_specs=(pspec, P("data")),
+                                  out_specs=P("data")))
+    self._init_opt = jax.jit(smap(
+        lambda params: jax.tree.map(lambda x: x[None], self.layout.init_opt(params)),
+        in_specs=(pspec,), out_specs=self.layout.row_spec))
+    self._checksums = jax.jit(smap(self._checksum, in_specs=(pspec,),
+                                   out_specs=self.layout.row_spec))
+    self._to_step = jax.jit(self.layout.to_step, out_shardings=self.param_sharding)
+    self._from_step = jax.jit(self.layout.from_step, out_shardings=named(
+        self.layout.logical_specs()))
+
+  def init_params(self, key: jax.Array) -> dict:
+    """Params initialised from `key`, directly in this run's layout and shardings."""
+    return jax.jit(lambda k: self.layout.to_step(model_lib.init_params(k, self.mcfg)),
+                   out_shardings=self.param_sharding)(key)
+
+  def logical_shardings(self) -> dict:
+    """Where logical params live outside the step (`layout.logical_specs`): as in the
+    step under ZeRO-1, split on their largest dimension "data" divides under FSDP."""
+    return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.layout.logical_specs(),
+                        is_leaf=lambda x: isinstance(x, P))
+
+  def logical_params(self, params: dict) -> dict:
+    """This run's params (or a tree shaped like them) as logical arrays."""
+    return self._from_step(params)
+
+  def place_params(self, logical: dict) -> dict:
+    """Logical params -> this run's layout and shardings (inverse of `logical_params`)."""
+    return self._to_step(logical)
+
+  def abstract_params(self, dtype=None) -> dict:
+    """ShapeDtypeStructs of this run's params in its layout and shardings (leaves in
+    `dtype`, default the params'): the reference params' too."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        self.layout.abstract_params(dtype), self.param_sharding)
+
+  def abstract_opt_state(self):
+    """ShapeDtypeStructs of this run's optimizer state (`layout`'s rows over `rows`)."""
+    return zero.abstract_opt_state(self.layout.cut, self.tx, self.rows)
+
+  def init_state(self, key: jax.Array, params: dict | None = None) -> dict:
+    """A fresh train state around `params` (default: initialised from `key`)."""
+    params = self.init_params(key) if params is None else params
+    return {"params": params, "opt_state": self._init_opt(params),
+            "step": jax.device_put(jnp.zeros((), jnp.int32), self.replicated),
+            "nonfinite": self.put_nonfinite([0, 0, 0])}
+
+  def put_nonfinite(self, health) -> jax.Array:
+    """`[count, first step, bits]` (host ints) as the state's replicated int32 `[3]`."""
+    return jax.device_put(jnp.asarray(health, jnp.int32), self.replicated)
+
+  def _objective(self, params, ref_logps, batch):
+    return objective.dpo_objective(params, ref_logps, batch, self.cfg, self.mcfg,
+                                   self.plan.rows, self.layout)
+
+  def _ref_logps(self, ref_params, batch):
+    return jax.lax.stop_gradient(objective.sequence_logps(
+        ref_params, batch, self.mcfg, self.cfg.logprob_impl, self.plan.rows, self.layout))
+
+  def _resolve_ref(self, ref_params, batch):
+    """Reference log-probs `[b, 2, T]` of a local batch, as the plan's reference mode
+    says: computed in the step, carried by the batch, or None."""
+    return {"step": lambda: self._ref_logps(ref_params, batch),
+            "precomputed": lambda: batch["ref_logps"],
+            "none": lambda: None}[self.plan.reference]()
+
+  def _train_step(self, state, ref_params, batch):
+    k = self.plan.micro_batches
+    params = state["params"]
+
+    def micro_step(mb):
+      ref = self._resolve_ref(ref_params, mb)
+      (loss, metrics), grads = jax.value_and_grad(self._objective, has_aux=True)(
+          params, ref, mb)
+      return self.layout.sync_grads(grads), dict(metrics, loss=loss)
+
+    def accumulate(carry, mb):
+      return jax.tree.map(jnp.add, carry, micro_step(mb)), None
+
+    if k == 1:  # no accumulator: one fewer gradient-sized buffer
+      grads, metrics = micro_step(batch)
+    else:
+      micro = jax.tree.map(lambda x: x.reshape((k, -1) + x.shape[1:]), batch)  # [k, b/k, ..]
+      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                           jax.eval_shape(micro_step, jax.tree.map(lambda x: x[0], micro)))
+      (grads, metrics), _ = jax.lax.scan(accumulate, zeros, micro)
+      # Means over micro-batches; ZeRO-1 then averages over devices once per step (under
+      # FSDP each micro-batch's gradient was reduce-scattered already).
+      grads, metrics = jax.tree.map(lambda x: x / k, (grads, metrics))
+    opt_state = jax.tree.map(lambda x: x[0], state["opt_state"])
+    update = self.layout.update(grads, opt_state, params)
+    metrics = jax.lax.pmean(metrics, "data")
+    metrics = dict(metrics, grad_norm=update.grad_norm,
+                   learning_rate=self.schedule(state["step"]))
+    ok, health = health_lib.update(state["nonfinite"], metrics, state["step"] + 1)
+    # A non-finite step keeps the old params and optimizer state (no update applied).
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+    new_state = {"params": keep(update.params, state["params"]),
+                 "opt_state": keep(jax.tree.map(lambda x: x[None], update.state),
+                                   state["opt_state"]),
+                 "step": state["step"] + 1, "nonfinite": health}
+    return new_state, dict(metrics, nonfinite=health)
+
+  def _eval_step(self, params, ref_params, batch):
+    loss, metrics = self._objective(params, self._resolve_ref(ref_params, batch), batch)
+    return jax.lax.pmean(dict(metrics, loss=loss), "data")
+
+  @staticmethod
+  def _checksum(params):
+    """This device's params as one uint32: the wrapping sum of their bit patterns."""
+    total = jnp.zeros((), jnp.uint32)
+    for x in jax.tree.leaves(params):
+      bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+      total = total + jnp.sum(bits, dtype=jnp.uint32)
+    return total[None]
+
+  def check_replicas(self, params) -> None:
+    """Raises if any device's copy of params replicated over the layout's
+    `replica_axis` differs from the others holding the same model slice (a layout with
+    no replicas, FSDP, has nothing to check)."""
+    if self.layout.replica_axis is None:
+      return
+    sums = mesh_lib.to_host(self._checksums(params)).reshape(self.num_devices,
+                                                             self.model_parallel)
+    if (sums != sums[0]).any():
+      raise RuntimeError(f"replicas diverged: per-device param checksums {sums.tolist()}")
+
+  def put_batch(self, batch: dict) -> dict:
+    """Host arrays `[B, 2, T]` of the global batch, with the plan's model rows and head
+    slots added (`packing.pack`; a batch that does not fit the plan is a ValueError) ->
+    device arrays split over "data" on the pair axis. Each process hands over only the
+    pairs of its own devices."""
+    batch = packing.pack(batch, self.plan.rows)
+    n, p = jax.process_count(), jax.process_index()
+    out = {}
+    for k, v in batch.items():
+      B = v.shape[0]
+      out[k] = jax.make_array_from_process_local_data(
+          self.pairs, v[p * B // n:(p + 1) * B // n], v.shape)
+    return out
+
+
+def make_steps(plan: StepPlan, devices) -> StepFunctions:
+  """`StepFunctions` of `plan` on a mesh of `devices` (`parallel.mesh.make_mesh`)."""
+  return StepFunctions(plan, mesh_lib.make_mesh(devices, plan.model_parallel))
