@@ -1,10 +1,10 @@
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="tunix-core",
     version="0.1.0",
     description="Pallas TPU kernels, shard_map gradient sync and a compact DPO trainer for JAX",
-    packages=["kernels", "tunix_core"],
+    packages=find_packages(include=["kernels", "kernels.*", "tunix_core", "tunix_core.*"]),
     py_modules=["trainer"],
     python_requires=">=3.11",
     install_requires=[
@@ -23,7 +23,7 @@ setup(
         "tpu": ["jax[tpu]>=0.10.2,<0.13"],
         # Hugging Face checkpoints (tunix_core.hf), imported lazily.
         "hf": ["safetensors>=0.4,<1", "tokenizers>=0.19,<1", "jinja2>=3.1,<4"],
-        # llama.cpp GGUF files to HF directories (tunix_core.hf_gguf), imported lazily.
+        # llama.cpp GGUF files to HF directories (tunix_core.hf.gguf), imported lazily.
         "gguf": ["gguf>=0.10,<1"],
     },
 )

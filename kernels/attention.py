@@ -4,7 +4,7 @@ the `[T, T]` scores).
 
 Both take `q [B, T, H, K]`, `k, v [B, T, KV, K]` (H a multiple of KV). Which keys a query
 sees is a `Visibility`: the keys at or before it in the row that are real tokens, of its
-own segment (packed rows: `tunix_core.packing`), not of another response branch (prefix
+own segment (packed rows: `tunix_core.data.packing`), not of another response branch (prefix
 sharing: a rejected response never sees the chosen one), and within the sliding window
 on rope positions. The flash path expresses padding as segment ids (real tokens 1,
 padding 0, or the packed rows' own segment ids): real queries then see exactly the real

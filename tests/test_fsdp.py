@@ -1,4 +1,4 @@
-"""FSDP (`--fsdp`, `tunix_core.fsdp`): the sharded layout against NumPy, the gather and
+"""FSDP (`--fsdp`, `tunix_core.parallel.fsdp`): the sharded layout against NumPy, the gather and
 its reduce-scatter VJP, agreement with ZeRO-1 and with one device, per-device bytes and
 the collectives of the compiled step, and restores across device counts and layouts."""
 

@@ -1,4 +1,4 @@
-"""`hf_gguf.gguf_to_hf`: llama.cpp GGUF files to Hugging Face directories.
+"""`hf.gguf.gguf_to_hf`: llama.cpp GGUF files to Hugging Face directories.
 
 The synthetic tests write GGUFs from the committed HF fixtures the way llama.cpp's
 convert does (its tensor names, its q/k row permutation for "llama", its tokenizer

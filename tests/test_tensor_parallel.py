@@ -1,4 +1,4 @@
-"""Tensor parallelism (`tunix_core.tensor_parallel`) on 2 and 4 devices against one
+"""Tensor parallelism (`tunix_core.parallel.tensor_parallel`) on 2 and 4 devices against one
 device: log-probs and every param's gradient, for a Llama-style and a Qwen3/Gemma-style
 config, with the vocabulary-parallel embedding and LM head."""
 

@@ -10,11 +10,11 @@ Orbax writes a step into a temporary directory and renames it when complete, so 
 process killed mid-save leaves the previous steps intact; the leftover temporary
 directory is removed on the next start. Restore takes explicit target shardings, so a
 checkpoint written on N devices restores on any other count (the ZeRO optimizer state,
-which is laid out per device, is re-cut for the new count by `tunix_core.zero`).
+which is laid out per device, is re-cut for the new count by `tunix_core.parallel.zero`).
 
 `save_state` is what the training loop calls to save: the state plus the metadata a
 step carries. Finding, checking and restoring the step to resume from is
-`tunix_core.resume`.
+`tunix_core.checkpoints.resume`.
 """
 
 import dataclasses

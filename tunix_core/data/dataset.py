@@ -10,7 +10,7 @@ message. Each pair becomes two rows of length `max_length`:
 
 For string pairs BOS is the tokenizer's (none when `bos_id` is None) and END is EOS;
 `prompt + response` is tokenized jointly and split at the prompt's length (see
-`data_encode`, which also says what happens when a BPE merges across the seam; such
+`data.encode`, which also says what happens when a BPE merges across the seam; such
 responses are counted in `num_prefix_mismatch`). For message lists the prompt is the
 chat template with the generation prompt and each response is the rendering of
 `prompt + [response]` minus the prompt's ids: the template writes BOS and the ends of
@@ -168,7 +168,7 @@ class PreferenceDataset:
   """Encoded pairs; every array is int32 `[num_pairs, 2, max_length]` (chosen, rejected).
 
   `num_prefix_mismatch` counts responses (not pairs) whose joint `prompt + response`
-  tokens did not start with the prompt's tokens (see `data_encode`).
+  tokens did not start with the prompt's tokens (see `data.encode`).
   """
 
   tokens: np.ndarray

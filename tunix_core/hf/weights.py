@@ -2,7 +2,7 @@
 params pytree and back.
 
 `model_type`s "llama" (Llama 2, 3, 3.x), "mistral", "qwen2", "qwen3", "gemma", "gemma2",
-"gemma3_text" and the text part of "gemma3" (`tunix_core.hf_config` reads their configs);
+"gemma3_text" and the text part of "gemma3" (`tunix_core.hf.config` reads their configs);
 anything else is a named `HFError`, never a silent approximation. `safetensors`,
 `tokenizers` and `jinja2` are imported lazily (the `hf` extra), `gguf` too.
 

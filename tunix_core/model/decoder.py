@@ -2,7 +2,7 @@
 
 Token embedding, RMSNorm, rotary position embeddings, grouped-query attention and a
 gated MLP, with the per-family options of `ModelConfig` (Llama, Mistral, Qwen2, Qwen3,
-Gemma 1/2/3; see `tunix_core.model_config`). Layers are stacked along a leading axis and
+Gemma 1/2/3; see `tunix_core.model.config`). Layers are stacked along a leading axis and
 run with `lax.scan`; what differs between layers (sliding window or not, Gemma 3's local
 rope) travels through the scan as arrays built from the config, not as Python branches.
 The forward pass stops at the final norm: it returns hidden states `[B, T, D]` and the LM
@@ -224,12 +224,12 @@ def forward(params: dict, tokens_BxT: jax.Array, mask_BxT: jax.Array | None,
       Padding keys are never attended to and positions count real tokens only, so the
       hidden states of real tokens do not depend on how much padding surrounds them.
     cfg: the model config.
-    gather_layer: FSDP (`tunix_core.fsdp`): maps the scanned slice of
+    gather_layer: FSDP (`tunix_core.parallel.fsdp`): maps the scanned slice of
       `params["layers"]` (a device's pieces of one layer) to that layer's full params.
       The layer is then rematerialised with a policy that never saves the gathered
       weights (`--remat=none` saves every matmul output instead of everything), so the
       backward gathers it again rather than keeping every layer alive.
-    positions_BxT, segments_BxT, branches_BxT, band: packed rows (`tunix_core.packing`):
+    positions_BxT, segments_BxT, branches_BxT, band: packed rows (`tunix_core.data.packing`):
       explicit rope positions (default: counting real tokens), segment ids and response
       branch ids of `kernels.attention.Visibility`, and its static band.
   """
@@ -243,7 +243,7 @@ def decoder(params: dict, x_BxTxD: jax.Array, mask_BxT: jax.Array | None, cfg: M
             band: int | None = None, layer_cfg: ModelConfig | None = None,
             enter=lambda h: h, leave=lambda h: h) -> jax.Array:
   """`forward` after the embedding `x_BxTxD`: the layer scan and the final norm. Tensor
-  parallelism (`tunix_core.tensor_parallel`) passes the shapes of one device's slices as
+  parallelism (`tunix_core.parallel.tensor_parallel`) passes the shapes of one device's slices as
   `layer_cfg` and the ops around each attention and MLP block: `enter` on its input,
   `leave` on its output; `cfg` stays the global config."""
   if mask_BxT is None:

@@ -182,8 +182,8 @@ class TensorParallel:
 
   model_axis = MODEL
 
-  def __init__(self, inner: Zero1, mcfg: model_lib.ModelConfig, k: int):
-    self.inner, self.mcfg = inner, mcfg
+  def __init__(self, inner: Zero1, mcfg: model_lib.ModelConfig, k: int, param_shapes: dict):
+    self.inner, self.mcfg, self.param_shapes = inner, mcfg, param_shapes
     self.name, self.replica_axis = inner.name, inner.replica_axis
     self.cut = tp_lib.Stacked(inner.cut, mcfg, k)
     self.num_shards = self.cut.num_shards
@@ -191,8 +191,6 @@ class TensorParallel:
     self.pieces = inner.replica_axis is None  # FSDP: the params are rows too
     self.param_specs = (jax.tree.map(lambda _: self.row_spec, inner.param_shapes)
                         if self.pieces else model_lib.param_specs(mcfg, MODEL))
-    self.param_shapes = jax.eval_shape(
-        lambda: model_lib.init_params(jax.random.PRNGKey(0), mcfg))
 
   def logical_specs(self) -> dict:
     if not self.pieces:
@@ -252,4 +250,4 @@ def make(mcfg: model_lib.ModelConfig, tx, *, data_shards: int, model_parallel: i
     inner = FSDP(local_shapes, opt, model_lib.DTYPES[mcfg.compute_dtype], comm_dtype)
   else:
     inner = Zero1(local_shapes, opt)
-  return TensorParallel(inner, mcfg, k) if k > 1 else inner
+  return TensorParallel(inner, mcfg, k, param_shapes) if k > 1 else inner

@@ -102,7 +102,7 @@ class ShardedOptimizer:
     return UpdateResult(new_params, state, norm)
 
   def update_sharded(self, grad_pieces, state, local_params) -> UpdateResult:
-    """FSDP: the params are sharded already (`tunix_core.fsdp`) and `grad_pieces` are the
+    """FSDP: the params are sharded already (`tunix_core.parallel.fsdp`) and `grad_pieces` are the
     device-mean gradients of this device's `local_params` (the layout's reduce-scatter
     made them). The update stays local: `params` of the result are the new local pieces."""
     norm = self.global_norm(grad_pieces)
@@ -111,9 +111,10 @@ class ShardedOptimizer:
 
 
 def abstract_opt_state(layout, tx: optax.GradientTransformation, sharding):
-  """ShapeDtypeStructs of the optimizer state of `tx` kept in `layout` (a `Zero1Layout`,
-  `fsdp.Layout` or `tensor_parallel.Stacked`): each device's state of its pieces,
-  stacked on a leading `[layout.num_shards]` axis placed with `sharding`."""
+  """ShapeDtypeStructs of the optimizer state of `tx` kept in the cut `layout` (a
+  `Zero1Layout`, `fsdp.Layout` or `tensor_parallel.Stacked`; a `parallel.layout.Layout`'s
+  `cut`): each device's state of its pieces, stacked on a leading `[layout.num_shards]`
+  axis placed with `sharding`."""
   local = jax.eval_shape(tx.init, layout.local_shapes())
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
       (layout.num_shards,) + x.shape, x.dtype, sharding=sharding), local)
@@ -122,7 +123,8 @@ def abstract_opt_state(layout, tx: optax.GradientTransformation, sharding):
 class Zero1Layout:
   """ZeRO-1's cut of a params-structured tree (the optimizer state's `mu`, `nu`): each leaf
   flattened, zero-padded and split into `[N, piece]` rows (`plan.local_pieces`).
-  `fsdp.Layout` has the same two conversions for its own cut."""
+  `fsdp.Layout` has the same two conversions for its own cut; `parallel.layout.Zero1`
+  is the whole ZeRO-1 parameter layout built on it."""
 
   def __init__(self, plan: collectives.BucketPlan):
     self.plan, self.num_shards = plan, plan.num_shards

@@ -65,7 +65,7 @@ class Progress:
 
   `tokens_per_sec` counts the non-padding tokens trained on since the previous logged
   row (`count_tokens` is told each batch), over the wall time since that row. With
-  `step_flops` (model FLOPs of one step, `tunix_core.flops`) and `peak_flops` (of all the
+  `step_flops` (model FLOPs of one step, `tunix_core.training.flops`) and `peak_flops` (of all the
   run's devices together), rows also carry `mfu`: the steps since the previous row times
   `step_flops`, over that wall time and `peak_flops`.
   """

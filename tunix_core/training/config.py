@@ -299,6 +299,7 @@ def flag_table() -> str:
       choices = CHOICES.get(f.name)
       extra = (f" One of: {', '.join(choices)}." if choices and f.name != "target_topology"
                else "")
-      out.append(f"| `--{f.name}` | `{f.default!r}` | {f.metadata['help']}{extra} |")
+      what = (f.metadata["help"] + extra).replace("|", "\\|")  # a literal bar in a cell
+      out.append(f"| `--{f.name}` | `{f.default!r}` | {what} |")
     out.append("")
   return "\n".join(out)

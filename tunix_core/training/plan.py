@@ -83,9 +83,9 @@ def worst_case_sizes(cfg: TrainConfig) -> packing.Sizes:
   tokens; each row scores at most `T - P + 1` positions (a tokenizer without BOS scores
   from the prompt's last token on)."""
   T, P = cfg.max_length, cfg.max_prompt_length
-  one = lambda n: np.array([n])
-  return packing.Sizes(tokens=one(2 * T - P if cfg.prefix_sharing else 2 * T),
-                       scored=one(2 * (T - P + 1)), longest=one(T))
+  every = lambda n: np.full(cfg.batch_size, n)  # a whole batch of such pairs
+  return packing.Sizes(tokens=every(2 * T - P if cfg.prefix_sharing else 2 * T),
+                       scored=every(2 * (T - P + 1)), longest=every(T))
 
 
 def make_plan(cfg: TrainConfig, devices, sizes: packing.Sizes | None = None,
