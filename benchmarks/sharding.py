@@ -6,11 +6,12 @@ devices.
         [--layouts zero1,fsdp,fsdp+tp2] [--topology v5e-8] [--throughput_steps 7]
         [--out docs/results/memory_v5e-8.md]
 
-Memory: each model's train step as the trainer plans it (`aot.plan_for`: 8 pairs of
-the shipped data at `--max_length=1024`, 512 of prompt, prefix-shared rows, bf16
-compute, `--remat=full`, float32 master params, AdamW), the very plan
-`--compile_only` compiles, compiled by the real TPU compiler for `--topology` from
-abstract inputs (needs libtpu; nothing is allocated), per chip:
+Memory: each model's train step as the trainer plans it for 8 full pairs
+(`aot.plan_for` without data: the flags' worst case, every row `--max_length=1024`
+tokens after a 512-token prompt, prefix-shared rows, bf16 compute, `--remat=full`,
+float32 master params, AdamW), the very plan `--compile_only` compiles for these flags,
+compiled by the real TPU compiler for `--topology` from abstract inputs (needs libtpu;
+nothing is allocated), per chip:
 arguments, temporaries and the total (arguments + outputs not in donated buffers +
 temporaries) against the chip's HBM, or the compiler's refusal. `--refs` picks the
 reference: precomputed log-probs (an input), or the frozen reference params in the step
@@ -83,7 +84,8 @@ def memory_table(models, refs, layouts, topology, out_path):
        "+ non-donated outputs + temporaries as analysed; peak = the compiler's "
        "peak_memory_in_bytes; allocated = what its buffer assignment places in HBM, what "
        "the fit is judged on. Each row is the plan `--compile_only` compiles for these "
-       "flags on the shipped data (`benchmarks/sharding.py`).")
+       "flags without data (8 full pairs of 1024 tokens, 512 of prompt; "
+       "`benchmarks/sharding.py`).")
   emit("")
   emit("| model | params | reference | layout | plan | arguments | temporaries | sum | peak | "
        "allocated | fits |")
@@ -98,7 +100,7 @@ def memory_table(models, refs, layouts, topology, out_path):
           emit(f"| {model} | | {ref} | FSDP + TP {k} | skipped: {e} |")
           continue
         cfg = config_lib.TrainConfig(
-            output_dir="/tmp/sharding_benchmark", train_data=TRAIN, model=model, fsdp=fsdp,
+            output_dir="/tmp/sharding_benchmark", compile_only=True, model=model, fsdp=fsdp,
             model_parallel=k,
             batch_size=8, max_length=1024, max_prompt_length=512, compute_dtype="bfloat16",
             remat="full", reference="precomputed" if ref == "precomputed" else "step",

@@ -173,14 +173,14 @@ def test_corrupt_latest_step_falls_back_or_fails(tmp_path):
 def test_verify_checkpoint_detects_a_changed_array(tmp_path):
   train.train(_config(tmp_path, steps=2, save_every=2), **QUIET)
   train.train(_config(tmp_path, steps=3, verify_checkpoint=True), **QUIET)  # passes
-  meta_dir = tmp_path / "checkpoints" / "2" / "meta"
+  meta_dir = tmp_path / "checkpoints" / "3" / "meta"  # the run always saves its last step
   name = "metadata"  # Orbax's JSON file of the item
   meta = json.loads((meta_dir / name).read_text())
   key = sorted(meta["fingerprints"])[0]
   meta["fingerprints"][key] = "0" * 16
   (meta_dir / name).write_text(json.dumps(meta))
   with pytest.raises(checkpoint.CheckpointError, match="fails verification"):
-    train.train(_config(tmp_path, steps=3, verify_checkpoint=True, resume="required"), **QUIET)
+    train.train(_config(tmp_path, steps=4, verify_checkpoint=True, resume="required"), **QUIET)
 
 
 def _free_port():
