@@ -13,7 +13,6 @@ import chex
 import jax
 import numpy as np
 import pytest
-from jax.sharding import Mesh
 
 import runs
 from tunix_core import data as data_lib
@@ -21,7 +20,6 @@ from tunix_core.checkpoints import resume
 from tunix_core.checkpoints import store as checkpoint
 from tunix_core.run import loop as train
 from tunix_core.training import config as config_lib
-from tunix_core.training import step as step_lib
 
 REPO = runs.REPO
 TRAIN = runs.TRAIN

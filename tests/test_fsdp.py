@@ -23,7 +23,6 @@ from tunix_core.parallel import fsdp
 from tunix_core.parallel import zero
 from tunix_core.run import loop as train
 from tunix_core.training import config as config_lib
-from tunix_core.training import step as step_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "data", "train.jsonl")

@@ -18,7 +18,6 @@ from oracles import rel_error
 from tunix_core import data as data_lib
 from tunix_core import model as model_lib
 from tunix_core.data import packing
-from tunix_core.training import config as config_lib
 from tunix_core.training import objective
 
 IGNORE = kernels.IGNORE_INDEX

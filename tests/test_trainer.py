@@ -12,13 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
 
 import runs
 from tunix_core import data as data_lib
 from tunix_core.run import loop as train
 from tunix_core.training import config as config_lib
-from tunix_core.training import step as step_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "data", "train.jsonl")
@@ -155,7 +153,6 @@ def test_8_devices_match_1_device(tmp_path, sync_impl):
 
 @pytest.mark.slow
 def test_grad_accumulation_equals_one_big_batch(tmp_path):
-  mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
   batch = data_lib.take_pairs(
       data_lib.load_dataset(TRAIN, data_lib.ByteTokenizer(), 40, 20), np.arange(8))
   params = []

@@ -22,8 +22,6 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from kernels import tpu
 from tunix_core import model as model_lib

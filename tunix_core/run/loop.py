@@ -10,7 +10,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from tunix_core import data as data_lib
 from tunix_core import model as model_lib
