@@ -1,9 +1,11 @@
 """The DPO training loop: data in, steps dispatched, metrics, evaluation, checkpoints.
 
-`train(cfg)` reads top to bottom: load the data, build the step functions on a mesh of
-every device, resume or initialise the state, optionally precompute the reference
-log-probs, then loop. The loop dispatches step N+1 before it reads step N's metrics, so
-the host never stalls the device; checkpoints are saved asynchronously.
+`train(cfg)` reads top to bottom: load the data, plan the step from it
+(`training.plan`: the very plan `--compile_only` compiles), build its step functions on
+a mesh of every device, resume or initialise the state, optionally precompute the
+reference log-probs, then loop. The loop dispatches step N+1 before it reads step N's
+metrics, so the host never stalls the device; checkpoints are saved asynchronously, the
+last step always.
 """
 
 import os
