@@ -156,10 +156,14 @@ class Layout:
     return jax.tree.map(lambda x: x[0], tree)
 
 
-def logical_spec(shape, n: int, axis_name: str = "data") -> P:
-  """How a logical array is kept under FSDP outside the step (checkpoints, HF loading,
-  export): split over the `n` devices of `axis_name` on its largest dimension they
-  divide, or replicated when none does (small vectors)."""
+def logical_specs(shapes, n: int, axis_name: str = "data"):
+  """How logical arrays (a tree of `shapes`) are kept under FSDP outside the step
+  (checkpoints, HF loading, export): each split over the `n` devices of `axis_name` on
+  its largest dimension they divide, or replicated when none does (small vectors)."""
+  return jax.tree.map(lambda x: _logical_spec(x.shape, n, axis_name), shapes)
+
+
+def _logical_spec(shape, n: int, axis_name: str) -> P:
   dims = sorted((d for d in range(len(shape)) if shape[d] % n == 0 and shape[d] >= n),
                 key=lambda d: -shape[d])
   if not dims:

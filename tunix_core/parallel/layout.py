@@ -79,6 +79,13 @@ class Layout(Protocol):
     """Inside `shard_map`: synced, clipped and applied; the new params in step form."""
 
 
+def _abstract(shapes: dict, dtype, lead: tuple = ()) -> dict:
+  """ShapeDtypeStructs of `shapes` with `lead` dimensions in front (leaves in `dtype`,
+  default their own)."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(lead + x.shape, dtype or x.dtype),
+                      shapes)
+
+
 class Whole:
   """The compute side of params a device holds whole (no TP, no gathering): ZeRO-1's,
   and `WHOLE`, for the objective on plain params outside any step."""
@@ -120,8 +127,7 @@ class Zero1(Whole):
     return params
 
   def abstract_params(self, dtype=None) -> dict:
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype),
-                        self.param_shapes)
+    return _abstract(self.param_shapes, dtype)
 
   def init_opt(self, params: dict):
     return self.opt.init(params)
@@ -147,8 +153,7 @@ class FSDP(Zero1):
     self.param_specs = jax.tree.map(lambda _: self.row_spec, param_shapes)
 
   def logical_specs(self) -> dict:
-    n = self.cut.num_shards
-    return jax.tree.map(lambda x: fsdp_lib.logical_spec(x.shape, n, DATA), self.param_shapes)
+    return fsdp_lib.logical_specs(self.param_shapes, self.cut.num_shards, DATA)
 
   def to_step(self, logical: dict) -> dict:
     return self.cut.to_pieces(logical)
@@ -157,9 +162,7 @@ class FSDP(Zero1):
     return self.cut.to_logical(params)
 
   def abstract_params(self, dtype=None) -> dict:
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((self.num_shards,) + x.shape,
-                                                       dtype or x.dtype),
-                        self.cut.local_shapes())
+    return _abstract(self.cut.local_shapes(), dtype, (self.num_shards,))
 
   def gather(self, params: dict) -> tuple:
     local = self.cut.local(params)
@@ -195,8 +198,7 @@ class TensorParallel:
   def logical_specs(self) -> dict:
     if not self.pieces:
       return self.param_specs
-    n = self.inner.cut.num_shards
-    return jax.tree.map(lambda x: fsdp_lib.logical_spec(x.shape, n, DATA), self.param_shapes)
+    return fsdp_lib.logical_specs(self.param_shapes, self.inner.cut.num_shards, DATA)
 
   def to_step(self, logical: dict) -> dict:
     return self.cut.to_pieces(logical) if self.pieces else logical
@@ -206,11 +208,8 @@ class TensorParallel:
 
   def abstract_params(self, dtype=None) -> dict:
     if not self.pieces:
-      return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype),
-                          self.param_shapes)
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((self.num_shards,) + x.shape,
-                                                       dtype or x.dtype),
-                        self.cut.local_shapes())
+      return _abstract(self.param_shapes, dtype)
+    return _abstract(self.cut.local_shapes(), dtype, (self.num_shards,))
 
   def gather(self, params: dict) -> tuple:
     return self.inner.gather(params)
