@@ -63,12 +63,14 @@ flags.DEFINE_bool("library_logging", False, "Show the INFO logging of JAX, Orbax
                   "warnings and errors appear. All of it also goes to "
                   "{output_dir}/trainer.log.")
 
-
 def config_from_flags(warn=print) -> config_lib.TrainConfig:
   """The run config of the parsed flags; a deprecated alias sets `--reference` (with one
   line saying so) unless `--reference` itself was given."""
   f = flags.FLAGS
   values = {field.name: f[field.name].value for field in _FIELDS}
+  if f.precompute_ref_logps and f.reference_free:
+    raise config_lib.ConfigError("--precompute_ref_logps makes no sense with "
+                                 "--reference_free")
   for alias, mode in (("precompute_ref_logps", "precomputed"), ("reference_free", "none")):
     if f[alias].value:
       warn(f"trainer.py: --{alias} is deprecated; use --reference={mode}")

@@ -28,6 +28,14 @@ def _config(tmp_path, **kw):
   return config_lib.TrainConfig(**{**base, **kw})
 
 
+def test_sizes_print_in_gib_or_mib_below_a_tenth_to_3_significant_figures():
+  assert aot._gib(15907232768) == "14.8 GiB"   # 14.81 GiB
+  assert aot._gib(16 << 30) == "16.0 GiB"
+  assert aot._gib(int(0.1 * (1 << 30))) == "0.100 GiB"
+  assert aot._gib(int(6.5 * (1 << 20))) == "6.50 MiB"
+  assert aot._gib(int(92.16 * (1 << 20))) == "92.2 MiB"
+
+
 @pytest.mark.slow
 def test_local_compile_reports_memory_and_fits(tmp_path):
   lines = []

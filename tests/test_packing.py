@@ -82,16 +82,18 @@ def test_shared_and_packed_rows_by_hand():
   assert (p["head_targets"][6:] == IGNORE).all() and (p["head_dst"][6:] == 2 * 2 * T).all()
   unpacked = packing.make_spec(packing.pair_sizes(b, True), 1, share=True, pack=False)
   assert (unpacked.rows, unpacked.length, unpacked.band) == (1, 16, None)
-  # Plain: each response its own row, real tokens from the row's start.
+  # Plain: each response its own row, real tokens from the row's start, rows of whole
+  # 128-token attention tiles unless the data's rows are shorter.
   plain = packing.make_spec(packing.pair_sizes(b, False), 2, share=False, pack=False)
-  assert plain == packing.Spec(pairs=2, rows=4, length=16, head=16, band=None, share=False)
+  assert plain == packing.Spec(pairs=2, rows=4, length=128, head=16, band=None, share=False)
+  assert packing.make_spec(packing.pair_sizes(b, False), 2, False, False, T).length == T
   p = packing.pack(b, plain)
   for r, toks in enumerate([[5, 6, 7, 8, 9], [5, 6, 7, 3], [5, 6, 2], [5, 4, 2, 2]]):
     np.testing.assert_array_equal(p["row_tokens"][r, :len(toks)], toks)
     np.testing.assert_array_equal(p["row_positions"][r, :len(toks)], np.arange(len(toks)))
-    np.testing.assert_array_equal(p["row_segments"][r], [1] * len(toks) + [0] * (16 - len(toks)))
+    np.testing.assert_array_equal(p["row_segments"][r], [1] * len(toks) + [0] * (128 - len(toks)))
   assert (p["row_branches"] == 0).all()
-  np.testing.assert_array_equal(p["head_src"][:6], [2, 3, 16 + 2, 32 + 1, 48 + 1, 48 + 2])
+  np.testing.assert_array_equal(p["head_src"][:6], [2, 3, 128 + 2, 256 + 1, 384 + 1, 384 + 2])
   np.testing.assert_array_equal(p["head_targets"][:6], [8, 9, 3, 2, 2, 2])
   np.testing.assert_array_equal(p["head_dst"][:6], [3, 4, T + 3, 2 * T + 1, 3 * T + 1,
                                                     3 * T + 2])

@@ -12,17 +12,13 @@
 - `aot`: a plan compiled for a TPU target ahead of time, and its memory report.
 
 `tunix_core.collectives` and `tunix_core.zero` (the public names of the kernel library's
-gradient sync) resolve to their modules in `tunix_core.parallel`.
+gradient sync) are the modules of `tunix_core.parallel`, also as import paths.
 """
 
-import importlib
+import sys
 
-_PUBLIC = {"collectives": "tunix_core.parallel.collectives",
-           "zero": "tunix_core.parallel.zero"}
+from tunix_core.parallel import collectives
+from tunix_core.parallel import zero
 
-
-def __getattr__(name: str):
-  # Lazy, so importing any sub-package does not import the parallel one.
-  if name in _PUBLIC:
-    return importlib.import_module(_PUBLIC[name])
-  raise AttributeError(f"module 'tunix_core' has no attribute {name!r}")
+sys.modules[f"{__name__}.collectives"] = collectives
+sys.modules[f"{__name__}.zero"] = zero

@@ -105,11 +105,11 @@ def compile_stats(plan: plan_lib.StepPlan, chip, devices) -> dict:
   assignment allocates (for the 7B FSDP step of the README: 7.25 GiB, against one
   preallocated block of 5.40 GiB), so the sum overstates what the chip must hold.
   """
-  out = {"chip": chip, "devices": devices, "error": None}
+  steps, lowered = lower(plan, devices)
+  out = {"chip": chip, "devices": devices, "error": None,
+         "num_params": sum(x.size for x in jax.tree.leaves(steps.param_shapes))}
   with tempfile.TemporaryDirectory() as dump_dir:
     try:
-      steps, lowered = lower(plan, devices)
-      out["num_params"] = sum(x.size for x in jax.tree.leaves(steps.param_shapes))
       with jax.set_mesh(steps.mesh):
         compiled = lowered.compile({"xla_dump_to": dump_dir} if chip is not None else None)
     except Exception as e:  # noqa: BLE001 - the compiler's refusal is the answer

@@ -194,7 +194,7 @@ def save_state(ckpt: Checkpointer, step: int, state: dict, *, data_state: dict,
   `layout`, "zero1" or "fsdp", for `num_shards` data shards of `model_parallel`-way
   slices) at `step` with its metadata
   (`nonfinite`: the state's `[count, first step, bits]`, read by the caller; `source`:
-  where the initial policy came from, `hf_source.source`); returns a short digest of
+  where the initial policy came from, `run.source.source`); returns a short digest of
   the state's fingerprints for the log."""
   to_save = {"params": state["params"], "opt_state": state["opt_state"]}
   prints = fingerprints(to_save)

@@ -6,7 +6,8 @@ module decides where the model computes it. A `Spec` holds the static shapes of 
 group (the `pairs` consecutive pairs one device computes at once, one micro-batch), in
 one of four row layouts:
 
-- **plain**: each response its own row (`2 pairs` rows), as long as the longest one.
+- **plain**: each response its own row (`2 pairs` rows), as long as the longest one in
+  whole 128-token tiles (the TPU flash kernel's), at most the data's `max_length`.
 - **shared** (`--prefix_sharing`): a pair is one sequence `prompt | chosen | rejected`.
   The rejected response's positions restart where the prompt ends and its tokens never
   see the chosen response (branch ids: 0 prompt, 1 chosen, 2 rejected;
@@ -124,8 +125,8 @@ def make_spec(sizes: Sizes, pairs: int, share: bool, pack: bool,
               max_length: int | None = None) -> Spec:
   """The smallest static shapes every group of `pairs` pairs of data of these `sizes`
   fits in: the head (and a packed row) holds the `pairs` largest pairs. Neither `share`
-  nor `pack`: the plain layout, whose rows are never longer than the data's
-  `max_length` (the rounding stops there)."""
+  nor `pack`: the plain layout, whose rows are whole attention tiles but never longer
+  than the data's `max_length` (the rounding stops there)."""
   top = lambda x: int(np.sort(x)[-pairs:].sum())
   head = _round(top(sizes.scored))
   if pack:
@@ -135,7 +136,8 @@ def make_spec(sizes: Sizes, pairs: int, share: bool, pack: bool,
     return Spec(pairs, 1, length, head, int(sizes.tokens.max()), share)
   if share:
     return Spec(pairs, pairs, _round(int(sizes.tokens.max())), head, None, True)
-  length = _round(int(sizes.longest.max()))
+  # Whole attention tiles (the TPU flash kernel's), but never past the data's rows.
+  length = -(-int(sizes.longest.max()) // PACKED_ROUND) * PACKED_ROUND
   return Spec(pairs, 2 * pairs, min(length, max_length or length), head, None, False)
 
 

@@ -55,6 +55,13 @@ class Layout(Protocol):
   def from_step(self, params: dict) -> dict:
     """The step form -> logical params; jit-able."""
 
+  def logical(self, params: dict, shardings: dict) -> dict:
+    """Outside the step: step-form params as logical arrays placed with `shardings`
+    (`params` themselves where the two forms are one: no copy)."""
+
+  def place(self, logical: dict, shardings: dict) -> dict:
+    """Outside the step: logical params in the step form, placed with `shardings`."""
+
   def abstract_params(self, dtype=None) -> dict:
     """ShapeDtypeStructs of the step form (global shapes; leaves in `dtype`)."""
 
@@ -77,6 +84,11 @@ class Layout(Protocol):
 
   def update(self, grads: dict, opt_state, params: dict) -> zero.UpdateResult:
     """Inside `shard_map`: synced, clipped and applied; the new params in step form."""
+
+
+def _convert(fn, tree: dict, shardings: dict) -> dict:
+  """`fn(tree)` computed on the devices, its output placed with `shardings`."""
+  return jax.jit(fn, out_shardings=shardings)(tree)
 
 
 def _abstract(shapes: dict, dtype, lead: tuple = ()) -> dict:
@@ -126,6 +138,12 @@ class Zero1(Whole):
   def from_step(self, params: dict) -> dict:
     return params
 
+  def logical(self, params: dict, shardings: dict) -> dict:
+    return params
+
+  def place(self, logical: dict, shardings: dict) -> dict:
+    return jax.device_put(logical, shardings)
+
   def abstract_params(self, dtype=None) -> dict:
     return _abstract(self.param_shapes, dtype)
 
@@ -161,6 +179,12 @@ class FSDP(Zero1):
   def from_step(self, params: dict) -> dict:
     return self.cut.to_logical(params)
 
+  def logical(self, params: dict, shardings: dict) -> dict:
+    return _convert(self.from_step, params, shardings)
+
+  def place(self, logical: dict, shardings: dict) -> dict:
+    return _convert(self.to_step, logical, shardings)
+
   def abstract_params(self, dtype=None) -> dict:
     return _abstract(self.cut.local_shapes(), dtype, (self.num_shards,))
 
@@ -186,7 +210,7 @@ class TensorParallel:
   model_axis = MODEL
 
   def __init__(self, inner: Zero1, mcfg: model_lib.ModelConfig, k: int, param_shapes: dict):
-    self.inner, self.mcfg, self.param_shapes = inner, mcfg, param_shapes
+    self.inner, self.param_shapes = inner, param_shapes
     self.name, self.replica_axis = inner.name, inner.replica_axis
     self.cut = tp_lib.Stacked(inner.cut, mcfg, k)
     self.num_shards = self.cut.num_shards
@@ -205,6 +229,14 @@ class TensorParallel:
 
   def from_step(self, params: dict) -> dict:
     return self.cut.to_logical(params) if self.pieces else params
+
+  def logical(self, params: dict, shardings: dict) -> dict:
+    return _convert(self.from_step, params, shardings) if self.pieces else params
+
+  def place(self, logical: dict, shardings: dict) -> dict:
+    if self.pieces:
+      return _convert(self.to_step, logical, shardings)
+    return jax.device_put(logical, shardings)
 
   def abstract_params(self, dtype=None) -> dict:
     if not self.pieces:

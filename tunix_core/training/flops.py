@@ -13,7 +13,8 @@ the frozen reference's forward when it runs in the step. Norms, rope, softmax an
 loss are left out (under 1% at these shapes), so MFU cannot pass 100%.
 
 **Peak** (`peak_flops`): the chip's nominal dense bfloat16 matmul peak from a table of
-TPU generations and common GPUs (vendor spec sheets). Anywhere else (a CPU), the median
+TPU generations and common GPUs (vendor spec sheets; a GPU computing in float32 is
+measured instead). Anywhere else (a CPU), the median
 of several timed `n x n` matmuls in the compute dtype, measured once per machine and
 cached on disk (`~/.cache/tunix_core/matmul_peak.json`, keyed by device kind, dtype and
 jax version), so two launches of one run share the denominator.
@@ -86,7 +87,9 @@ def peak_flops(device, dtype=jnp.float32, n: int = 1024, repeats: int = 9,
   cached)."""
   kind = device.device_kind
   for name, flops in PEAK_FLOPS:
-    if name.lower() in kind.lower():
+    # A TPU's MXU peak is its peak in any dtype; a GPU's table entry is bf16 only.
+    if name.lower() in kind.lower() and (name.startswith("TPU")
+                                         or jnp.dtype(dtype) == jnp.bfloat16):
       return flops, f"nominal {name} peak"
   key = f"{kind}|{jnp.dtype(dtype).name}|{n}|jax {jax.__version__}"
   table = {}

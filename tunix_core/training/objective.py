@@ -25,8 +25,8 @@ def sequence_logps(params, batch: dict, mcfg: model_lib.ModelConfig, impl: str,
   (gathered as they are used under FSDP, tensor-parallel slices with a
   vocabulary-parallel LM head under TP; the log-probs are the same on every device of
   the model axis). `batch` carries the model rows and head slots of `rows`
-  (`packing.pack`); the default `layout` is params held whole. Differentiable in `params`; the `[.., V]` logits are never built
-  (`kernels.fused_logprobs`).
+  (`packing.pack`); the default `layout` is params held whole. Differentiable in
+  `params`; the `[.., V]` logits are never built (`kernels.fused_logprobs`).
   """
   params, gather_layer = layout.gather(params)
   segments_RxL = batch["row_segments"]

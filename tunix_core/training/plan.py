@@ -78,10 +78,12 @@ def data_sizes(cfg: TrainConfig, splits) -> packing.Sizes:
 
 
 def worst_case_sizes(cfg: TrainConfig) -> packing.Sizes:
-  """Sizes no encoded pair of these flags exceeds: both rows full (`T = --max_length`
-  tokens) after a prompt of `P = --max_prompt_length`; shared, a pair holds `2T - P`
-  tokens; each row scores at most `T - P + 1` positions (a tokenizer without BOS scores
-  from the prompt's last token on)."""
+  """The documented worst case of the flags, for a whole batch: every prompt
+  `P = --max_prompt_length` tokens and every response the rest of a full row of
+  `T = --max_length` tokens. Shared, a pair holds `2T - P` tokens; each row scores at
+  most `T - P + 1` positions (a tokenizer without BOS scores from the prompt's last
+  token on). Data with shorter prompts and longer responses makes longer shared rows:
+  plan from `--train_data` to compile the exact step."""
   T, P = cfg.max_length, cfg.max_prompt_length
   every = lambda n: np.full(cfg.batch_size, n)  # a whole batch of such pairs
   return packing.Sizes(tokens=every(2 * T - P if cfg.prefix_sharing else 2 * T),

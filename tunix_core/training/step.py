@@ -82,9 +82,6 @@ class StepFunctions:
         in_specs=(pspec,), out_specs=self.layout.row_spec))
     self._checksums = jax.jit(smap(self._checksum, in_specs=(pspec,),
                                    out_specs=self.layout.row_spec))
-    self._to_step = jax.jit(self.layout.to_step, out_shardings=self.param_sharding)
-    self._from_step = jax.jit(self.layout.from_step, out_shardings=named(
-        self.layout.logical_specs()))
 
   def init_params(self, key: jax.Array) -> dict:
     """Params initialised from `key`, directly in this run's layout and shardings."""
@@ -98,12 +95,13 @@ class StepFunctions:
                         is_leaf=lambda x: isinstance(x, P))
 
   def logical_params(self, params: dict) -> dict:
-    """This run's params (or a tree shaped like them) as logical arrays."""
-    return self._from_step(params)
+    """This run's params (or a tree shaped like them) as logical arrays (no copy where
+    the step holds logical arrays, ZeRO-1)."""
+    return self.layout.logical(params, self.logical_shardings())
 
   def place_params(self, logical: dict) -> dict:
     """Logical params -> this run's layout and shardings (inverse of `logical_params`)."""
-    return self._to_step(logical)
+    return self.layout.place(logical, self.param_sharding)
 
   def abstract_params(self, dtype=None) -> dict:
     """ShapeDtypeStructs of this run's params in its layout and shardings (leaves in
