@@ -8,8 +8,8 @@ frozen reference model. `IGNORE_INDEX` is the target id of unscored positions.
 
 from kernels.dispatch import IGNORE_INDEX
 from kernels.dispatch import IMPLS
-from kernels.dpo_loss import dpo_loss
 from kernels.dpo_loss import LOSS_TYPES
+from kernels.dpo_loss import dpo_loss
 from kernels.dpo_loss_pallas import BlockSizes as DPOLossBlockSizes
 from kernels.logprobs import fused_logprobs
 from kernels.logprobs_blocks import BlockSizes as LogprobsBlockSizes
