@@ -62,10 +62,8 @@ class StepFunctions:
     self.replicated = NamedSharding(mesh, P())
     self.pairs = NamedSharding(mesh, P("data"))
     self.rows = NamedSharding(mesh, self.layout.row_spec)
-    named = lambda specs: jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                                       is_leaf=lambda x: isinstance(x, P))
     pspec = self.layout.param_specs
-    self.param_sharding = named(pspec)
+    self.param_sharding = self._shardings(pspec)
     ref_spec = pspec if plan.reference == "step" else P()  # else no reference params
     state_specs = {"params": pspec, "opt_state": self.layout.row_spec, "step": P(),
                    "nonfinite": P()}
@@ -83,6 +81,11 @@ class StepFunctions:
     self._checksums = jax.jit(smap(self._checksum, in_specs=(pspec,),
                                    out_specs=self.layout.row_spec))
 
+  def _shardings(self, specs) -> dict:
+    """A tree of PartitionSpecs as NamedShardings on this mesh."""
+    return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
   def init_params(self, key: jax.Array) -> dict:
     """Params initialised from `key`, directly in this run's layout and shardings."""
     return jax.jit(lambda k: self.layout.to_step(model_lib.init_params(k, self.mcfg)),
@@ -91,8 +94,7 @@ class StepFunctions:
   def logical_shardings(self) -> dict:
     """Where logical params live outside the step (`layout.logical_specs`): as in the
     step under ZeRO-1, split on their largest dimension "data" divides under FSDP."""
-    return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.layout.logical_specs(),
-                        is_leaf=lambda x: isinstance(x, P))
+    return self._shardings(self.layout.logical_specs())
 
   def logical_params(self, params: dict) -> dict:
     """This run's params (or a tree shaped like them) as logical arrays (no copy where
