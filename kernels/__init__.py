@@ -1,4 +1,5 @@
-"""Kernels for DPO: fused linear log-probs and the DPO loss family.
+"""Kernels for DPO: fused linear log-probs, the DPO loss family and, in
+`kernels.attention`, attention over the trainer's rows (`attention.attention`).
 
 `fused_logprobs` and `dpo_loss` share one dispatch layer (`kernels.dispatch`): `impl` is
 one of `IMPLS`, and "auto" picks the Pallas TPU kernels when the computation is compiled

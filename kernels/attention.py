@@ -1,30 +1,31 @@
-"""Causal grouped-query attention over padded or packed rows: an XLA path and, on TPU,
-the Pallas flash-attention kernels that ship with JAX (forward and backward never build
-the `[T, T]` scores).
+"""Causal grouped-query attention over the rows the trainer builds: `attention` and its
+two paths, the Pallas TPU kernels (`kernels.attention_pallas`) and an XLA path.
 
 Both take `q [B, T, H, K]`, `k, v [B, T, KV, K]` (H a multiple of KV). Which keys a query
 sees is a `Visibility`: the keys at or before it in the row that are real tokens, of its
-own segment (packed rows: `tunix_core.data.packing`), not of another response branch (prefix
-sharing: a rejected response never sees the chosen one), and within the sliding window
-on rope positions. The flash path expresses padding as segment ids (real tokens 1,
-padding 0, or the packed rows' own segment ids): real queries then see exactly the real
-keys at or before them in their segment, as on the XLA path; padding queries see other
-padding instead of real keys, and their outputs are never used. Sliding windows, score
-soft-caps (Mistral, Gemma 2) and response branches are not in the flash kernel: those,
-rows whose length is not a multiple of 128, and every non-TPU platform take the XLA path
-under `impl="auto"`.
+own segment (packed rows: `tunix_core.data.packing`), of the shared trunk (branch 0) or
+its own response branch (prefix sharing: a rejected response never sees the chosen
+one), and within the sliding window on rope positions. The kernels evaluate that rule
+per tile from the `[B, T]` row vectors and skip tiles with nothing visible; the XLA
+path builds the scores (of the whole row, or of a band when `Visibility.band` says how
+far back any query looks). Under `impl="auto"` the kernels run whenever the computation
+is compiled for TPU, for every row layout, window and soft-cap.
 """
 
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.tpu import flash_attention as jax_flash
 
+from kernels import attention_blocks
+from kernels import attention_pallas
+from kernels import common
 from kernels import dispatch
+from kernels import tpu
+from kernels.attention_blocks import BlockSizes
 
-ATTENTION_IMPLS = ("auto", "xla", "pallas")
-_BLOCK = 128  # the flash kernels' default tiles; also the XLA path's query blocks
+ATTENTION_IMPLS = ("auto", "xla", "pallas", "interpret")
+_BLOCK = 128  # the XLA path's query blocks under a band
 
 
 class Visibility(NamedTuple):
@@ -47,25 +48,82 @@ class Visibility(NamedTuple):
   band: int | None = None
 
 
-def flash_supported(seq_len: int, window: bool, softcap: float, branches: bool = False
-                    ) -> bool:
-  """Whether the flash kernels compute this attention exactly."""
-  return seq_len % _BLOCK == 0 and not window and not softcap and not branches
-
-
-def resolve(impl: str, seq_len: int, window: bool, softcap: float, branches: bool = False
-            ) -> str:
-  """`impl` checked, with "auto" -> "pallas" on TPU when `flash_supported`, else "xla"."""
+def resolve(impl: str) -> str:
+  """`impl` checked, with "auto" -> "pallas" when compiling for TPU, else "xla"."""
   if impl not in ATTENTION_IMPLS:
     raise ValueError(f"unknown attention impl {impl!r}; choose one of {ATTENTION_IMPLS}")
-  supported = flash_supported(seq_len, window, softcap, branches)
   if impl == "auto":
-    return "pallas" if dispatch.target_platform() == "tpu" and supported else "xla"
-  if impl == "pallas" and not supported:
-    raise ValueError(f"the flash kernels need rows of a multiple of {_BLOCK} tokens "
-                     f"(got {seq_len}) and no sliding window, score soft-cap or response "
-                     f"branches (--prefix_sharing)")
+    return "pallas" if dispatch.target_platform() == "tpu" else "xla"
   return impl
+
+
+def attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis: Visibility, *, scale: float,
+              softcap: float = 0.0, window=0, impl: str = "auto",
+              block_sizes: BlockSizes | None = None):
+  """Attention of each query over the keys `vis` lets it see: `[B, T, H, K]` in the
+  dtype of q; differentiable in q, k, v (float32 softmax statistics either way).
+
+  Args:
+    q_BxTxHxK, k_BxTxVxK, v_BxTxVxK: bf16 or f32 of one dtype; H a multiple of KV.
+    vis: the `Visibility` rule's `[B, T]` int32 row vectors.
+    scale: multiplies the scores (`query_pre_attn_scalar ** -0.5` or `K ** -0.5`).
+    softcap: 0, or c > 0: scores become `c * tanh(scores / c)` before masking (Gemma 2).
+    window: 0 (none), or a positive int (a traced int32 scalar is allowed: a scanned
+      layer's own window, 0 for a full-attention layer): keys that many rope positions
+      back or more are hidden.
+    impl: "pallas" (Mosaic TPU kernels), "interpret" (the same kernels in TPU interpret
+      mode, for CPU tests), "xla", or "auto" (pallas when compiled for TPU, else xla).
+    block_sizes: tiles of the kernels; None picks `BlockSizes.get_default` for the TPU
+      generation being compiled for (`kernels.tpu.target_chip`), fitting every
+      generation's default VMEM when that is unknown. Explicit tiles that cannot fit are
+      a ValueError. Ignored by "xla".
+  """
+  impl = resolve(impl)
+  B, T, H, K = q_BxTxHxK.shape
+  KV = k_BxTxVxK.shape[2]
+  if k_BxTxVxK.shape != (B, T, KV, K) or v_BxTxVxK.shape != k_BxTxVxK.shape or H % KV:
+    raise ValueError(f"attention takes q [B, T, H, K] and k, v [B, T, KV, K] with H a "
+                     f"multiple of KV; got {q_BxTxHxK.shape}, {k_BxTxVxK.shape}, "
+                     f"{v_BxTxVxK.shape}")
+  if not softcap >= 0:
+    raise ValueError(f"softcap must be >= 0, got {softcap!r}")
+  if impl == "xla":
+    return xla_attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis, scale, softcap, window
+                         ).reshape(B, T, H, K)
+  if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+    raise TypeError(f"block_sizes must be a kernels.attention.BlockSizes, got {block_sizes!r}")
+  chip = tpu.target_chip()
+  bs = block_sizes or BlockSizes.get_default(K, q_BxTxHxK.dtype, chip, seq_len=T)
+  if block_sizes is not None:
+    bs.check(K, q_BxTxHxK.dtype, chip)
+  bq, bk = bs.tiles(T)
+  zeros = jnp.zeros((B, T), jnp.int32)
+  segments = zeros if vis.segments is None else vis.segments.astype(jnp.int32)
+  branches = zeros if vis.branches is None else vis.branches.astype(jnp.int32)
+  positions, valid = vis.positions.astype(jnp.int32), vis.valid
+  windowed = not (isinstance(window, int) and window == 0)
+  window_1 = jnp.reshape(jnp.where(jnp.asarray(window) > 0, window,
+                                   attention_blocks.NO_WINDOW).astype(jnp.int32), (1,))
+  rows = attention_pallas.Rows(
+      q_vectors=jnp.stack([segments, branches, positions], axis=-1),
+      k_vectors=jnp.stack([jnp.where(valid > 0, segments, attention_blocks.NO_KEY),
+                           branches, positions], axis=1),
+      window=window_1,
+      visits=attention_blocks.visits(segments, branches, positions, valid, window_1[0],
+                                     bq, bk))
+  heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # [B, T, H, K] <-> [B, H, T, K]
+
+  def run(interpret):
+    d = attention_pallas.Dims(t=T, bq=bq, bk=bk, nq=-(-T // bq), nk=-(-T // bk),
+                              groups=H // KV, scale=float(scale), softcap=float(softcap),
+                              windowed=windowed, vmem_limit_bytes=bs.vmem_limit_bytes,
+                              interpret=interpret)
+    return attention_pallas.flash_attention(d, heads_first(q_BxTxHxK),
+                                            heads_first(k_BxTxVxK), heads_first(v_BxTxVxK),
+                                            rows)
+
+  out = run(False) if impl == "pallas" else common.call_interpret(run)
+  return heads_first(out)
 
 
 def _windows(x_BxT, left: int, block: int, fill=0):
@@ -116,24 +174,8 @@ def xla_attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis: Visibility, scale: float
     scores = softcap * jnp.tanh(scores / softcap)
   # A finite fill keeps fully masked rows (padding queries) free of NaN.
   scores = jnp.where(allowed[:, :, None, None], scores, -1e30)
-  probs = jax.nn.softmax(scores, axis=-1).astype(q_BxTxHxK.dtype)
+  # A query that sees no key at all (a padding query) returns 0, as in the kernels.
+  probs = jnp.where(allowed[:, :, None, None], jax.nn.softmax(scores, axis=-1), 0.0)
+  probs = probs.astype(q_BxTxHxK.dtype)
   out = jnp.einsum("bnvgqs,bnsvk->bnqvgk", probs, v)
   return out.reshape(B, -1, H * K)[:, :T]
-
-
-def flash_causal_attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, mask_BxT, scale: float):
-  """The flash path: `[B, T, H, K]` out in the dtype of `q`; differentiable in q, k, v.
-  `mask_BxT` is 0 for padding and a segment id (1 for unpacked rows) for real tokens.
-
-  Key/value heads are repeated to the query heads (the repeat's transpose sums their
-  gradients back).
-  """
-  groups = q_BxTxHxK.shape[2] // k_BxTxVxK.shape[2]
-  heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # [B, T, H, K] <-> [B, H, T, K]
-  k_BxTxHxK = jnp.repeat(k_BxTxVxK, groups, axis=2)
-  v_BxTxHxK = jnp.repeat(v_BxTxVxK, groups, axis=2)
-  segments = jax_flash.SegmentIds(q=mask_BxT.astype(jnp.int32), kv=mask_BxT.astype(jnp.int32))
-  out_BxHxTxK = jax_flash.flash_attention(heads_first(q_BxTxHxK), heads_first(k_BxTxHxK),
-                       heads_first(v_BxTxHxK), segment_ids=segments, causal=True,
-                       sm_scale=scale)
-  return heads_first(out_BxHxTxK).astype(q_BxTxHxK.dtype)

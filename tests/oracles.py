@@ -88,3 +88,42 @@ def assert_tokenizer_matches_recorded(tok, expected: dict) -> None:
           for c in expected["chats"] for g in (False, True)] == expected["chat"]
   assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.vocab_size) == (
       expected["bos_id"], expected["eos_id"], expected["pad_id"], expected["vocab_size"])
+
+
+def numpy_attention_mask(positions, valid, segments, branches, window):
+  """`[B, T, T]` bool: query i sees key j (the `Visibility` rule written out)."""
+  T = positions.shape[1]
+  i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+  seen = (j <= i) & (valid[:, None, :] > 0) & (segments[:, :, None] == segments[:, None, :])
+  seen &= (branches[:, None, :] == 0) | (branches[:, None, :] == branches[:, :, None])
+  if window:
+    seen &= positions[:, :, None] - positions[:, None, :] < window
+  return seen
+
+
+def numpy_attention(q, k, v, g, mask, scale, softcap=0.0):
+  """Float64 grouped-query attention `q [B, T, H, K]`, `k, v [B, T, KV, K]` under `mask
+  [B, T, T]` (a query that sees nothing returns 0), and the gradients `(dq, dk, dv)` for
+  a cotangent `g` of the output."""
+  q, k, v, g = (np.asarray(x, np.float64) for x in (q, k, v, g))
+  G = q.shape[2] // k.shape[2]
+  k, v = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)
+  raw = np.einsum("bqhk,bshk->bhqs", q, k) * scale
+  s = softcap * np.tanh(raw / softcap) if softcap else raw
+  m = mask[:, None]
+  s = np.where(m, s, -np.inf)
+  top = np.max(s, axis=-1, keepdims=True)
+  e = np.where(m, np.exp(s - np.where(np.isfinite(top), top, 0.0)), 0.0)
+  total = e.sum(-1, keepdims=True)
+  p = e / np.where(total > 0, total, 1.0)
+  out = np.einsum("bhqs,bshk->bqhk", p, v)
+  dp = np.einsum("bqhk,bshk->bhqs", g, v)
+  ds = p * (dp - np.sum(p * dp, axis=-1, keepdims=True))
+  if softcap:
+    ds = ds * (1.0 - np.tanh(raw / softcap) ** 2)
+  dq = np.einsum("bhqs,bshk->bqhk", ds, k) * scale
+  dk = np.einsum("bhqs,bqhk->bshk", ds, q) * scale
+  dv = np.einsum("bhqs,bqhk->bshk", p, g)
+  B, T, KV, K = dk.shape[0], dk.shape[1], dk.shape[2] // G, dk.shape[3]
+  fold = lambda x: x.reshape(B, T, KV, G, K).sum(3)
+  return out, dq, fold(dk), fold(dv)

@@ -1,5 +1,11 @@
-"""`kernels.attention`: the flash path's glue (head repeat, segment ids, layout) against
-the model's XLA attention on padded rows, and which path "auto" picks."""
+"""`kernels.attention`: the Pallas kernels (interpret mode) against a float64 NumPy oracle
+on random row layouts; the tiles they visit; the model's shared and packed rows through
+the kernels for every family of `tests/fixtures/hf`; dispatch and tiles; and, with
+libtpu, the kernels and a shared-prefix train step compiled by the real TPU compiler."""
+
+import dataclasses
+import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -7,75 +13,228 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
+import runs
 from kernels import attention
+from kernels import attention_blocks
 from kernels import tpu
+from oracles import numpy_attention
+from oracles import numpy_attention_mask
 from oracles import rel_error
-from tunix_core import model as model_lib
+from tunix_core import data as data_lib
+from tunix_core import hf
+from tunix_core.aot import compile as aot
+from tunix_core.data import packing
+from tunix_core.training import objective
+from tunix_core.training import plan as plan_lib
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf")
+needs_libtpu = pytest.mark.skipif(not tpu.has_libtpu(), reason="needs libtpu (.[tpu] extra)")
 
 
-def _reference_kernel(q, k, v, *, segment_ids, causal, sm_scale):
-  """The flash op's contract with materialised scores (JAX's own jnp twin of it), so the
-  flash path runs on CPU with everything around the kernel unchanged."""
-  from jax.experimental.pallas.ops.tpu import flash_attention  # pylint: disable=g-import-not-at-top
-  return flash_attention.mha_reference_no_custom_vjp(q, k, v, None, segment_ids,
-                                                     causal=causal, sm_scale=sm_scale)
+def _layout(rng, B, T, sequences=3, pad=0.1):
+  """Random rows as the trainer builds them: each row holds `sequences` sequences at
+  random cuts (segment ids 1, 2, ...), each a prompt (branch 0) then two response
+  branches 1 and 2 whose rope positions both continue from the prompt; a random `pad`
+  share of the keys is padding, and so is a tail of the last row."""
+  seg, br, pos = (np.zeros((B, T), np.int32) for _ in range(3))
+  valid = (rng.random((B, T)) >= pad).astype(np.int32)
+  valid[-1, -T // 5:] = 0
+  for b in range(B):
+    cuts = np.sort(rng.choice(np.arange(1, T), sequences - 1, replace=False))
+    seg[b] = 1 + np.searchsorted(cuts, np.arange(T), side="right")
+    for s in range(1, sequences + 1):
+      idx = np.flatnonzero(seg[b] == s)
+      p = rng.integers(1, max(2, len(idx)))
+      chosen = (len(idx) - p) // 2
+      pos[b, idx[:p]] = np.arange(p)
+      pos[b, idx[p:p + chosen]] = p + np.arange(chosen)
+      pos[b, idx[p + chosen:]] = p + np.arange(len(idx) - p - chosen)
+      br[b, idx[p:p + chosen]], br[b, idx[p + chosen:]] = 1, 2
+  return pos, valid, seg, br
 
 
-@pytest.mark.parametrize("kv_heads,dtype,tol", [
-    pytest.param(4, jnp.float32, 1e-5, marks=pytest.mark.slow), (2, jnp.float32, 1e-5),
-    pytest.param(2, jnp.bfloat16, 2e-2, marks=pytest.mark.slow)])
-def test_flash_path_matches_xla_attention_on_real_tokens(monkeypatch, kv_heads, dtype, tol):
-  monkeypatch.setattr(attention.jax_flash, "flash_attention", _reference_kernel)
-  H, K, T = 4, 16, 128
-  cfg = model_lib.ModelConfig(d_model=64, num_heads=H, num_kv_heads=kv_heads, head_dim=K,
-                              qk_norm=True, query_pre_attn_scalar=24.0)
-  layer = jax.tree.map(lambda x: x[0].astype(dtype),
-                       model_lib.init_params(jax.random.PRNGKey(0), cfg)["layers"])
-  setting = jax.tree.map(lambda x: x[0], model_lib.layer_settings(cfg))
-  mask = np.ones((2, T), np.int32)
-  mask[0, :37] = 0   # left padding
-  mask[1, 90:] = 0   # right padding
-  mask = jnp.asarray(mask)
-  positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
-  x = jax.random.normal(jax.random.PRNGKey(1), (2, T, 64), dtype)
-  cot = jax.random.normal(jax.random.PRNGKey(2), (2, T, 64), jnp.float32) * mask[..., None]
-
-  def loss(impl, x, layer):
-    c = model_lib.ModelConfig(**{**cfg.__dict__, "attention_impl": impl})
-    out = model_lib.attention(x, layer, setting, positions, mask, c)
-    return jnp.sum(out.astype(jnp.float32) * cot), out  # real query positions only
-
-  # Jitted: op-by-op dispatch of the interpreted kernel's grid costs seconds on CPU.
-  grad = lambda impl: jax.jit(jax.value_and_grad(lambda *a: loss(impl, *a), argnums=(0, 1),
-                                                 has_aux=True))
-  (_, got), g_got = grad("pallas")(x, layer)
-  (_, want), g_want = grad("xla")(x, layer)
-  real = np.asarray(mask, bool)
-  f32 = lambda a: np.asarray(a, np.float32)
-  assert rel_error(f32(got)[real], f32(want)[real]) < tol
-  for g, w in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want)):
-    assert rel_error(f32(g), f32(w)) < tol
+CASES = {  # T, H, KV, K, softcap, window, dtype, blocks
+    "ragged-gqa": (300, 4, 2, 64, 0.0, 0, np.float32, (128, 128)),
+    "cap-window-mqa": (256, 4, 1, 128, 20.0, 6, np.float32, (128, 256)),
+    "short-row": (72, 2, 2, 64, 0.0, 0, np.float32, (128, 128)),
+    "bf16": (200, 2, 1, 64, 30.0, 9, jnp.bfloat16, (128, 128)),
+}
 
 
-def test_auto_picks_flash_only_on_tpu_where_exact():
-  assert attention.resolve("auto", 1024, False, 0.0) == "xla"  # CPU here
-  with pytest.raises(ValueError, match="multiple of 128"):
-    attention.resolve("pallas", 100, False, 0.0)
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c == "ragged-gqa" else
+                                               pytest.mark.slow) for c in CASES])
+def test_kernels_match_the_float64_oracle(case):
+  T, H, KV, K, softcap, window, dtype, blocks = CASES[case]
+  rng = np.random.default_rng(len(case))
+  B = 2
+  pos, valid, seg, br = _layout(rng, B, T)
+  vis = attention.Visibility(*map(jnp.asarray, (pos, valid, seg, br)))
+  q, k, v = (jnp.asarray(rng.standard_normal(s), dtype)
+             for s in ((B, T, H, K), (B, T, KV, K), (B, T, KV, K)))
+  g = rng.standard_normal((B, T, H, K)).astype(np.float32)
+  scale = K ** -0.5 * 2.0
+
+  @jax.jit
+  def run(q, k, v):
+    f = lambda q, k, v: attention.attention(
+        q, k, v, vis, scale=scale, softcap=softcap, window=window, impl="interpret",
+        block_sizes=attention.BlockSizes(*blocks))
+    out, pullback = jax.vjp(f, q, k, v)
+    return out, pullback(jnp.asarray(g, dtype))
+
+  got, grads = run(q, k, v)
+  mask = numpy_attention_mask(pos, valid, seg, br, window)
+  assert 0 < mask.sum() < mask.size / 3
+  want = numpy_attention(q, k, v, g, mask, scale, softcap)
+  tol = 1e-5 if dtype == np.float32 else 3e-2
+  for name, a, w in zip(("out", "dq", "dk", "dv"), (got, *grads), want):
+    assert a.dtype == dtype, name
+    assert rel_error(np.asarray(a, np.float32), w) < tol, name
+
+
+def _decoded(index, count, outer, inner):
+  """`{(b, i): set of listed blocks}` of a `Visits` list."""
+  B = count.size // outer
+  index, count = np.asarray(index).reshape(B, outer, inner), np.asarray(count).reshape(B, outer)
+  return {(b, i): set(index[b, i, :count[b, i]].tolist()) for b in range(B)
+          for i in range(outer)}
+
+
+def test_only_tiles_with_a_visible_entry_are_visited():
+  """From both sides (the forward/dq lists and the dk/dv lists): on rows of contiguous
+  sequences and branches every listed tile has a visible entry and every tile with one
+  is listed; a rejected branch never visits the chosen branch's own tiles."""
+  rng = np.random.default_rng(0)
+  B, T, b = 2, 1024, 128
+  pos, valid, seg, br = _layout(rng, B, T, sequences=2, pad=0.0)
+  mask = numpy_attention_mask(pos, valid, seg, br, 0)
+  n = T // b
+  tiles = mask.reshape(B, n, b, n, b).any(axis=(2, 4))             # [B, nq, nk]
+  got = attention_blocks.visits(*map(jnp.asarray, (seg, br, pos, valid)),
+                                attention_blocks.NO_WINDOW, b, b)
+  assert _decoded(got.kv_index, got.kv_count, n, n) == {
+      (r, i): set(np.flatnonzero(tiles[r, i]).tolist()) for r in range(B) for i in range(n)}
+  assert _decoded(got.q_index, got.q_count, n, n) == {
+      (r, j): set(np.flatnonzero(tiles[r, :, j]).tolist()) for r in range(B) for j in range(n)}
+  # By hand: one shared row of a 512-token prompt and two 512-token responses in
+  # 128-token tiles. The prompt's 4 query blocks visit 1 + 2 + 3 + 4 tiles; each response
+  # block visits the 4 prompt tiles and its own branch's causal ones: 62 of the 78 causal
+  # tiles, and no rejected block ever visits a chosen one (key blocks 4 to 7).
+  ones = np.ones((1, 1536), np.int32)
+  br = np.repeat(np.array([[0, 1, 2]], np.int32), 512, axis=1)
+  pos = np.concatenate([np.arange(1024), np.arange(512, 1024)])[None].astype(np.int32)
+  got = attention_blocks.visits(*map(jnp.asarray, (ones, br, pos, ones)),
+                                attention_blocks.NO_WINDOW, b, b)
+  listed = _decoded(got.kv_index, got.kv_count, 12, 12)
+  assert int(got.kv_count.sum()) == 62
+  assert listed[0, 8] == {0, 1, 2, 3, 8} and listed[0, 11] == {0, 1, 2, 3, 8, 9, 10, 11}
+  # Padding keys and windows only ever remove tiles; the lists stay a superset.
+  pos, valid, seg, br = _layout(rng, B, T)
+  mask = numpy_attention_mask(pos, valid, seg, br, 100)
+  got = attention_blocks.visits(*map(jnp.asarray, (seg, br, pos, valid)), 100, b, b)
+  listed = _decoded(got.kv_index, got.kv_count, n, n)
+  needed = mask.reshape(B, n, b, n, b).any(axis=(2, 4))
+  assert all(set(np.flatnonzero(needed[r, i])) <= listed[r, i] for r, i in listed)
+
+
+def _fixture_families():
+  return sorted(d for d in os.listdir(FIXTURES) if d != "tokenizer")
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow)
+                                    for f in _fixture_families()])
+def test_shared_and_packed_rows_through_the_kernels_equal_plain_rows(family):
+  """The model's log-probs on shared, packed and shared+packed rows with the kernels
+  (interpret mode) equal those of each response's own row on the XLA path."""
+  d = os.path.join(FIXTURES, family)
+  mcfg = hf.read_config(d)
+  params = hf.load_params(d, mcfg)
+  ds = data_lib.load_dataset(runs.TRAIN, data_lib.ByteTokenizer(), 40, 20)
+  host = data_lib.take_pairs(ds, np.arange(4))
+  real = host["targets"] != -100
+  host["tokens"] %= mcfg.vocab_size
+  host["targets"] = np.where(real, host["targets"] % mcfg.vocab_size, host["targets"])
+  logps = jax.jit(lambda p, b, spec, c: objective.sequence_logps(p, b, c, "xla", spec),
+                  static_argnums=(2, 3))
+
+  def run(share, pack, impl):
+    spec = packing.make_spec(packing.pair_sizes(host, share), 4, share, pack)
+    c = dataclasses.replace(mcfg, attention_impl=impl)
+    return logps(params, jax.tree.map(jnp.asarray, packing.pack(host, spec)), spec, c)
+
+  want = run(False, False, "xla")
+  assert float(jnp.abs(want).sum()) > 0
+  for share, pack in ((True, False), (False, True), (True, True)):
+    assert rel_error(run(share, pack, "interpret"), want) < 1e-5, (share, pack)
+
+
+def test_dispatch_tiles_and_errors():
+  assert attention.resolve("auto") == "xla"  # CPU here
   with pytest.raises(ValueError, match="unknown attention impl"):
-    attention.resolve("flash", 128, False, 0.0)
+    attention.resolve("flash")
+  with pytest.raises(ValueError, match="multiple of 128"):
+    attention.BlockSizes(100, 128)
+  with pytest.raises(ValueError, match="MiB of VMEM"):
+    attention.BlockSizes(2048, 2048).check(256, jnp.float32)
+  assert attention.BlockSizes.get_default(128, jnp.bfloat16, seq_len=300) == \
+      attention.BlockSizes(384, 384)
+  assert attention.BlockSizes.get_default(256, jnp.float32).vmem_bytes(256, jnp.float32) <= \
+      0.9 * tpu.MIN_SCOPED_VMEM_BYTES
+  q = jnp.zeros((1, 8, 3, 4))
+  with pytest.raises(ValueError, match="multiple of KV"):
+    attention.attention(q, q[:, :, :2], q[:, :, :2], None, scale=1.0)
   if not tpu.has_libtpu():
     pytest.skip("needs libtpu for a TPU mesh")
   _, devices = tpu.topology_devices("v5e-8")
-  mesh = Mesh(np.array(devices), ("data",))
-  picked = {}
+  picked = []
+  jax.jit(jax.shard_map(lambda x: picked.append(attention.resolve("auto")) or x,
+                        mesh=Mesh(np.array(devices), ("data",)), in_specs=P("data"),
+                        out_specs=P("data"))).lower(jax.ShapeDtypeStruct((8,), jnp.float32))
+  assert picked == ["pallas"]
 
-  def body(x):
-    picked["long"] = attention.resolve("auto", 1024, False, 0.0)
-    picked["window"] = attention.resolve("auto", 1024, True, 0.0)
-    picked["capped"] = attention.resolve("auto", 1024, False, 50.0)
-    picked["short"] = attention.resolve("auto", 40, False, 0.0)
-    return x
 
-  jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"))).lower(
-      jax.ShapeDtypeStruct((8,), jnp.float32))
-  assert picked == {"long": "pallas", "window": "xla", "capped": "xla", "short": "xla"}
+def _compile_grads(chip, T, K, H=8, KV=2, dtype=jnp.bfloat16, softcap=0.0, window=0):
+  """The kernels' forward and backward for one row, compiled ahead of time for `chip`."""
+  def grads(q, k, v, g, pos, valid, seg, br):
+    vis = attention.Visibility(pos, valid, seg, br)
+    f = lambda q, k, v: attention.attention(q, k, v, vis, scale=K ** -0.5, softcap=softcap,
+                                            window=window, impl="pallas")
+    out, pullback = jax.vjp(f, q, k, v)
+    return out, pullback(g)
+
+  S = jax.ShapeDtypeStruct
+  rows = [S((1, T), jnp.int32)] * 4
+  return tpu.compile_for(chip, grads, S((1, T, H, K), dtype), *[S((1, T, KV, K), dtype)] * 2,
+                         S((1, T, H, K), dtype), *rows)
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_kernels_compile_for_tpu_with_memory_linear_in_the_row():
+  """A CI subset of the benchmark's grid (every generation, T up to 8192, head dims 64 to
+  256): Mosaic compiles forward and backward, and the compiled peak grows linearly in T
+  (quadratic scores would grow it 16-fold over 4x the length)."""
+  for chip, T, K in (("v4", 1024, 64), ("v5p", 1024, 256), ("v6e", 1000, 128)):
+    text = _compile_grads(chip, T, K, softcap=30.0, window=256).as_text()
+    assert all(f'"attention_{k}"' in text or f"attention_{k}" in text
+               for k in ("fwd", "dq", "dkv")), chip
+  peak = {T: tpu.compiled_stats(_compile_grads("v5e", T, 128))["peak"] for T in (2048, 8192)}
+  assert peak[8192] <= 4.4 * peak[2048], peak
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_shared_prefix_train_step_for_v5e_runs_the_kernels_without_t_by_t_scores(tmp_path):
+  """The plan's step with prefix sharing (the default) and packing, lowered for a v5e-8:
+  its HLO holds the three kernels and no float array with two row-length axes."""
+  cfg = runs.config(tmp_path, model="tiny", batch_size=16, max_length=160,
+                    max_prompt_length=80, packing=True)
+  _, devices = tpu.topology_devices("v5e-8")
+  plan = plan_lib.make_plan(cfg, devices)
+  assert plan.model.attention_impl == "pallas" and plan.rows.share
+  T = plan.rows.length
+  _, lowered = aot.lower(plan, devices)
+  text = lowered.compile().as_text()
+  for kernel in ("attention_fwd", "attention_dq", "attention_dkv"):
+    assert kernel in text, kernel
+  assert not re.search(rf"(f32|bf16)\[[0-9,]*\b{T},{T}\b", text)

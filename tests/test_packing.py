@@ -9,11 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import kernels
 import runs
-from kernels import tpu
 from oracles import rel_error
 from tunix_core import data as data_lib
 from tunix_core import model as model_lib
@@ -218,32 +216,3 @@ def test_quickstart_first_15_steps_equal_with_prefix_sharing_on_and_off(tmp_path
       if k in ("tokens_per_sec", "mfu", "time") or not isinstance(v, float):
         continue
       assert abs(on[k] - v) <= 1e-5 * max(1.0, abs(v)), (on["step"], k, on[k], v)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not tpu.has_libtpu(), reason="needs libtpu (.[tpu] extra)")
-def test_packed_rows_compile_for_v5e_with_the_flash_kernel_and_segment_ids():
-  """Packing without prefix sharing on TPU: the attention of the packed rows is JAX's
-  Pallas flash kernel (segment ids keep pairs apart), forward and backward, compiled
-  ahead of time for a v5e-8 by the real TPU compiler."""
-  _, devices = tpu.topology_devices("v5e-8")
-  mesh = Mesh(np.array(devices), ("data",))
-  mcfg = dataclasses.replace(_TINY, head_dim=128, compute_dtype="bfloat16")
-  host = _batch(16)
-  spec = packing.make_spec(packing.pair_sizes(host, False), 2, False, True)
-  on = lambda spec_: NamedSharding(mesh, spec_)
-  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=on(P("data")))
-           for k, v in packing.pack(host, spec).items()}
-  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on(P())),
-                        jax.eval_shape(lambda: model_lib.init_params(jax.random.PRNGKey(0), mcfg)))
-
-  def grads(params, batch):
-    return jax.grad(lambda p: jnp.sum(objective.sequence_logps(p, batch, mcfg, "auto",
-                                                               spec)))(params)
-
-  step = jax.jit(jax.shard_map(grads, mesh=mesh, in_specs=(P(), P("data")), out_specs=P(),
-                               check_vma=False))
-  text = step.lower(params, batch).as_text()
-  assert text.count("_flash_attention_kernel") >= 1   # forward
-  assert "_flash_attention_dq_kernel" in text and "_flash_attention_dkv_kernel" in text
-  step.lower(params, batch).compile()  # Mosaic compiles the kernels for the chip

@@ -85,8 +85,8 @@ class ModelConfig:
   param_dtype: str = "float32"
   compute_dtype: str = "float32"
   remat: RematPolicy = "none"
-  # "auto": the Pallas flash kernels on TPU where they are exact (`kernels.attention`),
-  # else "xla" (scores materialised); "pallas" insists on the kernels.
+  # `kernels.attention.attention`'s impl: "auto" runs the Pallas kernels when compiled
+  # for TPU and "xla" (scores materialised) elsewhere.
   attention_impl: str = "auto"
 
   def __post_init__(self):

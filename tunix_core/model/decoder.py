@@ -157,8 +157,8 @@ def attention(x_BxTxD, layer, setting, positions_BxT, mask_BxT, cfg: ModelConfig
               segments_BxT=None, branches_BxT=None, band: int | None = None):
   """Causal grouped-query attention; keys where `mask_BxT` is 0 are never attended, nor
   keys `setting["window"]` or more positions back (when it is not 0), nor keys of another
-  segment or response branch (`kernels.attention.Visibility`). On TPU the flash kernels
-  run it when they can (`cfg.attention_impl`, `kernels.attention`)."""
+  segment or response branch (`kernels.attention.Visibility`). On TPU the Pallas kernels
+  run it (`cfg.attention_impl`, `kernels.attention.attention`)."""
   B, T, D = x_BxTxD.shape
   H, KV, K = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   # Matmuls on `[B * T, D]`: XLA:CPU runs the weight gradients of 3-D dots (two
@@ -175,18 +175,11 @@ def attention(x_BxTxD, layer, setting, positions_BxT, mask_BxT, cfg: ModelConfig
   q_BxTxHxK = apply_rope(q_BxTxHxK, positions_BxT, setting["freqs"])
   k_BxTxVxK = apply_rope(k_BxTxVxK, positions_BxT, setting["freqs"])
   scale = (cfg.query_pre_attn_scalar or K) ** -0.5
-  impl = attention_lib.resolve(cfg.attention_impl, T, bool(cfg.sliding_window),
-                               cfg.attn_softcap, branches_BxT is not None)
-  if impl == "pallas":
-    ids_BxT = mask_BxT if segments_BxT is None else segments_BxT * (mask_BxT > 0)
-    out_BxTxHxK = attention_lib.flash_causal_attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK,
-                                                       ids_BxT, scale)
-    return (out_BxTxHxK.reshape(B * T, H * K) @ layer["wo"]).reshape(B, T, -1)
   vis = attention_lib.Visibility(positions_BxT, mask_BxT, segments_BxT, branches_BxT, band)
-  out_BxTxHK = attention_lib.xla_attention(
-      q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis, scale, cfg.attn_softcap,
-      setting["window"] if cfg.sliding_window else 0)
-  return (out_BxTxHK.reshape(B * T, H * K) @ layer["wo"]).reshape(B, T, -1)
+  out_BxTxHxK = attention_lib.attention(
+      q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis, scale=scale, softcap=cfg.attn_softcap,
+      window=setting["window"] if cfg.sliding_window else 0, impl=cfg.attention_impl)
+  return (out_BxTxHxK.reshape(B * T, H * K) @ layer["wo"]).reshape(B, T, -1)
 
 
 def mlp(x_BxTxD, layer, cfg: ModelConfig):

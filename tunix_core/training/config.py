@@ -159,10 +159,10 @@ class TrainConfig:
   logprob_impl: str = _flag("auto", "kernels.fused_logprobs impl: auto (pallas when "
                             "compiled for TPU, else xla), xla, pallas, interpret or naive "
                             "(the oracle).", group="parallel")
-  attention_impl: str = _flag("auto", "Attention: auto (the Pallas flash kernels when "
-                              "compiled for TPU and rows are a multiple of 128 tokens "
-                              "without sliding window, soft-cap or shared prompts, else "
-                              "xla), xla (scores materialised), pallas.", group="parallel")
+  attention_impl: str = _flag("auto", "Attention (kernels.attention): auto (the Pallas "
+                              "kernels when compiled for TPU, for every row layout, window "
+                              "and soft-cap; else xla), xla (scores materialised), pallas, "
+                              "interpret (the kernels on CPU, for tests).", group="parallel")
   loss_impl: str = _flag("auto", "kernels.dpo_loss impl: auto (pallas when compiled for "
                          "TPU, else xla), xla, pallas, interpret or naive (the oracle).",
                          group="parallel")

@@ -98,6 +98,8 @@ def make_plan(cfg: TrainConfig, devices, sizes: packing.Sizes | None = None,
   cfg.validate(len(devices))
   platform = devices[0].platform
   mcfg = model_config or cfg.model_config(platform)
+  if mcfg.attention_impl == "auto":  # the Pallas kernels on TPU, for every row layout
+    mcfg = dataclasses.replace(mcfg, attention_impl="pallas" if platform == "tpu" else "xla")
   sizes = worst_case_sizes(cfg) if sizes is None else sizes
   rows = packing.make_spec(sizes, pairs_per_group(cfg, len(devices)), cfg.prefix_sharing,
                            cfg.packing, cfg.max_length)

@@ -1,0 +1,202 @@
+"""Tiles of the attention kernels: `BlockSizes` and its VMEM footprint, the per-row
+lists of the tiles a kernel visits (which is how fully masked tiles are skipped), and the
+kernels' cost estimate."""
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kernels import tpu
+from kernels.dispatch import LANES
+
+# Preferred (block_q, block_k), largest first. Larger tiles mean fewer grid steps and
+# re-reads; smaller ones skip masked areas at a finer grain.
+_CANDIDATES = ((512, 512), (256, 512), (256, 256), (128, 256), (128, 128))
+# Room left for what Mosaic allocates beyond our model (semaphores, spills, alignment).
+_HEADROOM = 0.9
+# The segment id of padding keys in the kernels' key vectors: no query has it.
+NO_KEY = int(jnp.iinfo(jnp.int32).min)
+# The "window" of unwindowed layers: longer than any row.
+NO_WINDOW = 1 << 30
+
+
+def _round_up(x, m):
+  return -(-x // m) * m
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tiles of the attention kernels (forward, dq and dk/dv), checked on construction.
+
+  Attributes:
+    block_q: queries per tile, a multiple of 128.
+    block_k: keys per tile, a multiple of 128.
+    vmem_limit_bytes: the kernels' scoped VMEM limit, or None for the compiler's default.
+
+  Rows shorter than a tile use one tile of the whole row (`tiles`).
+  """
+
+  block_q: int = 512
+  block_k: int = 512
+  vmem_limit_bytes: int | None = None
+
+  def __post_init__(self):
+    for name in ("block_q", "block_k"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value <= 0 or value % LANES:
+        raise ValueError(f"BlockSizes.{name}={value!r} must be a positive multiple of "
+                         f"{LANES}")
+    if self.vmem_limit_bytes is not None and (
+        not isinstance(self.vmem_limit_bytes, int) or self.vmem_limit_bytes <= 0):
+      raise ValueError(f"BlockSizes.vmem_limit_bytes={self.vmem_limit_bytes!r} must be a "
+                       "positive int or None")
+
+  @classmethod
+  def get_default(cls, head_dim, dtype=jnp.bfloat16, chip=None, *, seq_len=None
+                  ) -> "BlockSizes":
+    """The largest tiles whose VMEM footprint (`vmem_bytes`) fits the chip's default
+    scoped VMEM (the smallest generation's, 16 MiB, when `chip` is None), never longer
+    than `seq_len` rounded up to 128. Never raises for a valid head dim: when nothing
+    fits it returns the smallest tiles and leaves the last word to the compiler."""
+    chip = None if chip is None else tpu.get_chip(chip)
+    scoped = tpu.MIN_SCOPED_VMEM_BYTES if chip is None else chip.scoped_vmem_bytes
+    cap = _round_up(seq_len, LANES) if seq_len else None
+    for bq, bk in _CANDIDATES:
+      bs = cls(min(bq, cap or bq), min(bk, cap or bk))
+      if bs.vmem_bytes(head_dim, dtype) <= scoped * _HEADROOM:
+        return bs
+    return cls(LANES, LANES)
+
+  def tiles(self, seq_len: int) -> tuple[int, int]:
+    """`(bq, bk)` for rows of `seq_len` tokens: a row shorter than 128 is one tile."""
+    if seq_len < LANES:
+      return seq_len, seq_len
+    return self.block_q, self.block_k
+
+  def vmem_bytes(self, head_dim, dtype) -> int:
+    """VMEM the largest of the three kernels needs: double-buffered tiles of q, k, v
+    (and dO, dq, dk, dv), the row vectors (padded to whole vregs), float32 accumulators
+    and statistics, and about six float32 `[bq, bk]` temporaries."""
+    s, K = jnp.dtype(dtype).itemsize, head_dim
+    bq, bk = self.block_q, self.block_k
+    q_rows = bq * K * s                       # a q, dO, out or dq tile
+    k_rows = bk * K * s                       # a k, v, dk or dv tile
+    vectors = bq * LANES * 4 + 8 * bk * 4     # q-side `[bq, 3]`, k-side `[3, bk]`
+    column = bq * LANES * 4                   # lse or delta `[bq, 1]`
+    temps = 6 * bq * bk * 4
+    fwd = 2 * (2 * q_rows + 2 * k_rows + vectors + column) + 2 * column + bq * K * 4
+    dq = 2 * (3 * q_rows + 2 * k_rows + vectors + 2 * column) + bq * K * 4
+    dkv = 2 * (2 * q_rows + 4 * k_rows + vectors + 2 * column) + 2 * bk * K * 4
+    return max(fwd, dq, dkv) + temps
+
+  def check(self, head_dim, dtype, chip=None) -> None:
+    """Raises ValueError unless these tiles fit `vmem_limit_bytes` (at most the chip's
+    VMEM when `chip` is known), else the default scoped VMEM of `chip`, or of the
+    smallest generation."""
+    chip = None if chip is None else tpu.get_chip(chip)
+    if self.vmem_limit_bytes is not None:
+      limit, where = self.vmem_limit_bytes, "vmem_limit_bytes"
+      if chip is not None and limit > chip.vmem_bytes:
+        raise ValueError(f"BlockSizes.vmem_limit_bytes={limit} exceeds the "
+                         f"{chip.vmem_bytes} bytes of VMEM of a TPU {chip.name} core")
+    else:
+      limit = tpu.MIN_SCOPED_VMEM_BYTES if chip is None else chip.scoped_vmem_bytes
+      where = ("the default scoped VMEM" + (f" of TPU {chip.name}" if chip else
+                                             " of the smallest TPU generation"))
+    need = self.vmem_bytes(head_dim, dtype)
+    if need > limit * _HEADROOM:
+      raise ValueError(
+          f"{self} needs about {need / 2**20:.1f} MiB of VMEM for head_dim={head_dim} "
+          f"{jnp.dtype(dtype).name}, more than {_HEADROOM:.0%} of {where} "
+          f"({limit / 2**20:.0f} MiB): use smaller blocks or "
+          "BlockSizes.get_default(head_dim, dtype, chip)")
+
+
+class Visits(NamedTuple):
+  """Which tiles the kernels visit, as flat int32 arrays for scalar prefetch (SMEM).
+
+  kv_index `[B * nq * nk]`: for query block qi of row b, the key blocks with a visible
+    entry in ascending order, then the last of them repeated (a repeated block index is
+    not fetched again); kv_count `[B * nq]` how many there are. q_index `[B * nk * nq]`
+    and q_count `[B * nk]`: the same from the key blocks' side (the dk/dv kernel).
+  """
+
+  kv_index: jax.Array
+  kv_count: jax.Array
+  q_index: jax.Array
+  q_count: jax.Array
+
+
+def _summaries(x_BxT, valid_BxT, block):
+  """Min and max of `x` over the entries of each block where `valid` holds: `[B, n]`."""
+  B, T = x_BxT.shape
+  n = -(-T // block)
+  pad = lambda a, fill: jnp.pad(a, ((0, 0), (0, n * block - T)), constant_values=fill)
+  x, ok = pad(x_BxT, 0).reshape(B, n, block), pad(valid_BxT, False).reshape(B, n, block)
+  big = jnp.iinfo(jnp.int32).max
+  return (jnp.min(jnp.where(ok, x, big), axis=-1), jnp.max(jnp.where(ok, x, -big), axis=-1))
+
+
+def _lists(visible_BxRxC):
+  """For each `[b, r]`, the `c` with `visible[b, r, c]` ascending, padded with the last
+  (0 when none), flattened; and their counts, flattened."""
+  B, R, C = visible_BxRxC.shape
+  cols = jnp.arange(C, dtype=jnp.int32)
+  ordered = jnp.sort(jnp.where(visible_BxRxC, cols, C), axis=-1)
+  count = jnp.sum(visible_BxRxC, axis=-1, dtype=jnp.int32)
+  last = jnp.take_along_axis(ordered, jnp.maximum(count - 1, 0)[..., None], axis=-1)
+  index = jnp.where(ordered < C, ordered, jnp.where(count[..., None] > 0, last, 0))
+  return index.reshape(-1).astype(jnp.int32), count.reshape(-1)
+
+
+def visits(segments, branches, positions, valid, window, bq, bk) -> Visits:
+  """The tiles with at least one visible entry, from per-block summaries of the `[B, T]`
+  int32 row vectors (a conservative test: a listed tile may still be all masked, an
+  unlisted one never has a visible entry). `window` is the effective window (an int32
+  scalar, `NO_WINDOW` for none)."""
+  B, T = valid.shape
+  index = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  real, every = valid > 0, jnp.ones((B, T), bool)
+  q_seg, k_seg = _summaries(segments, every, bq), _summaries(segments, real, bk)
+  q_br, k_br = _summaries(branches, every, bq), _summaries(branches, real, bk)
+  q_pos, k_pos = _summaries(positions, every, bq), _summaries(positions, real, bk)
+  q_last = _summaries(index, every, bq)[1]
+  k_first = _summaries(index, real, bk)[0]   # int32 max for a block with no real key
+  k_any_trunk = _summaries(jnp.where(branches == 0, 0, 1), real, bk)[0] == 0
+  q, k = (lambda a: a[:, :, None]), (lambda a: a[:, None, :])
+  overlap = lambda qs, ks: (q(qs[0]) <= k(ks[1])) & (k(ks[0]) <= q(qs[1]))
+  visible = (k(k_first) <= q(q_last)) & overlap(q_seg, k_seg)
+  visible &= k(k_any_trunk) | overlap(q_br, k_br)
+  visible &= q(q_pos[0]) - k(k_pos[1]) < window
+  return Visits(*_lists(visible), *_lists(jnp.swapaxes(visible, 1, 2)))
+
+
+def causal_tiles(seq_len, bq, bk) -> int:
+  """Tiles on or below the diagonal of one head: the most a causal row visits (the
+  cost estimate's count; tiles skipped for segments, branches and windows are only
+  known when the kernel runs)."""
+  nq = pl.cdiv(seq_len, bq)
+  return sum(min(pl.cdiv(min(seq_len, (i + 1) * bq), bk), pl.cdiv(seq_len, bk))
+             for i in range(nq))
+
+
+def cost_estimate(kernel, batch, heads, seq_len, head_dim, dtype, bq, bk, softcap
+                  ) -> pl.CostEstimate:
+  """What `kernel` ("fwd", "dq" or "dkv") costs for `heads` query heads of `batch` rows:
+  per visited tile the forward does two `bq x bk x K` matmuls, dq three and dk/dv four;
+  one exp per score (and a tanh with a soft-cap). Bytes: the query-side tiles once per
+  head, the key-side tiles once per visited tile."""
+  tiles = batch * heads * causal_tiles(seq_len, bq, bk)
+  matmuls = {"fwd": 2, "dq": 3, "dkv": 4}[kernel]
+  s = jnp.dtype(dtype).itemsize
+  scores = tiles * bq * bk
+  q_side = batch * heads * seq_len * head_dim * s * {"fwd": 2, "dq": 3, "dkv": 2}[kernel]
+  k_side = tiles * bk * head_dim * s * 2
+  if kernel == "dkv":  # k, v read once; q and dO walked per visited tile
+    q_side, k_side = tiles * bq * head_dim * s * 2, batch * heads * seq_len * head_dim * s * 4
+  return pl.CostEstimate(flops=2 * matmuls * scores * head_dim,
+                         transcendentals=scores * (2 if softcap else 1),
+                         bytes_accessed=q_side + k_side)

@@ -1,0 +1,320 @@
+"""Pallas TPU flash attention over the trainer's rows: shared prompts, packed pairs,
+windows and soft-caps, with fully masked tiles skipped.
+
+Layout: heads first, `q, dO, out [B, H, T, K]`, `k, v [B, KV, T, K]`; query head h reads
+key/value head `h // (H / KV)` through its index map, so K/V are never repeated in HBM.
+The visibility rule is evaluated per tile from int32 row vectors, never from a `[T, T]`
+mask: the query side `[B, T, 3]` (segment, branch, rope position) and the key side
+`[B, 3, T]` (segment, or `NO_KEY` for padding; branch; rope position). A query sees a
+key at or before it in the row, of its segment, of branch 0 or of its own branch, and
+less than `window` rope positions back.
+
+Skipping: the kernels take `attention_blocks.Visits` by scalar prefetch. The innermost
+grid axis walks a query block's list of visible key blocks (forward, dq), or a key
+block's list of query blocks (dk/dv); past the end of the list the index map repeats the
+last block (Pallas does not fetch a block again when its index does not change) and the
+body is skipped, so an invisible tile is neither loaded nor computed.
+
+Ragged `T`: the last tiles run past the row; their rows hold whatever the DMA left
+there and are masked (scores) or zeroed (operands a matmul contracts over) inside the
+kernels. Softmax statistics are float32; the forward saves the log-sum-exp `[B, H, T, 1]`.
+The three `pallas_call`s are `attention_fwd`, `attention_dq` and `attention_dkv`.
+"""
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels import attention_blocks
+from kernels.common import cotangent_for
+from kernels.common import out_struct
+from kernels.dispatch import LANES
+
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+F32 = jnp.float32
+
+
+class Dims(NamedTuple):
+  """Static facts a kernel body needs (hashable)."""
+  t: int
+  bq: int
+  bk: int
+  nq: int
+  nk: int
+  groups: int          # query heads per key/value head
+  scale: float
+  softcap: float       # 0: none
+  windowed: bool       # whether the window test is traced at all
+  vmem_limit_bytes: int | None
+  interpret: object    # False (Mosaic) or a `pltpu.InterpretParams`
+
+  @property
+  def ragged_q(self):
+    return self.t % self.bq != 0
+
+  @property
+  def ragged_k(self):
+    return self.t % self.bk != 0
+
+
+class Rows(NamedTuple):
+  """The int32 inputs besides q, k, v: row vectors, the effective window `[1]`, visits."""
+  q_vectors: jax.Array
+  k_vectors: jax.Array
+  window: jax.Array
+  visits: attention_blocks.Visits
+
+
+def _mask(qi, kj, qv, kv, window, d: Dims):
+  """`[bq, bk]` bool: which entries of tile (qi, kj) are visible."""
+  shape = (qv.shape[0], kv.shape[1])
+  rows = qi * d.bq + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+  cols = kj * d.bk + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+  ok = (cols <= rows) & (kv[0:1, :] == qv[:, 0:1])
+  if d.ragged_q or d.ragged_k:  # vectors past the row are garbage
+    ok &= rows < d.t
+  branch = kv[1:2, :]
+  ok &= (branch == 0) | (branch == qv[:, 1:2])
+  if d.windowed:
+    ok &= qv[:, 2:3] - kv[2:3, :] < window
+  return ok
+
+
+def _real_rows(x, block, first, d: Dims):
+  """`x [n, K]` with rows past the row's end zeroed (0 * garbage may be NaN)."""
+  rows = first * block + jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
+  return jnp.where(rows < d.t, x, jnp.zeros_like(x))
+
+
+def _scores(q, k, d: Dims):
+  """float32 `q k^T * scale`, soft-capped; and `1 - tanh^2` of the cap (None without)."""
+  s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+  s = s * d.scale
+  if not d.softcap:
+    return s, None
+  t = jnp.tanh(s * (1.0 / d.softcap))
+  return d.softcap * t, 1.0 - t * t
+
+
+def _fwd_kernel(kv_index, kv_count, window, q_ref, k_ref, v_ref, qv_ref, kv_ref,
+                o_ref, lse_ref, m_sc, l_sc, acc_sc, *, d: Dims):
+  b, qi, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+  row = b * d.nq + qi
+
+  @pl.when(j == 0)
+  def _init():
+    m_sc[...] = jnp.full(m_sc.shape, MASK_VALUE, F32)
+    l_sc[...] = jnp.zeros(l_sc.shape, F32)
+    acc_sc[...] = jnp.zeros(acc_sc.shape, F32)
+
+  @pl.when(j < kv_count[row])
+  def _visit():
+    kj = kv_index[row * d.nk + j]
+    s, _ = _scores(q_ref[0, 0], k_ref[0, 0], d)
+    ok = _mask(qi, kj, qv_ref[0], kv_ref[0], window[0], d)
+    m_old = m_sc[...]                                                   # [bq, 128]
+    m_new = jnp.maximum(m_old, jnp.max(jnp.where(ok, s, MASK_VALUE), axis=1, keepdims=True))
+    p = jnp.where(ok, jnp.exp(s - m_new[:, :1]), 0.0)
+    alpha = jnp.exp(m_old - m_new)
+    l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
+    m_sc[...] = m_new
+    v = v_ref[0, 0]
+    if d.ragged_k:
+      v = _real_rows(v, d.bk, kj, d)
+    acc_sc[...] = acc_sc[...] * alpha[:, :1] + jnp.dot(
+        p.astype(v.dtype), v, preferred_element_type=F32)
+
+  @pl.when(j == d.nk - 1)
+  def _finish():
+    l = l_sc[:, :1]
+    seen = l > 0  # a query that sees no key (a padding query) returns 0
+    o_ref[0, 0] = jnp.where(seen, acc_sc[...] / jnp.where(seen, l, 1.0), 0.0
+                            ).astype(o_ref.dtype)
+    lse_ref[0, 0] = jnp.where(seen, m_sc[:, :1] + jnp.log(jnp.where(seen, l, 1.0)), 0.0)
+
+
+def _grad_tile(q, k, v, do, lse, delta, ok, d: Dims):
+  """`p` and `dS` (the cotangent of the raw scaled scores) of one tile, float32."""
+  s, dcap = _scores(q, k, d)
+  p = jnp.where(ok, jnp.exp(s - lse), 0.0)
+  dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+  ds = jnp.where(ok, p * (dp - delta), 0.0)
+  return p, ds if dcap is None else ds * dcap
+
+
+def _dq_kernel(kv_index, kv_count, window, q_ref, k_ref, v_ref, qv_ref, kv_ref, do_ref,
+               lse_ref, delta_ref, dq_ref, acc_sc, *, d: Dims):
+  b, qi, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+  row = b * d.nq + qi
+
+  @pl.when(j == 0)
+  def _init():
+    acc_sc[...] = jnp.zeros(acc_sc.shape, F32)
+
+  @pl.when(j < kv_count[row])
+  def _visit():
+    kj = kv_index[row * d.nk + j]
+    k, v = k_ref[0, 0], v_ref[0, 0]
+    if d.ragged_k:
+      k, v = _real_rows(k, d.bk, kj, d), _real_rows(v, d.bk, kj, d)
+    ok = _mask(qi, kj, qv_ref[0], kv_ref[0], window[0], d)
+    _, ds = _grad_tile(q_ref[0, 0], k, v, do_ref[0, 0], lse_ref[0, 0], delta_ref[0, 0],
+                       ok, d)
+    acc_sc[...] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=F32)
+
+  @pl.when(j == d.nk - 1)
+  def _finish():
+    dq_ref[0, 0] = (acc_sc[...] * d.scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(q_index, q_count, window, q_ref, k_ref, v_ref, qv_ref, kv_ref, do_ref,
+                lse_ref, delta_ref, dk_ref, dv_ref, dk_sc, dv_sc, *, d: Dims):
+  b, kj, g, i = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
+  col = b * d.nk + kj
+
+  @pl.when((g == 0) & (i == 0))
+  def _init():
+    dk_sc[...] = jnp.zeros(dk_sc.shape, F32)
+    dv_sc[...] = jnp.zeros(dv_sc.shape, F32)
+
+  @pl.when(i < q_count[col])
+  def _visit():
+    qi = q_index[col * d.nq + i]
+    q, do = q_ref[0, 0], do_ref[0, 0]
+    if d.ragged_q:
+      q, do = _real_rows(q, d.bq, qi, d), _real_rows(do, d.bq, qi, d)
+    ok = _mask(qi, kj, qv_ref[0], kv_ref[0], window[0], d)
+    p, ds = _grad_tile(q, k_ref[0, 0], v_ref[0, 0], do, lse_ref[0, 0], delta_ref[0, 0],
+                       ok, d)
+    contract_rows = (((0,), (0,)), ((), ()))  # [bq, bk] x [bq, K] -> [bk, K]
+    dv_sc[...] += jax.lax.dot_general(p.astype(do.dtype), do, contract_rows,
+                                      preferred_element_type=F32)
+    dk_sc[...] += jax.lax.dot_general(ds.astype(q.dtype), q, contract_rows,
+                                      preferred_element_type=F32)
+
+  @pl.when((g == d.groups - 1) & (i == d.nq - 1))
+  def _finish():
+    dk_ref[0, 0] = (dk_sc[...] * d.scale).astype(dk_ref.dtype)
+    dv_ref[0, 0] = dv_sc[...].astype(dv_ref.dtype)
+
+
+def _params(d: Dims, semantics):
+  return pltpu.CompilerParams(dimension_semantics=semantics,
+                              vmem_limit_bytes=d.vmem_limit_bytes)
+
+
+def _cost(kernel, q, d: Dims):
+  B, H, T, K = q.shape
+  return attention_blocks.cost_estimate(kernel, B, H, T, K, q.dtype, d.bq, d.bk, d.softcap)
+
+
+def _forward(d: Dims, q, k, v, rows: Rows):
+  B, H, T, K = q.shape
+  vis = rows.visits
+  kv_block = lambda b, h, qi, j, idx, cnt, win: idx[(b * d.nq + qi) * d.nk + j]
+  q_spec = pl.BlockSpec((1, 1, d.bq, K), lambda b, h, qi, j, *_: (b, h, qi, 0))
+  kv_spec = pl.BlockSpec((1, 1, d.bk, K), lambda b, h, qi, j, *s: (
+      b, h // d.groups, kv_block(b, h, qi, j, *s), 0))
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=3, grid=(B, H, d.nq, d.nk),
+      in_specs=[q_spec, kv_spec, kv_spec,
+                pl.BlockSpec((1, d.bq, 3), lambda b, h, qi, j, *_: (b, qi, 0)),
+                pl.BlockSpec((1, 3, d.bk), lambda b, h, qi, j, *s: (
+                    b, 0, kv_block(b, h, qi, j, *s)))],
+      out_specs=[q_spec, pl.BlockSpec((1, 1, d.bq, 1), lambda b, h, qi, j, *_: (b, h, qi, 0))],
+      scratch_shapes=[pltpu.VMEM((d.bq, LANES), F32)] * 2 + [pltpu.VMEM((d.bq, K), F32)])
+  return pl.pallas_call(
+      functools.partial(_fwd_kernel, d=d),
+      grid_spec=grid_spec,
+      out_shape=[out_struct(q.shape, q.dtype, q, k, v), out_struct((B, H, T, 1), F32, q, k, v)],
+      compiler_params=_params(d, ("parallel", "parallel", "parallel", "arbitrary")),
+      interpret=d.interpret,
+      name="attention_fwd",
+      cost_estimate=_cost("fwd", q, d),
+  )(vis.kv_index, vis.kv_count, rows.window, q, k, v, rows.q_vectors, rows.k_vectors)
+
+
+def _backward(d: Dims, q, k, v, rows: Rows, o, lse, do):
+  B, H, T, K = q.shape
+  KV = k.shape[1]
+  vis = rows.visits
+  delta = jnp.sum(o.astype(F32) * do.astype(F32), axis=-1, keepdims=True)  # [B, H, T, 1]
+  args = (q, k, v, rows.q_vectors, rows.k_vectors, do, lse, delta)
+
+  kv_block = lambda b, h, qi, j, idx, cnt, win: idx[(b * d.nq + qi) * d.nk + j]
+  q_tile = lambda b, h, qi, j, *_: (b, h, qi, 0)
+  kv_tile = lambda b, h, qi, j, *s: (b, h // d.groups, kv_block(b, h, qi, j, *s), 0)
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, d=d),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=3, grid=(B, H, d.nq, d.nk),
+          in_specs=[pl.BlockSpec((1, 1, d.bq, K), q_tile),
+                    pl.BlockSpec((1, 1, d.bk, K), kv_tile),
+                    pl.BlockSpec((1, 1, d.bk, K), kv_tile),
+                    pl.BlockSpec((1, d.bq, 3), lambda b, h, qi, j, *_: (b, qi, 0)),
+                    pl.BlockSpec((1, 3, d.bk), lambda b, h, qi, j, *s: (
+                        b, 0, kv_block(b, h, qi, j, *s))),
+                    pl.BlockSpec((1, 1, d.bq, K), q_tile),
+                    pl.BlockSpec((1, 1, d.bq, 1), q_tile),
+                    pl.BlockSpec((1, 1, d.bq, 1), q_tile)],
+          out_specs=pl.BlockSpec((1, 1, d.bq, K), q_tile),
+          scratch_shapes=[pltpu.VMEM((d.bq, K), F32)]),
+      out_shape=out_struct(q.shape, q.dtype, *args),
+      compiler_params=_params(d, ("parallel", "parallel", "parallel", "arbitrary")),
+      interpret=d.interpret,
+      name="attention_dq",
+      cost_estimate=_cost("dq", q, d),
+  )(vis.kv_index, vis.kv_count, rows.window, *args)
+
+  q_block = lambda b, kvh, kj, g, i, idx, cnt, win: idx[(b * d.nk + kj) * d.nq + i]
+  head_q_tile = lambda b, kvh, kj, g, i, *s: (b, kvh * d.groups + g, q_block(
+      b, kvh, kj, g, i, *s), 0)
+  k_tile = lambda b, kvh, kj, g, i, *_: (b, kvh, kj, 0)
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkv_kernel, d=d),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=3, grid=(B, KV, d.nk, d.groups, d.nq),
+          in_specs=[pl.BlockSpec((1, 1, d.bq, K), head_q_tile),
+                    pl.BlockSpec((1, 1, d.bk, K), k_tile),
+                    pl.BlockSpec((1, 1, d.bk, K), k_tile),
+                    pl.BlockSpec((1, d.bq, 3), lambda b, kvh, kj, g, i, *s: (
+                        b, q_block(b, kvh, kj, g, i, *s), 0)),
+                    pl.BlockSpec((1, 3, d.bk), lambda b, kvh, kj, g, i, *_: (b, 0, kj)),
+                    pl.BlockSpec((1, 1, d.bq, K), head_q_tile),
+                    pl.BlockSpec((1, 1, d.bq, 1), head_q_tile),
+                    pl.BlockSpec((1, 1, d.bq, 1), head_q_tile)],
+          out_specs=[pl.BlockSpec((1, 1, d.bk, K), k_tile)] * 2,
+          scratch_shapes=[pltpu.VMEM((d.bk, K), F32)] * 2),
+      out_shape=[out_struct(k.shape, k.dtype, *args), out_struct(v.shape, v.dtype, *args)],
+      compiler_params=_params(d, ("parallel", "parallel", "parallel", "arbitrary",
+                                  "arbitrary")),
+      interpret=d.interpret,
+      name="attention_dkv",
+      cost_estimate=_cost("dkv", q, d),
+  )(vis.q_index, vis.q_count, rows.window, *args)
+  return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def flash_attention(d: Dims, q_BxHxTxK, k_BxVxTxK, v_BxVxTxK, rows: Rows):
+  """`[B, H, T, K]` attention out in the dtype of q; differentiable in q, k, v (the
+  int32 `rows` get no cotangent)."""
+  return _forward(d, q_BxHxTxK, k_BxVxTxK, v_BxVxTxK, rows)[0]
+
+
+def _fwd(d, q, k, v, rows):
+  o, lse = _forward(d, q, k, v, rows)
+  return o, (q, k, v, rows, o, lse)
+
+
+def _bwd(d, res, do):
+  q, k, v, rows, o, lse = res
+  dq, dk, dv = _backward(d, q, k, v, rows, o, lse, do)
+  return (cotangent_for(dq, q), cotangent_for(dk, k), cotangent_for(dv, v), None)
+
+
+flash_attention.defvjp(_fwd, _bwd)
