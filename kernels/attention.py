@@ -104,10 +104,12 @@ def attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis: Visibility, *, scale: float,
   windowed = not (isinstance(window, int) and window == 0)
   window_1 = jnp.reshape(jnp.where(jnp.asarray(window) > 0, window,
                                    attention_blocks.NO_WINDOW).astype(jnp.int32), (1,))
+  k_segments = jnp.where(valid > 0, segments, attention_blocks.NO_KEY)
+  q_vectors = jnp.stack([segments, branches, positions], axis=1)    # [B, 3, T]
+  k_vectors = jnp.stack([k_segments, branches, positions], axis=1)
+  cols = lambda x: jnp.swapaxes(x, 1, 2)
   rows = attention_pallas.Rows(
-      q_vectors=jnp.stack([segments, branches, positions], axis=-1),
-      k_vectors=jnp.stack([jnp.where(valid > 0, segments, attention_blocks.NO_KEY),
-                           branches, positions], axis=1),
+      q_cols=cols(q_vectors), k_rows=k_vectors, q_rows=q_vectors, k_cols=cols(k_vectors),
       window=window_1,
       visits=attention_blocks.visits(segments, branches, positions, valid, window_1[0],
                                      bq, bk))

@@ -17,7 +17,9 @@ body is skipped, so an invisible tile is neither loaded nor computed.
 
 Ragged `T`: the last tiles run past the row; their rows hold whatever the DMA left
 there and are masked (scores) or zeroed (operands a matmul contracts over) inside the
-kernels. Softmax statistics are float32; the forward saves the log-sum-exp `[B, H, T, 1]`.
+kernels. Softmax statistics are float32; the forward saves the log-sum-exp as rows
+`[B, H, 1, T]` (a `[T, 1]` column would take 128 lanes per entry in HBM), and the backward
+kernels work on transposed tiles `[bk, bq]` so that those rows broadcast as they are.
 The three `pallas_call`s are `attention_fwd`, `attention_dq` and `attention_dkv`.
 """
 
@@ -62,25 +64,37 @@ class Dims(NamedTuple):
 
 
 class Rows(NamedTuple):
-  """The int32 inputs besides q, k, v: row vectors, the effective window `[1]`, visits."""
-  q_vectors: jax.Array
-  k_vectors: jax.Array
+  """The int32 inputs besides q, k, v: the row vectors (segment, branch, rope position;
+  a padding key's segment is `NO_KEY`) as columns `[B, T, 3]` and as rows `[B, 3, T]`
+  for each orientation of a tile, the effective window `[1]`, and the visits."""
+  q_cols: jax.Array
+  k_rows: jax.Array
+  q_rows: jax.Array
+  k_cols: jax.Array
   window: jax.Array
   visits: attention_blocks.Visits
 
 
-def _mask(qi, kj, qv, kv, window, d: Dims):
-  """`[bq, bk]` bool: which entries of tile (qi, kj) are visible."""
-  shape = (qv.shape[0], kv.shape[1])
-  rows = qi * d.bq + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
-  cols = kj * d.bk + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-  ok = (cols <= rows) & (kv[0:1, :] == qv[:, 0:1])
+def _mask(q_first, k_first, qv, kv, window, d: Dims, keys_down=False):
+  """Which entries of the tile of query block `q_first` and key block `k_first` are
+  visible: `[bq, bk]` from query vectors `qv [bq, 3]` and key vectors `kv [3, bk]`, or,
+  with `keys_down`, `[bk, bq]` from `kv [bk, 3]` and `qv [3, bq]` (the backward's
+  orientation)."""
+  if keys_down:
+    shape, q_axis = (kv.shape[0], qv.shape[1]), 1
+    q_vec, k_vec = (lambda r: qv[r:r + 1, :]), (lambda r: kv[:, r:r + 1])
+  else:
+    shape, q_axis = (qv.shape[0], kv.shape[1]), 0
+    q_vec, k_vec = (lambda r: qv[:, r:r + 1]), (lambda r: kv[r:r + 1, :])
+  q_index = q_first * d.bq + jax.lax.broadcasted_iota(jnp.int32, shape, q_axis)
+  k_index = k_first * d.bk + jax.lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
+  ok = (k_index <= q_index) & (k_vec(0) == q_vec(0))
   if d.ragged_q or d.ragged_k:  # vectors past the row are garbage
-    ok &= rows < d.t
-  branch = kv[1:2, :]
-  ok &= (branch == 0) | (branch == qv[:, 1:2])
+    ok &= q_index < d.t
+  branch = k_vec(1)
+  ok &= (branch == 0) | (branch == q_vec(1))
   if d.windowed:
-    ok &= qv[:, 2:3] - kv[2:3, :] < window
+    ok &= q_vec(2) - k_vec(2) < window
   return ok
 
 
@@ -134,14 +148,16 @@ def _fwd_kernel(kv_index, kv_count, window, q_ref, k_ref, v_ref, qv_ref, kv_ref,
     seen = l > 0  # a query that sees no key (a padding query) returns 0
     o_ref[0, 0] = jnp.where(seen, acc_sc[...] / jnp.where(seen, l, 1.0), 0.0
                             ).astype(o_ref.dtype)
-    lse_ref[0, 0] = jnp.where(seen, m_sc[:, :1] + jnp.log(jnp.where(seen, l, 1.0)), 0.0)
+    lse = jnp.where(seen, m_sc[...] + jnp.log(jnp.where(seen, l_sc[...], 1.0)), 0.0)
+    lse_ref[0, 0] = jnp.transpose(lse)[0:1, :]  # [bq, 128] lane-replicated -> a row
 
 
 def _grad_tile(q, k, v, do, lse, delta, ok, d: Dims):
-  """`p` and `dS` (the cotangent of the raw scaled scores) of one tile, float32."""
-  s, dcap = _scores(q, k, d)
+  """`p^T` and `dS^T` (the cotangent of the raw scaled scores), float32 `[bk, bq]`, of
+  one tile; `lse`, `delta` are `[1, bq]` rows."""
+  s, dcap = _scores(k, q, d)
   p = jnp.where(ok, jnp.exp(s - lse), 0.0)
-  dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+  dp = jax.lax.dot_general(v, do, (((1,), (1,)), ((), ())), preferred_element_type=F32)
   ds = jnp.where(ok, p * (dp - delta), 0.0)
   return p, ds if dcap is None else ds * dcap
 
@@ -161,10 +177,12 @@ def _dq_kernel(kv_index, kv_count, window, q_ref, k_ref, v_ref, qv_ref, kv_ref, 
     k, v = k_ref[0, 0], v_ref[0, 0]
     if d.ragged_k:
       k, v = _real_rows(k, d.bk, kj, d), _real_rows(v, d.bk, kj, d)
-    ok = _mask(qi, kj, qv_ref[0], kv_ref[0], window[0], d)
+    ok = _mask(qi, kj, qv_ref[0], kv_ref[0], window[0], d, keys_down=True)
     _, ds = _grad_tile(q_ref[0, 0], k, v, do_ref[0, 0], lse_ref[0, 0], delta_ref[0, 0],
                        ok, d)
-    acc_sc[...] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=F32)
+    # [bk, bq] x [bk, K] contracted over bk -> [bq, K]
+    acc_sc[...] += jax.lax.dot_general(ds.astype(k.dtype), k, (((0,), (0,)), ((), ())),
+                                       preferred_element_type=F32)
 
   @pl.when(j == d.nk - 1)
   def _finish():
@@ -187,14 +205,11 @@ def _dkv_kernel(q_index, q_count, window, q_ref, k_ref, v_ref, qv_ref, kv_ref, d
     q, do = q_ref[0, 0], do_ref[0, 0]
     if d.ragged_q:
       q, do = _real_rows(q, d.bq, qi, d), _real_rows(do, d.bq, qi, d)
-    ok = _mask(qi, kj, qv_ref[0], kv_ref[0], window[0], d)
+    ok = _mask(qi, kj, qv_ref[0], kv_ref[0], window[0], d, keys_down=True)
     p, ds = _grad_tile(q, k_ref[0, 0], v_ref[0, 0], do, lse_ref[0, 0], delta_ref[0, 0],
                        ok, d)
-    contract_rows = (((0,), (0,)), ((), ()))  # [bq, bk] x [bq, K] -> [bk, K]
-    dv_sc[...] += jax.lax.dot_general(p.astype(do.dtype), do, contract_rows,
-                                      preferred_element_type=F32)
-    dk_sc[...] += jax.lax.dot_general(ds.astype(q.dtype), q, contract_rows,
-                                      preferred_element_type=F32)
+    dv_sc[...] += jnp.dot(p.astype(do.dtype), do, preferred_element_type=F32)
+    dk_sc[...] += jnp.dot(ds.astype(q.dtype), q, preferred_element_type=F32)
 
   @pl.when((g == d.groups - 1) & (i == d.nq - 1))
   def _finish():
@@ -225,28 +240,29 @@ def _forward(d: Dims, q, k, v, rows: Rows):
                 pl.BlockSpec((1, d.bq, 3), lambda b, h, qi, j, *_: (b, qi, 0)),
                 pl.BlockSpec((1, 3, d.bk), lambda b, h, qi, j, *s: (
                     b, 0, kv_block(b, h, qi, j, *s)))],
-      out_specs=[q_spec, pl.BlockSpec((1, 1, d.bq, 1), lambda b, h, qi, j, *_: (b, h, qi, 0))],
+      out_specs=[q_spec, pl.BlockSpec((1, 1, 1, d.bq), lambda b, h, qi, j, *_: (b, h, 0, qi))],
       scratch_shapes=[pltpu.VMEM((d.bq, LANES), F32)] * 2 + [pltpu.VMEM((d.bq, K), F32)])
   return pl.pallas_call(
       functools.partial(_fwd_kernel, d=d),
       grid_spec=grid_spec,
-      out_shape=[out_struct(q.shape, q.dtype, q, k, v), out_struct((B, H, T, 1), F32, q, k, v)],
+      out_shape=[out_struct(q.shape, q.dtype, q, k, v), out_struct((B, H, 1, T), F32, q, k, v)],
       compiler_params=_params(d, ("parallel", "parallel", "parallel", "arbitrary")),
       interpret=d.interpret,
       name="attention_fwd",
       cost_estimate=_cost("fwd", q, d),
-  )(vis.kv_index, vis.kv_count, rows.window, q, k, v, rows.q_vectors, rows.k_vectors)
+  )(vis.kv_index, vis.kv_count, rows.window, q, k, v, rows.q_cols, rows.k_rows)
 
 
 def _backward(d: Dims, q, k, v, rows: Rows, o, lse, do):
   B, H, T, K = q.shape
   KV = k.shape[1]
   vis = rows.visits
-  delta = jnp.sum(o.astype(F32) * do.astype(F32), axis=-1, keepdims=True)  # [B, H, T, 1]
-  args = (q, k, v, rows.q_vectors, rows.k_vectors, do, lse, delta)
+  delta = jnp.sum(o.astype(F32) * do.astype(F32), axis=-1)[:, :, None, :]  # [B, H, 1, T]
+  args = (q, k, v, rows.q_rows, rows.k_cols, do, lse, delta)
 
   kv_block = lambda b, h, qi, j, idx, cnt, win: idx[(b * d.nq + qi) * d.nk + j]
   q_tile = lambda b, h, qi, j, *_: (b, h, qi, 0)
+  q_stat = lambda b, h, qi, j, *_: (b, h, 0, qi)
   kv_tile = lambda b, h, qi, j, *s: (b, h // d.groups, kv_block(b, h, qi, j, *s), 0)
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, d=d),
@@ -255,12 +271,12 @@ def _backward(d: Dims, q, k, v, rows: Rows, o, lse, do):
           in_specs=[pl.BlockSpec((1, 1, d.bq, K), q_tile),
                     pl.BlockSpec((1, 1, d.bk, K), kv_tile),
                     pl.BlockSpec((1, 1, d.bk, K), kv_tile),
-                    pl.BlockSpec((1, d.bq, 3), lambda b, h, qi, j, *_: (b, qi, 0)),
-                    pl.BlockSpec((1, 3, d.bk), lambda b, h, qi, j, *s: (
-                        b, 0, kv_block(b, h, qi, j, *s))),
+                    pl.BlockSpec((1, 3, d.bq), lambda b, h, qi, j, *_: (b, 0, qi)),
+                    pl.BlockSpec((1, d.bk, 3), lambda b, h, qi, j, *s: (
+                        b, kv_block(b, h, qi, j, *s), 0)),
                     pl.BlockSpec((1, 1, d.bq, K), q_tile),
-                    pl.BlockSpec((1, 1, d.bq, 1), q_tile),
-                    pl.BlockSpec((1, 1, d.bq, 1), q_tile)],
+                    pl.BlockSpec((1, 1, 1, d.bq), q_stat),
+                    pl.BlockSpec((1, 1, 1, d.bq), q_stat)],
           out_specs=pl.BlockSpec((1, 1, d.bq, K), q_tile),
           scratch_shapes=[pltpu.VMEM((d.bq, K), F32)]),
       out_shape=out_struct(q.shape, q.dtype, *args),
@@ -273,6 +289,8 @@ def _backward(d: Dims, q, k, v, rows: Rows, o, lse, do):
   q_block = lambda b, kvh, kj, g, i, idx, cnt, win: idx[(b * d.nk + kj) * d.nq + i]
   head_q_tile = lambda b, kvh, kj, g, i, *s: (b, kvh * d.groups + g, q_block(
       b, kvh, kj, g, i, *s), 0)
+  head_q_stat = lambda b, kvh, kj, g, i, *s: (b, kvh * d.groups + g, 0, q_block(
+      b, kvh, kj, g, i, *s))
   k_tile = lambda b, kvh, kj, g, i, *_: (b, kvh, kj, 0)
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, d=d),
@@ -281,12 +299,12 @@ def _backward(d: Dims, q, k, v, rows: Rows, o, lse, do):
           in_specs=[pl.BlockSpec((1, 1, d.bq, K), head_q_tile),
                     pl.BlockSpec((1, 1, d.bk, K), k_tile),
                     pl.BlockSpec((1, 1, d.bk, K), k_tile),
-                    pl.BlockSpec((1, d.bq, 3), lambda b, kvh, kj, g, i, *s: (
-                        b, q_block(b, kvh, kj, g, i, *s), 0)),
-                    pl.BlockSpec((1, 3, d.bk), lambda b, kvh, kj, g, i, *_: (b, 0, kj)),
+                    pl.BlockSpec((1, 3, d.bq), lambda b, kvh, kj, g, i, *s: (
+                        b, 0, q_block(b, kvh, kj, g, i, *s))),
+                    pl.BlockSpec((1, d.bk, 3), lambda b, kvh, kj, g, i, *_: (b, kj, 0)),
                     pl.BlockSpec((1, 1, d.bq, K), head_q_tile),
-                    pl.BlockSpec((1, 1, d.bq, 1), head_q_tile),
-                    pl.BlockSpec((1, 1, d.bq, 1), head_q_tile)],
+                    pl.BlockSpec((1, 1, 1, d.bq), head_q_stat),
+                    pl.BlockSpec((1, 1, 1, d.bq), head_q_stat)],
           out_specs=[pl.BlockSpec((1, 1, d.bk, K), k_tile)] * 2,
           scratch_shapes=[pltpu.VMEM((d.bk, K), F32)] * 2),
       out_shape=[out_struct(k.shape, k.dtype, *args), out_struct(v.shape, v.dtype, *args)],
