@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from kernels import attention_blocks
 from kernels import attention_pallas
+from kernels import attention_tiles
 from kernels import common
 from kernels import dispatch
 from kernels import tpu
@@ -116,10 +117,10 @@ def attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis: Visibility, *, scale: float,
   heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # [B, T, H, K] <-> [B, H, T, K]
 
   def run(interpret):
-    d = attention_pallas.Dims(t=T, bq=bq, bk=bk, nq=-(-T // bq), nk=-(-T // bk),
-                              groups=H // KV, scale=float(scale), softcap=float(softcap),
-                              windowed=windowed, vmem_limit_bytes=bs.vmem_limit_bytes,
-                              interpret=interpret)
+    d = attention_tiles.Dims(t=T, bq=bq, bk=bk, nq=-(-T // bq), nk=-(-T // bk),
+                             groups=H // KV, scale=float(scale), softcap=float(softcap),
+                             windowed=windowed, vmem_limit_bytes=bs.vmem_limit_bytes,
+                             interpret=interpret)
     return attention_pallas.flash_attention(d, heads_first(q_BxTxHxK),
                                             heads_first(k_BxTxVxK), heads_first(v_BxTxVxK),
                                             rows)

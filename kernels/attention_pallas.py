@@ -32,36 +32,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels import attention_blocks
+from kernels import attention_tiles as tiles
+from kernels.attention_tiles import F32
+from kernels.attention_tiles import MASK_VALUE
+from kernels.attention_tiles import Dims
 from kernels.common import cotangent_for
 from kernels.common import out_struct
 from kernels.dispatch import LANES
-
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-F32 = jnp.float32
-
-
-class Dims(NamedTuple):
-  """Static facts a kernel body needs (hashable)."""
-  t: int
-  bq: int
-  bk: int
-  nq: int
-  nk: int
-  groups: int          # query heads per key/value head
-  scale: float
-  softcap: float       # 0: none
-  windowed: bool       # whether the window test is traced at all
-  vmem_limit_bytes: int | None
-  interpret: object    # False (Mosaic) or a `pltpu.InterpretParams`
-
-  @property
-  def ragged_q(self):
-    return self.t % self.bq != 0
-
-  @property
-  def ragged_k(self):
-    return self.t % self.bk != 0
-
 
 class Rows(NamedTuple):
   """The int32 inputs besides q, k, v: the row vectors (segment, branch, rope position;
@@ -73,45 +50,6 @@ class Rows(NamedTuple):
   k_cols: jax.Array
   window: jax.Array
   visits: attention_blocks.Visits
-
-
-def _mask(q_first, k_first, qv, kv, window, d: Dims, keys_down=False):
-  """Which entries of the tile of query block `q_first` and key block `k_first` are
-  visible: `[bq, bk]` from query vectors `qv [bq, 3]` and key vectors `kv [3, bk]`, or,
-  with `keys_down`, `[bk, bq]` from `kv [bk, 3]` and `qv [3, bq]` (the backward's
-  orientation)."""
-  if keys_down:
-    shape, q_axis = (kv.shape[0], qv.shape[1]), 1
-    q_vec, k_vec = (lambda r: qv[r:r + 1, :]), (lambda r: kv[:, r:r + 1])
-  else:
-    shape, q_axis = (qv.shape[0], kv.shape[1]), 0
-    q_vec, k_vec = (lambda r: qv[:, r:r + 1]), (lambda r: kv[r:r + 1, :])
-  q_index = q_first * d.bq + jax.lax.broadcasted_iota(jnp.int32, shape, q_axis)
-  k_index = k_first * d.bk + jax.lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
-  ok = (k_index <= q_index) & (k_vec(0) == q_vec(0))
-  if d.ragged_q or d.ragged_k:  # vectors past the row are garbage
-    ok &= q_index < d.t
-  branch = k_vec(1)
-  ok &= (branch == 0) | (branch == q_vec(1))
-  if d.windowed:
-    ok &= q_vec(2) - k_vec(2) < window
-  return ok
-
-
-def _real_rows(x, block, first, d: Dims):
-  """`x [n, K]` with rows past the row's end zeroed (0 * garbage may be NaN)."""
-  rows = first * block + jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
-  return jnp.where(rows < d.t, x, jnp.zeros_like(x))
-
-
-def _scores(q, k, d: Dims):
-  """float32 `q k^T * scale`, soft-capped; and `1 - tanh^2` of the cap (None without)."""
-  s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32)
-  s = s * d.scale
-  if not d.softcap:
-    return s, None
-  t = jnp.tanh(s * (1.0 / d.softcap))
-  return d.softcap * t, 1.0 - t * t
 
 
 def _fwd_kernel(kv_index, kv_count, window, q_ref, k_ref, v_ref, qv_ref, kv_ref,
@@ -128,8 +66,8 @@ def _fwd_kernel(kv_index, kv_count, window, q_ref, k_ref, v_ref, qv_ref, kv_ref,
   @pl.when(j < kv_count[row])
   def _visit():
     kj = kv_index[row * d.nk + j]
-    s, _ = _scores(q_ref[0, 0], k_ref[0, 0], d)
-    ok = _mask(qi, kj, qv_ref[0], kv_ref[0], window[0], d)
+    s, _ = tiles.scores(q_ref[0, 0], k_ref[0, 0], d)
+    ok = tiles.mask(qi, kj, qv_ref[0], kv_ref[0], window[0], d)
     m_old = m_sc[...]                                                   # [bq, 128]
     m_new = jnp.maximum(m_old, jnp.max(jnp.where(ok, s, MASK_VALUE), axis=1, keepdims=True))
     p = jnp.where(ok, jnp.exp(s - m_new[:, :1]), 0.0)
@@ -138,7 +76,7 @@ def _fwd_kernel(kv_index, kv_count, window, q_ref, k_ref, v_ref, qv_ref, kv_ref,
     m_sc[...] = m_new
     v = v_ref[0, 0]
     if d.ragged_k:
-      v = _real_rows(v, d.bk, kj, d)
+      v = tiles.real_rows(v, d.bk, kj, d)
     acc_sc[...] = acc_sc[...] * alpha[:, :1] + jnp.dot(
         p.astype(v.dtype), v, preferred_element_type=F32)
 
@@ -150,16 +88,6 @@ def _fwd_kernel(kv_index, kv_count, window, q_ref, k_ref, v_ref, qv_ref, kv_ref,
                             ).astype(o_ref.dtype)
     lse = jnp.where(seen, m_sc[...] + jnp.log(jnp.where(seen, l_sc[...], 1.0)), 0.0)
     lse_ref[0, 0] = jnp.transpose(lse)[0:1, :]  # [bq, 128] lane-replicated -> a row
-
-
-def _grad_tile(q, k, v, do, lse, delta, ok, d: Dims):
-  """`p^T` and `dS^T` (the cotangent of the raw scaled scores), float32 `[bk, bq]`, of
-  one tile; `lse`, `delta` are `[1, bq]` rows."""
-  s, dcap = _scores(k, q, d)
-  p = jnp.where(ok, jnp.exp(s - lse), 0.0)
-  dp = jax.lax.dot_general(v, do, (((1,), (1,)), ((), ())), preferred_element_type=F32)
-  ds = jnp.where(ok, p * (dp - delta), 0.0)
-  return p, ds if dcap is None else ds * dcap
 
 
 def _dq_kernel(kv_index, kv_count, window, q_ref, k_ref, v_ref, qv_ref, kv_ref, do_ref,
@@ -176,9 +104,9 @@ def _dq_kernel(kv_index, kv_count, window, q_ref, k_ref, v_ref, qv_ref, kv_ref, 
     kj = kv_index[row * d.nk + j]
     k, v = k_ref[0, 0], v_ref[0, 0]
     if d.ragged_k:
-      k, v = _real_rows(k, d.bk, kj, d), _real_rows(v, d.bk, kj, d)
-    ok = _mask(qi, kj, qv_ref[0], kv_ref[0], window[0], d, keys_down=True)
-    _, ds = _grad_tile(q_ref[0, 0], k, v, do_ref[0, 0], lse_ref[0, 0], delta_ref[0, 0],
+      k, v = tiles.real_rows(k, d.bk, kj, d), tiles.real_rows(v, d.bk, kj, d)
+    ok = tiles.mask(qi, kj, qv_ref[0], kv_ref[0], window[0], d, keys_down=True)
+    _, ds = tiles.grad_tile(q_ref[0, 0], k, v, do_ref[0, 0], lse_ref[0, 0], delta_ref[0, 0],
                        ok, d)
     # [bk, bq] x [bk, K] contracted over bk -> [bq, K]
     acc_sc[...] += jax.lax.dot_general(ds.astype(k.dtype), k, (((0,), (0,)), ((), ())),
@@ -204,9 +132,9 @@ def _dkv_kernel(q_index, q_count, window, q_ref, k_ref, v_ref, qv_ref, kv_ref, d
     qi = q_index[col * d.nq + i]
     q, do = q_ref[0, 0], do_ref[0, 0]
     if d.ragged_q:
-      q, do = _real_rows(q, d.bq, qi, d), _real_rows(do, d.bq, qi, d)
-    ok = _mask(qi, kj, qv_ref[0], kv_ref[0], window[0], d, keys_down=True)
-    p, ds = _grad_tile(q, k_ref[0, 0], v_ref[0, 0], do, lse_ref[0, 0], delta_ref[0, 0],
+      q, do = tiles.real_rows(q, d.bq, qi, d), tiles.real_rows(do, d.bq, qi, d)
+    ok = tiles.mask(qi, kj, qv_ref[0], kv_ref[0], window[0], d, keys_down=True)
+    p, ds = tiles.grad_tile(q, k_ref[0, 0], v_ref[0, 0], do, lse_ref[0, 0], delta_ref[0, 0],
                        ok, d)
     dv_sc[...] += jnp.dot(p.astype(do.dtype), do, preferred_element_type=F32)
     dk_sc[...] += jnp.dot(ds.astype(q.dtype), q, preferred_element_type=F32)

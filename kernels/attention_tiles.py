@@ -1,0 +1,84 @@
+"""The math of one attention tile, shared by the Pallas kernels (`attention_pallas`):
+the static `Dims`, the visibility mask built from the row vectors, the scaled and
+soft-capped scores, and the backward's `p` and `dS`."""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+# A large finite negative instead of -inf keeps `m_old - m_new` free of inf - inf.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+F32 = jnp.float32
+
+
+class Dims(NamedTuple):
+  """Static facts a kernel body needs (hashable)."""
+  t: int
+  bq: int
+  bk: int
+  nq: int
+  nk: int
+  groups: int          # query heads per key/value head
+  scale: float
+  softcap: float       # 0: none
+  windowed: bool       # whether the window test is traced at all
+  vmem_limit_bytes: int | None
+  interpret: object    # False (Mosaic) or a `pltpu.InterpretParams`
+
+  @property
+  def ragged_q(self):
+    return self.t % self.bq != 0
+
+  @property
+  def ragged_k(self):
+    return self.t % self.bk != 0
+
+
+def mask(q_first, k_first, qv, kv, window, d: Dims, keys_down=False):
+  """Which entries of the tile of query block `q_first` and key block `k_first` are
+  visible: `[bq, bk]` from query vectors `qv [bq, 3]` and key vectors `kv [3, bk]`, or,
+  with `keys_down`, `[bk, bq]` from `kv [bk, 3]` and `qv [3, bq]` (the backward's
+  orientation)."""
+  if keys_down:
+    shape, q_axis = (kv.shape[0], qv.shape[1]), 1
+    q_vec, k_vec = (lambda r: qv[r:r + 1, :]), (lambda r: kv[:, r:r + 1])
+  else:
+    shape, q_axis = (qv.shape[0], kv.shape[1]), 0
+    q_vec, k_vec = (lambda r: qv[:, r:r + 1]), (lambda r: kv[r:r + 1, :])
+  q_index = q_first * d.bq + jax.lax.broadcasted_iota(jnp.int32, shape, q_axis)
+  k_index = k_first * d.bk + jax.lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
+  ok = (k_index <= q_index) & (k_vec(0) == q_vec(0))
+  if d.ragged_q or d.ragged_k:  # vectors past the row are garbage
+    ok &= q_index < d.t
+  branch = k_vec(1)
+  ok &= (branch == 0) | (branch == q_vec(1))
+  if d.windowed:
+    ok &= q_vec(2) - k_vec(2) < window
+  return ok
+
+
+def real_rows(x, block, first, d: Dims):
+  """`x [n, K]` with rows past the row's end zeroed (0 * garbage may be NaN)."""
+  rows = first * block + jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
+  return jnp.where(rows < d.t, x, jnp.zeros_like(x))
+
+
+def scores(q, k, d: Dims):
+  """float32 `q k^T * scale`, soft-capped; and `1 - tanh^2` of the cap (None without)."""
+  s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+  s = s * d.scale
+  if not d.softcap:
+    return s, None
+  t = jnp.tanh(s * (1.0 / d.softcap))
+  return d.softcap * t, 1.0 - t * t
+
+
+def grad_tile(q, k, v, do, lse, delta, ok, d: Dims):
+  """`p^T` and `dS^T` (the cotangent of the raw scaled scores), float32 `[bk, bq]`, of
+  one tile; `lse`, `delta` are `[1, bq]` rows."""
+  s, dcap = scores(k, q, d)
+  p = jnp.where(ok, jnp.exp(s - lse), 0.0)
+  dp = jax.lax.dot_general(v, do, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+  ds = jnp.where(ok, p * (dp - delta), 0.0)
+  return p, ds if dcap is None else ds * dcap
