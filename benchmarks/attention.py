@@ -29,6 +29,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import importlib.metadata  # noqa: E402
 import subprocess  # noqa: E402
 
@@ -77,6 +78,7 @@ def layer_stats(chip, T, impl):
   return stats
 
 
+@functools.cache  # the search revisits the lengths of the before/after table
 def step_stats(model, L, impl, topology):
   """`aot.compile_stats` of the issue's command at pair length L with `impl`."""
   cfg = config_lib.TrainConfig(
