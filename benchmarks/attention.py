@@ -2,7 +2,8 @@
 layer and in the whole train step, compiled ahead of time by the real TPU compiler
 (needs libtpu; nothing is allocated).
 
-    python benchmarks/attention.py [--chip v5e] [--lengths 1024,2048,4096,8192]
+    python benchmarks/attention.py [--parts layer,grid,step] [--chip v5e]
+        [--lengths 1024,2048,4096,8192] [--grid_lengths 1024,4096,8192]
         [--step_models 7b] [--step_lengths 1024,4096] [--search] [--topology v5e-8]
         [--out docs/results/attention_v5e-8.md]
 
@@ -14,6 +15,9 @@ impl="pallas" and impl="xla", one chip of `--chip`. Printed: the compiler's flop
 bytes accessed (cost analysis; for the kernels those are their `cost_estimate`s, which
 count the causal tiles, so skipped tiles are not subtracted) and the temporaries and
 peak (memory analysis).
+
+Grid: the kernels' forward and backward compiled for every generation (v4, v5e, v5p,
+v6e), T in `--grid_lengths` and head dims 64, 128 and 256: the compiled peak.
 
 Per step: the issue's command, `trainer.py --model=M --fsdp --batch_size=8
 --max_length=L --max_prompt_length=L/2 --compute_dtype=bfloat16 --remat=full
@@ -58,19 +62,19 @@ def shared_row(T):
   return (as_row(positions), as_row(np.ones(T)), as_row(np.ones(T)), as_row(branches))
 
 
-def layer_stats(chip, T, impl):
+def layer_stats(chip, T, impl, head_dim=K):
   """Compiled flops, bytes, temporaries and peak of one layer's attention, fwd + bwd."""
   vis = shared_row(T)
 
   def grads(q, k, v, g):
     f = lambda q, k, v: attention.attention(q, k, v, attention.Visibility(*vis),
-                                            scale=K ** -0.5, impl=impl)
+                                            scale=head_dim ** -0.5, impl=impl)
     out, pullback = jax.vjp(f, q, k, v)
     return out, pullback(g)
 
   S = jax.ShapeDtypeStruct
-  q = S((1, T, H, K), jnp.bfloat16)
-  kv = S((1, T, KV, K), jnp.bfloat16)
+  q = S((1, T, H, head_dim), jnp.bfloat16)
+  kv = S((1, T, KV, head_dim), jnp.bfloat16)
   try:
     stats = tpu.compiled_stats(tpu.compile_for(chip, grads, q, kv, kv, q))
   except Exception as e:  # noqa: BLE001 - the compiler's refusal is the answer
@@ -128,10 +132,69 @@ def _fmt_step(model, L, impl, s):
           f"{s['need'] / GiB:.2f} | {'yes' if s['fits'] else 'no'} |")
 
 
+def layer_table(chip, lengths):
+  lines = [f"One layer's attention, forward + backward, one TPU {chip} chip (shared row: "
+           f"T/3 prompt, T/3 chosen, T/3 rejected; {H} heads, {KV} KV heads, head dim {K}, "
+           "bf16). Flops and bytes from the compiler's cost analysis (the kernels': their "
+           "cost_estimate, causal tiles), MiB from its memory analysis.", "",
+           "| T | impl | GFLOP | bytes accessed (MiB) | temporaries (MiB) | peak (MiB) |",
+           "|---|---|---|---|---|---|"]
+  for T in lengths:
+    for impl in ("pallas", "xla"):
+      s = layer_stats(chip, T, impl)
+      row = (f"| {T} | {impl} | - | - | - | no: {s['error']} |" if "error" in s else
+             f"| {T} | {impl} | {s['flops'] / 1e9:.1f} | {s['bytes_accessed'] / MiB:.0f} | "
+             f"{s['temp'] / MiB:.0f} | {(s['peak'] or 0) / MiB:.0f} |")
+      print(row, flush=True)
+      lines.append(row)
+  return lines
+
+
+def grid_table(lengths, head_dims=(64, 128, 256)):
+  """The kernels' forward + backward (impl="pallas", a shared row, bf16) compiled for
+  every generation, T and head dim: the compiled peak, MiB."""
+  lines = ["The kernels' forward + backward compiled for every generation (one chip, a "
+           f"shared row of T tokens, {H} heads, {KV} KV heads, bf16): the compiler's peak, "
+           "MiB (or its refusal).", "",
+           "| chip | T | " + " | ".join(f"head dim {k}" for k in head_dims) + " |",
+           "|---|---|" + "---|" * len(head_dims)]
+  for chip in tpu.CHIPS:
+    for T in lengths:
+      cells = []
+      for head_dim in head_dims:
+        s = layer_stats(chip, T, "pallas", head_dim)
+        cells.append(f"no: {s['error'][:60]}" if "error" in s else
+                     f"{(s['peak'] or 0) / MiB:.0f}")
+      lines.append(f"| {chip} | {T} | " + " | ".join(cells) + " |")
+      print(lines[-1], flush=True)
+  return lines
+
+
+def step_table(models, step_lengths, topology, search_too):
+  lines = [f"The DPO step on {topology} (FSDP, bf16 compute, `--remat=full`, "
+           "precomputed reference, one pair per chip, prefix-shared rows of the flags' "
+           "worst case: every pair L tokens, half of them prompt). GiB per chip; "
+           "`needed` is what the fit is judged on (the compiler's buffer assignment).", "",
+           "| model | L | rows | attention | temporaries | needed | fits |",
+           "|---|---|---|---|---|---|---|"]
+  for model in models:
+    for L in step_lengths:
+      for impl in ("xla", "pallas"):
+        row = _fmt_step(model, L, impl, step_stats(model, L, impl, topology))
+        print(row, flush=True)
+        lines.append(row)
+  for model in models if search_too else ():
+    lines.append("\n" + search(model, topology))
+    print(lines[-1].strip(), flush=True)
+  return lines
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--parts", default="layer,step", help="any of layer, grid, step")
   p.add_argument("--chip", default="v5e")
   p.add_argument("--lengths", default="1024,2048,4096,8192")
+  p.add_argument("--grid_lengths", default="1024,4096,8192")
   p.add_argument("--step_models", default="7b")
   p.add_argument("--step_lengths", default="1024,4096")
   p.add_argument("--search", action="store_true")
@@ -140,35 +203,15 @@ def main():
   a = p.parse_args()
   if not tpu.has_libtpu():
     raise SystemExit("needs libtpu (the `tpu` extra)")
-  lines = [f"One layer's attention, forward + backward, one TPU {a.chip} chip (shared row: "
-           f"T/3 prompt, T/3 chosen, T/3 rejected; {H} heads, {KV} KV heads, head dim {K}, "
-           "bf16). Flops and bytes from the compiler's cost analysis (the kernels': their "
-           "cost_estimate, causal tiles), MiB from its memory analysis.", "",
-           "| T | impl | GFLOP | bytes accessed (MiB) | temporaries (MiB) | peak (MiB) |",
-           "|---|---|---|---|---|---|"]
-  for T in map(int, a.lengths.split(",")):
-    for impl in ("pallas", "xla"):
-      s = layer_stats(a.chip, T, impl)
-      row = (f"| {T} | {impl} | - | - | - | no: {s['error']} |" if "error" in s else
-             f"| {T} | {impl} | {s['flops'] / 1e9:.1f} | {s['bytes_accessed'] / MiB:.0f} | "
-             f"{s['temp'] / MiB:.0f} | {(s['peak'] or 0) / MiB:.0f} |")
-      print(row, flush=True)
-      lines.append(row)
-  lines += ["", f"The DPO step on {a.topology} (FSDP, bf16 compute, `--remat=full`, "
-            "precomputed reference, one pair per chip, prefix-shared rows of the flags' "
-            "worst case: every pair L tokens, half of them prompt). GiB per chip; "
-            "`needed` is what the fit is judged on (the compiler's buffer assignment).", "",
-            "| model | L | rows | attention | temporaries | needed | fits |",
-            "|---|---|---|---|---|---|---|"]
-  for model in a.step_models.split(","):
-    for L in map(int, a.step_lengths.split(",")):
-      for impl in ("xla", "pallas"):
-        row = _fmt_step(model, L, impl, step_stats(model, L, impl, a.topology))
-        print(row, flush=True)
-        lines.append(row)
-    if a.search:
-      lines.append("\n" + search(model, a.topology))
-      print(lines[-1].strip(), flush=True)
+  ints = lambda text: [int(x) for x in text.split(",")]
+  parts = {
+      "layer": lambda: layer_table(a.chip, ints(a.lengths)),
+      "grid": lambda: grid_table(ints(a.grid_lengths)),
+      "step": lambda: step_table(a.step_models.split(","), ints(a.step_lengths),
+                                 a.topology, a.search)}
+  lines = []
+  for part in a.parts.split(","):
+    lines += parts[part]() + [""]
   if a.out:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                             capture_output=True, text=True).stdout.strip()
@@ -176,8 +219,9 @@ def main():
                 f"{importlib.metadata.version('libtpu')}")
     with open(a.out, "w") as f:
       f.write(f"Attention on shared rows: the Pallas kernels against the XLA path "
-              f"(`benchmarks/attention.py`, measured at commit {commit} with {versions}).\n\n")
-      f.write("\n".join(lines) + "\n")
+              f"(`benchmarks/attention.py --parts {a.parts}`, measured at commit {commit} "
+              f"with {versions}).\n\n")
+      f.write("\n".join(lines).rstrip() + "\n")
 
 
 if __name__ == "__main__":

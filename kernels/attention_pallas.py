@@ -4,8 +4,9 @@ windows and soft-caps, with fully masked tiles skipped.
 Layout: heads first, `q, dO, out [B, H, T, K]`, `k, v [B, KV, T, K]`; query head h reads
 key/value head `h // (H / KV)` through its index map, so K/V are never repeated in HBM.
 The visibility rule is evaluated per tile from int32 row vectors, never from a `[T, T]`
-mask: the query side `[B, T, 3]` (segment, branch, rope position) and the key side
-`[B, 3, T]` (segment, or `NO_KEY` for padding; branch; rope position). A query sees a
+mask: segment, branch and rope position of each query, and of each key (a padding
+key's segment is `NO_KEY`), as columns `[B, T, 3]` for the side that runs down a tile
+and rows `[B, 3, T]` for the side that runs across it (`Rows`). A query sees a
 key at or before it in the row, of its segment, of branch 0 or of its own branch, and
 less than `window` rope positions back.
 
@@ -39,6 +40,7 @@ from kernels.attention_tiles import Dims
 from kernels.common import cotangent_for
 from kernels.common import out_struct
 from kernels.dispatch import LANES
+
 
 class Rows(NamedTuple):
   """The int32 inputs besides q, k, v: the row vectors (segment, branch, rope position;
@@ -106,8 +108,8 @@ def _dq_kernel(kv_index, kv_count, window, q_ref, k_ref, v_ref, qv_ref, kv_ref, 
     if d.ragged_k:
       k, v = tiles.real_rows(k, d.bk, kj, d), tiles.real_rows(v, d.bk, kj, d)
     ok = tiles.mask(qi, kj, qv_ref[0], kv_ref[0], window[0], d, keys_down=True)
-    _, ds = tiles.grad_tile(q_ref[0, 0], k, v, do_ref[0, 0], lse_ref[0, 0], delta_ref[0, 0],
-                       ok, d)
+    _, ds = tiles.grad_tile(q_ref[0, 0], k, v, do_ref[0, 0], lse_ref[0, 0],
+                            delta_ref[0, 0], ok, d)
     # [bk, bq] x [bk, K] contracted over bk -> [bq, K]
     acc_sc[...] += jax.lax.dot_general(ds.astype(k.dtype), k, (((0,), (0,)), ((), ())),
                                        preferred_element_type=F32)
@@ -134,8 +136,8 @@ def _dkv_kernel(q_index, q_count, window, q_ref, k_ref, v_ref, qv_ref, kv_ref, d
     if d.ragged_q:
       q, do = tiles.real_rows(q, d.bq, qi, d), tiles.real_rows(do, d.bq, qi, d)
     ok = tiles.mask(qi, kj, qv_ref[0], kv_ref[0], window[0], d, keys_down=True)
-    p, ds = tiles.grad_tile(q, k_ref[0, 0], v_ref[0, 0], do, lse_ref[0, 0], delta_ref[0, 0],
-                       ok, d)
+    p, ds = tiles.grad_tile(q, k_ref[0, 0], v_ref[0, 0], do, lse_ref[0, 0],
+                            delta_ref[0, 0], ok, d)
     dv_sc[...] += jnp.dot(p.astype(do.dtype), do, preferred_element_type=F32)
     dk_sc[...] += jnp.dot(ds.astype(q.dtype), q, preferred_element_type=F32)
 
