@@ -88,6 +88,8 @@ class ModelConfig:
   # `kernels.attention.attention`'s impl: "auto" runs the Pallas kernels when compiled
   # for TPU and "xla" (scores materialised) elsewhere.
   attention_impl: str = "auto"
+  # The scale of LoRA adapters the params may carry (`tunix_core.model.lora`): alpha / r.
+  lora_scale: float = 1.0
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",

@@ -153,6 +153,18 @@ def softcap(x: jax.Array, cap: float) -> jax.Array:
   return cap * jnp.tanh(x / cap) if cap else x
 
 
+def project(x_NxI, layer, name: str, cfg: ModelConfig):
+  """`x @ layer[name]`, plus `cfg.lora_scale * (x @ A) @ B` when the layer carries a LoRA
+  adapter for it (`layer["lora"][name]`, `tunix_core.model.lora`): the one place
+  adapters enter the forward."""
+  y_NxO = x_NxI @ layer[name]
+  adapter = layer.get("lora", {}).get(name)
+  if adapter is None:
+    return y_NxO
+  a, b = adapter["a"].astype(x_NxI.dtype), adapter["b"].astype(x_NxI.dtype)
+  return y_NxO + ((x_NxI @ a) @ b) * jnp.asarray(cfg.lora_scale, y_NxO.dtype)
+
+
 def attention(x_BxTxD, layer, setting, positions_BxT, mask_BxT, cfg: ModelConfig,
               segments_BxT=None, branches_BxT=None, band: int | None = None):
   """Causal grouped-query attention; keys where `mask_BxT` is 0 are never attended, nor
@@ -164,7 +176,7 @@ def attention(x_BxTxD, layer, setting, positions_BxT, mask_BxT, cfg: ModelConfig
   # Matmuls on `[B * T, D]`: XLA:CPU runs the weight gradients of 3-D dots (two
   # contracting dims) at half the speed of the 2-D ones.
   x_NxD = x_BxTxD.reshape(B * T, D)
-  q, k, v = x_NxD @ layer["wq"], x_NxD @ layer["wk"], x_NxD @ layer["wv"]
+  q, k, v = (project(x_NxD, layer, name, cfg) for name in ("wq", "wk", "wv"))
   if cfg.qkv_bias:
     q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
   q_BxTxHxK, k_BxTxVxK = q.reshape(B, T, H, K), k.reshape(B, T, KV, K)
@@ -179,16 +191,17 @@ def attention(x_BxTxD, layer, setting, positions_BxT, mask_BxT, cfg: ModelConfig
   out_BxTxHxK = attention_lib.attention(
       q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis, scale=scale, softcap=cfg.attn_softcap,
       window=setting["window"] if cfg.sliding_window else 0, impl=cfg.attention_impl)
-  return (out_BxTxHxK.reshape(B * T, H * K) @ layer["wo"]).reshape(B, T, -1)
+  return project(out_BxTxHxK.reshape(B * T, H * K), layer, "wo", cfg).reshape(B, T, -1)
 
 
 def mlp(x_BxTxD, layer, cfg: ModelConfig):
   """The gated MLP, its matmuls on `[B * T, D]` (as in `attention`)."""
   x_NxD = x_BxTxD.reshape(-1, x_BxTxD.shape[-1])
-  gate = x_NxD @ layer["w_gate"]
+  gate = project(x_NxD, layer, "w_gate", cfg)
   gate = (jax.nn.silu(gate) if cfg.mlp_activation == "silu"
           else jax.nn.gelu(gate, approximate=True))
-  return ((gate * (x_NxD @ layer["w_up"])) @ layer["w_down"]).reshape(x_BxTxD.shape[:-1] + (-1,))
+  out_NxD = project(gate * project(x_NxD, layer, "w_up", cfg), layer, "w_down", cfg)
+  return out_NxD.reshape(x_BxTxD.shape[:-1] + (-1,))
 
 
 def embed(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig) -> jax.Array:
