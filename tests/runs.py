@@ -73,14 +73,18 @@ def step_run(steps, cfg, num_steps=3):
   precomputed reference as `cfg` says."""
   ds = dataset(cfg.max_length, cfg.max_prompt_length)
   state = steps.init_state(jax.random.PRNGKey(0))
-  ref = jax.tree.map(lambda x: jnp.array(x, copy=True), state["params"])
+  if steps.plan.lora is not None:  # the frozen base (the reference: adapters off)
+    ref = {"base": steps.init_base(jax.random.PRNGKey(0))}
+  else:
+    ref = jax.tree.map(lambda x: jnp.array(x, copy=True), state["params"])
+  frozen = ref if cfg.reference == "step" or steps.plan.lora is not None else None
   out = []
   for i in range(num_steps):
     B = cfg.batch_size
     batch = steps.put_batch(data_lib.take_pairs(ds, np.arange(B * i, B * (i + 1))))
     if cfg.reference == "precomputed":
       batch["ref_logps"] = steps.ref_logps(ref, batch)
-    state, metrics = steps.train_step(state, ref if cfg.reference == "step" else None, batch)
+    state, metrics = steps.train_step(state, frozen, batch)
     out.append({k: float(v) for k, v in metrics.items() if k != "nonfinite"})
   return out, jax.device_get(steps.logical_params(state["params"]))
 

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+import runs
 from oracles import rel_error
 from tunix_core import hf
 from tunix_core import model as model_lib
@@ -87,3 +88,68 @@ def test_peft_directories_round_trip_and_unsupported_adapters_are_named(tmp_path
     peft_lib.read_adapter(str(tmp_path), cfg)
   with pytest.raises(hf.HFError, match="needs"):  # an adapter for another base
     peft_lib.read_adapter(os.path.join(LORA, "qwen2"), hf.read_config(os.path.join(HF, "llama3")))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("base", ["zero1", "fsdp"])
+def test_lora_steps_on_8_devices_equal_one_device_from_ln2(tmp_path, base):
+  """Adapters over a frozen base held replicated (ZeRO-1) or in FSDP pieces: 5 steps on 8
+  devices equal 1 device; step 1 starts at ln 2 (fresh adapters leave the base as it
+  is, so the policy is the reference)."""
+  cfg = runs.config(tmp_path, steps=5, batch_size=8, lora_rank=4, lora_alpha=8.0,
+                    fsdp=base == "fsdp", learning_rate=1e-2)
+  eight = runs.step_run(runs.steps(cfg, jax.devices()), cfg, num_steps=5)
+  one_cfg = dataclasses.replace(cfg, fsdp=False)
+  one = runs.step_run(runs.steps(one_cfg, jax.devices()[:1]), one_cfg, num_steps=5)
+  assert abs(eight[0][0]["loss"] - np.log(2)) < 1e-6
+  assert eight[0][-1]["loss"] < eight[0][0]["loss"] - 1e-3  # the adapters learn
+  runs.assert_agree(eight, one)
+  assert sorted(eight[1]) == ["w_down", "w_gate", "w_up", "wk", "wo", "wq", "wv"]
+
+
+@pytest.mark.slow
+def test_lora_from_a_peft_adapter_trains_resumes_and_exports(tmp_path):
+  """The trainer on an HF directory with --lora_init (an adapter with non-zero B): step
+  1 is ln 2 (the reference is the base with that adapter, frozen); a run cut after step
+  2 and resumed equals the uninterrupted one; the checkpoint holds no base weights; the
+  export is a PEFT adapter of the final adapters and, merged, the base with them folded
+  in."""
+  from tunix_core.run import loop  # pylint: disable=g-import-not-at-top
+  from tunix_core.training import config as config_lib  # pylint: disable=g-import-not-at-top
+  pytest.importorskip("tokenizers")
+  cfg = dataclasses.replace(model_lib.preset("tiny"), vocab_size=320)
+  model_dir, init_dir = str(tmp_path / "model"), str(tmp_path / "sft_adapter")
+  base = model_lib.init_params(jax.random.PRNGKey(3), cfg)
+  hf.save_params(base, cfg, model_dir, dtype="float32")
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    shutil.copy(os.path.join(HF, "tokenizer", name), model_dir)
+  lcfg = lora.LoraConfig(rank=2, alpha=4.0, targets=("q_proj", "v_proj", "down_proj"))
+  sft = jax.tree.map(lambda x: x + 0.05, lora.init_adapters(jax.random.PRNGKey(4), cfg, lcfg))
+  peft_lib.write_adapter(init_dir, jax.device_get(sft), cfg, lcfg, base_model=model_dir)
+
+  def run(out, steps, **kw):
+    c = config_lib.TrainConfig(
+        output_dir=str(out), train_data=runs.TRAIN, hf_model_dir=model_dir, max_length=64,
+        max_prompt_length=32, batch_size=4, steps=steps, log_every=1, learning_rate=1e-2,
+        lora_init=init_dir, **kw)
+    return loop.train(c, devices=jax.devices()[:2], log=lambda *_: None)
+
+  export_dir = str(tmp_path / "export")
+  full = run(tmp_path / "full", 4, export_hf_dir=export_dir, export_merged=True)
+  losses = runs.losses(tmp_path / "full")
+  assert losses[1] == pytest.approx(np.log(2), abs=1e-6) and losses[4] < losses[1] - 1e-3
+  run(tmp_path / "cut", 2, save_every=2)
+  run(tmp_path / "cut", 4, save_every=2)
+  assert runs.losses(tmp_path / "cut") == pytest.approx(losses, abs=1e-6)
+  # Checkpoints hold adapters (and their optimizer state), never the base.
+  state_bytes = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in
+                    os.walk(tmp_path / "full" / "checkpoints" / "4") for f in fs)
+  base_bytes = sum(x.nbytes for x in jax.tree.leaves(base))
+  assert state_bytes < base_bytes / 4, (state_bytes, base_bytes)
+  lcfg2, exported = peft_lib.read_adapter(export_dir, cfg)
+  assert lcfg2 == lcfg
+  final = jax.device_get(full["state"]["params"])
+  jax.tree.map(np.testing.assert_array_equal, exported, final)
+  merged = hf.load_params(os.path.join(export_dir, "merged"), cfg)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+               merged, lora.merge(base, final, lcfg))

@@ -50,9 +50,7 @@ def abstract_inputs(steps: step_lib.StepFunctions) -> tuple:
   scalar = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=steps.replicated)
   state = {"params": steps.abstract_params(), "opt_state": steps.abstract_opt_state(),
            "step": scalar(()), "nonfinite": scalar((3,))}
-  ref_params = None
-  if steps.plan.reference == "step":
-    ref_params = steps.abstract_params(model_lib.DTYPES[cfg.ref_param_dtype()])
+  ref_params = steps.abstract_frozen(model_lib.DTYPES[cfg.ref_param_dtype()])
   groups = cfg.batch_size // rows.pairs
   shapes = {k: (cfg.batch_size, 2, cfg.max_length)
             for k in ("tokens", "targets", "loss_mask", "attention_mask")}

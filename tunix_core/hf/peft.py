@@ -30,8 +30,8 @@ def _key(layer: int, target: str, which: str) -> str:
   return f"{_PREFIX}.{layer}.{lora_lib.MODULES[target]}.{target}.lora_{which}.weight"
 
 
-def read_adapter(adapter_dir: str, cfg: ModelConfig) -> tuple[lora_lib.LoraConfig, dict]:
-  """`(LoraConfig, float32 adapters)` of a PEFT LoRA directory for a base of `cfg`."""
+def read_config(adapter_dir: str) -> lora_lib.LoraConfig:
+  """The `LoraConfig` of a PEFT LoRA directory (`HFError` for one we cannot represent)."""
   path = os.path.join(adapter_dir, CONFIG)
   if not os.path.exists(path):
     raise HFError(f"{adapter_dir} is not a PEFT adapter directory: no {CONFIG}")
@@ -46,15 +46,20 @@ def read_adapter(adapter_dir: str, cfg: ModelConfig) -> tuple[lora_lib.LoraConfi
   targets = config.get("target_modules")
   if not isinstance(targets, list):
     raise HFError(f"{path}: target_modules must be a list of module names, got {targets!r}")
+  if set(targets) - set(lora_lib.TARGETS):
+    raise HFError(f"{path}: target_modules {sorted(set(targets) - set(lora_lib.TARGETS))} "
+                  f"are not projections we adapt; choose from {list(lora_lib.TARGETS)}")
   try:
-    lcfg = lora_lib.LoraConfig(rank=int(config["r"]), alpha=float(config["lora_alpha"]),
+    return lora_lib.LoraConfig(rank=int(config["r"]), alpha=float(config["lora_alpha"]),
                                targets=tuple(t for t in lora_lib.TARGETS if t in targets),
                                rslora=bool(config.get("use_rslora", False)))
   except (KeyError, ValueError) as e:
     raise HFError(f"{path}: {e}") from None
-  if set(targets) - set(lcfg.targets):
-    raise HFError(f"{path}: target_modules {sorted(set(targets) - set(lcfg.targets))} are "
-                  f"not projections we adapt; choose from {list(lora_lib.TARGETS)}")
+
+
+def read_adapter(adapter_dir: str, cfg: ModelConfig) -> tuple[lora_lib.LoraConfig, dict]:
+  """`(LoraConfig, float32 adapters)` of a PEFT LoRA directory for a base of `cfg`."""
+  lcfg = read_config(adapter_dir)
   from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
   tensors = load_file(os.path.join(adapter_dir, WEIGHTS))
   shapes = lora_lib.adapter_shapes(cfg, lcfg)

@@ -79,6 +79,14 @@ class Layout(Protocol):
     """Inside `shard_map`: gradients of the step-form params made whole within the
     device's model slice (before the data-parallel sync of `update`)."""
 
+  def policy(self, params: dict, frozen) -> dict:
+    """What `gather` takes for the policy: the trained params with the step's frozen
+    input (`parallel.lora`: the base); full fine-tuning: `params`."""
+
+  def reference(self, frozen):
+    """What `gather` takes for DPO's reference, from the step's frozen input (full
+    fine-tuning: the reference params themselves)."""
+
   def init_opt(self, params: dict):
     """Inside `shard_map`: this device's optimizer state for the step-form params."""
 
@@ -112,6 +120,12 @@ class Whole:
 
   def sync_grads(self, grads: dict) -> dict:
     return grads
+
+  def policy(self, params: dict, frozen) -> dict:
+    return params
+
+  def reference(self, frozen):
+    return frozen
 
 
 WHOLE = Whole()
@@ -251,6 +265,8 @@ class TensorParallel:
 
   def sync_grads(self, grads: dict) -> dict:
     return tp_lib.sync_replicated_grads(grads, MODEL)
+
+  policy, reference = Whole.policy, Whole.reference
 
   def init_opt(self, params: dict):
     return self.inner.init_opt(params)

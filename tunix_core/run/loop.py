@@ -81,20 +81,25 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
   # reloaded, or the init rebuilt from the seed), in its own buffers, so donating the
   # train state never invalidates it.
   ref_dtype = model_lib.DTYPES[cfg.ref_param_dtype()]
-  if state is None:
+  if plan.lora is not None:  # the step's frozen input is the base (`parallel.lora`)
+    ref_params, adapters = source_lib.lora_start(cfg, steps, key, ref_dtype)
+    state = state or steps.init_state(key, adapters)
+  elif state is None:
     state = steps.init_state(key, source_lib.initial_params(cfg, steps))
     ref_params = jax.tree.map(lambda x: jnp.array(x, ref_dtype, copy=True), state["params"])
   else:
     ref_params = source_lib.initial_params(cfg, steps, ref_dtype) or steps.init_params(key)
     ref_params = jax.tree.map(lambda x: x.astype(ref_dtype), ref_params)
-  num_params = sum(x.size for x in jax.tree.leaves(steps.param_shapes))
+  count = lambda shapes: sum(x.size for x in jax.tree.leaves(shapes))
+  num_params = count(steps.base_layout.param_shapes)
+  trained = (f"; LoRA: {count(steps.param_shapes):,} trained" if plan.lora else "")
   mesh = " x ".join(f"{n} {axis}" for axis, n in steps.mesh.shape.items())
   log(f"model: {cfg.hf_model_dir or cfg.model} ({num_params:,} params, "
-      f"{cfg.param_dtype}) on {len(devices)} "
+      f"{cfg.param_dtype}{trained}) on {len(devices)} "
       f"{devices[0].platform} device(s) in {jax.process_count()} process(es), mesh {mesh}")
   log(plan.describe())
   train_ref, eval_ref = _precompute_refs(cfg, steps, ref_params, train_set, eval_set, log)
-  if plan.reference != "step":
+  if plan.reference != "step" and plan.lora is None:
     ref_params = None  # the step never runs the reference forward
 
   it = data_lib.BatchIterator(train_set, cfg.batch_size, cfg.seed,
@@ -162,5 +167,5 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
   ckpt.close()
   log(f"done: steps {start + 1}-{cfg.steps} in {progress.elapsed()}")
   if cfg.export_hf_dir:
-    source_lib.export(cfg, mcfg, steps.logical_params(state["params"]), log)
+    source_lib.export(cfg, steps, state["params"], ref_params, log)
   return {"train": progress.last_train, "eval": progress.last_eval, "state": state}

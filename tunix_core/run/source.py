@@ -91,18 +91,50 @@ def initial_params(cfg, steps, dtype=None) -> dict | None:
   if not cfg.hf_model_dir:
     return None
   from tunix_core import hf  # pylint: disable=g-import-not-at-top
-  return steps.place_params(hf.load_params(cfg.hf_model_dir, steps.mcfg, dtype=dtype,
-                                           shardings=steps.logical_shardings()))
+  return steps.place_base(hf.load_params(cfg.hf_model_dir, steps.mcfg, dtype=dtype,
+                                         shardings=steps.base_logical_shardings()))
 
 
-def export(cfg, mcfg: model_lib.ModelConfig, params: dict, log) -> None:
-  """Writes `params` to `--export_hf_dir` as an HF directory (process 0 only), with the
-  tokenizer and config of `--hf_model_dir` when there is one."""
+def lora_start(cfg, steps, key, dtype) -> tuple[dict, dict | None]:
+  """`(frozen, adapters)` of a LoRA run: the step's frozen input (the base in `dtype`,
+  from `--hf_model_dir` or the seed, and the `--lora_init` adapter as the reference's)
+  and the adapters to start from (None: fresh ones, `steps.init_params`)."""
+  base = initial_params(cfg, steps, dtype) or steps.init_base(key, dtype)
+  if not cfg.lora_init:
+    return {"base": base}, None
+  from tunix_core.hf import peft  # pylint: disable=g-import-not-at-top
+  _, adapters = peft.read_adapter(cfg.lora_init, steps.mcfg)
+  place = lambda: steps.place_params(jax.tree.map(
+      lambda x: x.astype(model_lib.DTYPES[steps.mcfg.param_dtype]), adapters))
+  return {"base": base, "ref_adapters": place()}, place()
+
+
+def export(cfg, steps, params: dict, frozen, log) -> None:
+  """Writes the policy to `--export_hf_dir` (process 0 only): an HF directory, with the
+  tokenizer and config of `--hf_model_dir` when there is one; under LoRA a PEFT adapter
+  directory for the base, and with `--export_merged` the merged model in `merged/`."""
+  mcfg, lcfg, dtype = steps.mcfg, steps.plan.lora, cfg.export_param_dtype()
+  logical = steps.logical_params(params)
+  base = None
+  if lcfg is not None and cfg.export_merged:
+    base = steps.base_layout.logical(frozen["base"], steps.base_logical_shardings())
   if jax.process_index() == 0:
     from tunix_core import hf  # pylint: disable=g-import-not-at-top
-    hf.save_params(params, mcfg, cfg.export_hf_dir, src_dir=cfg.hf_model_dir or None,
-                   dtype=cfg.export_param_dtype())
+    from tunix_core.hf import peft  # pylint: disable=g-import-not-at-top
+    os.makedirs(cfg.export_hf_dir, exist_ok=True)
+    if lcfg is None:
+      hf.save_params(logical, mcfg, cfg.export_hf_dir, src_dir=cfg.hf_model_dir or None,
+                     dtype=dtype)
+    else:
+      peft.write_adapter(cfg.export_hf_dir, jax.device_get(logical), mcfg, lcfg,
+                         base_model=cfg.hf_model_dir or cfg.model)
+      if base is not None:
+        from tunix_core.model import lora  # pylint: disable=g-import-not-at-top
+        hf.save_params(lora.merge(base, logical, lcfg), mcfg,
+                       os.path.join(cfg.export_hf_dir, "merged"),
+                       src_dir=cfg.hf_model_dir or None, dtype=dtype)
     with open(os.path.join(cfg.export_hf_dir, "tunix_export.json"), "w") as f:
       json.dump({"source": source(cfg), "steps": cfg.steps}, f, indent=2)
-  log(f"exported the policy to {cfg.export_hf_dir} (Hugging Face format, "
-      f"{cfg.export_param_dtype()})")
+  what = ("a PEFT LoRA adapter" + (", and merged/" if base is not None else "")
+          if lcfg else "Hugging Face format")
+  log(f"exported the policy to {cfg.export_hf_dir} ({what}, {dtype})")

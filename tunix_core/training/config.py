@@ -11,6 +11,7 @@ import kernels
 from kernels import attention as attention_lib
 from kernels import tpu
 from tunix_core import model as model_lib
+from tunix_core.model import lora as lora_lib
 from tunix_core.parallel import collectives
 from tunix_core.parallel import tensor_parallel
 from tunix_core.training import optim
@@ -27,7 +28,8 @@ NONFINITE_ACTIONS = ("stop", "skip")
 # Settings that must not change across a resume (the model's own fields are checked
 # separately): they decide the data order or the meaning of the optimizer state.
 RESUME_FIELDS = ("max_length", "max_prompt_length", "seed", "batch_size", "optimizer",
-                 "train_data", "chat_template")
+                 "train_data", "chat_template", "lora_rank", "lora_alpha", "lora_targets",
+                 "lora_rslora", "lora_init")
 
 
 class ConfigError(ValueError):
@@ -44,7 +46,8 @@ def _flag(default, help_text: str, **metadata):
 class TrainConfig:
   """Everything a run depends on; `trainer.py` defines one flag per field, with the
   field's default and help (`metadata["help"]`), so flags, defaults, help and the docs'
-  flag table (`flag_table`, under the heading of `metadata["group"]`) cannot drift."""
+  flag table (`training.flags.flag_table`, under the heading of `metadata["group"]`)
+  cannot drift."""
 
   # Run and output.
   output_dir: str = _flag("", "Directory for metrics.jsonl, checkpoints, trainer.log and the "
@@ -116,6 +119,20 @@ class TrainConfig:
                              "files); empty: no export.", group="model")
   export_dtype: str = _flag("auto", "Dtype of the exported weights (auto: --param_dtype).",
                             group="model")
+  # LoRA.
+  lora_rank: int = _flag(0, "Train LoRA adapters of this rank on --lora_targets, not every "
+                         "weight; the frozen base (in --ref_dtype) is the reference. 0: "
+                         "full fine-tuning.", group="lora")
+  lora_alpha: float = _flag(16.0, "Adapters are scaled by alpha / rank.", group="lora")
+  lora_targets: str = _flag(",".join(lora_lib.TARGETS), "Comma-separated projections to "
+                            "adapt, as PEFT names them.", group="lora")
+  lora_rslora: bool = _flag(False, "Scale by alpha / sqrt(rank) (rsLoRA).", group="lora")
+  lora_dropout: float = _flag(0.0, "Only 0: DPO runs without dropout (as TRL).", group="lora")
+  lora_init: str = _flag("", "A PEFT LoRA adapter directory to start from; the reference "
+                         "is then the base with it, frozen. Its rank, alpha and targets "
+                         "replace --lora_*.", group="lora")
+  export_merged: bool = _flag(False, "LoRA with --export_hf_dir: also write the merged "
+                              "model to {export_hf_dir}/merged.", group="lora")
   # Optimizer.
   optimizer: str = _flag("adamw", "adamw, rmsprop (the DPO paper's) or sgd.",
                          group="optimizer")
@@ -232,6 +249,28 @@ class TrainConfig:
          f"--chat_template={self.chat_template!r} is neither {CHAT_TEMPLATES} nor a file")
     need(not (self.export_hf_dir and os.path.isfile(self.export_hf_dir)),
          f"--export_hf_dir={self.export_hf_dir!r} is a file")
+    need(self.lora_rank >= 0, f"--lora_rank must be >= 0, got {self.lora_rank}")
+    need(self.lora_dropout == 0, f"--lora_dropout={self.lora_dropout}: only 0 is supported")
+    need(not self.export_merged or self.lora_rank or self.lora_init,
+         "--export_merged needs LoRA (--lora_rank or --lora_init)")
+    need(not self.lora_init or os.path.isdir(self.lora_init),
+         f"--lora_init={self.lora_init!r} is not a directory")
+    if self.lora_rank or self.lora_init:
+      need(k == 1, "LoRA with --model_parallel > 1 is not supported yet")
+      try:
+        self.lora_config()
+      except ValueError as e:  # hf.HFError is one too
+        raise ConfigError(f"--lora_*: {e}") from None
+
+  def lora_config(self) -> lora_lib.LoraConfig | None:
+    """The run's adapters (None: full fine-tuning): from `--lora_init`'s adapter config
+    when given, else from the --lora_* flags."""
+    if self.lora_init:
+      from tunix_core.hf import peft  # pylint: disable=g-import-not-at-top
+      return peft.read_config(self.lora_init)
+    targets = tuple(t.strip() for t in self.lora_targets.split(","))
+    return lora_lib.LoraConfig(self.lora_rank, self.lora_alpha, targets,
+                               self.lora_rslora) if self.lora_rank else None
 
   def resolved_compute_dtype(self, platform: str) -> str:
     """`--compute_dtype`, with auto: bfloat16 on TPU, float32 elsewhere."""
@@ -279,27 +318,3 @@ CHOICES = {
     "on_nonfinite": NONFINITE_ACTIONS,
     "target_topology": ("local",) + tuple(tpu.TOPOLOGIES),
 }
-
-
-# The headings of the flag groups (`metadata["group"]`), in the docs' order.
-GROUPS = {"run": "Run and output", "data": "Data", "model": "Model", "optimizer": "Optimizer",
-          "loss": "Loss", "parallel": "Parallelism and kernels",
-          "aot": "Ahead-of-time compilation"}
-
-
-def flag_table() -> str:
-  """The trainer's run flags as Markdown, one table per group (flag, default, help),
-  generated from the fields: `docs/training.md` holds exactly this (a test checks it)."""
-  out = []
-  for group, title in GROUPS.items():
-    out += [f"**{title}**", "", "| flag | default | what |", "|---|---|---|"]
-    for f in dataclasses.fields(TrainConfig):
-      if f.metadata["group"] != group:
-        continue
-      choices = CHOICES.get(f.name)
-      extra = (f" One of: {', '.join(choices)}." if choices and f.name != "target_topology"
-               else "")
-      what = (f.metadata["help"] + extra).replace("|", "\\|")  # a literal bar in a cell
-      out.append(f"| `--{f.name}` | `{f.default!r}` | {what} |")
-    out.append("")
-  return "\n".join(out)

@@ -20,6 +20,7 @@ import numpy as np
 from tunix_core import data as data_lib
 from tunix_core import model as model_lib
 from tunix_core.data import packing
+from tunix_core.model import lora as lora_lib
 from tunix_core.training.config import TrainConfig
 
 
@@ -32,6 +33,7 @@ class StepPlan:
   rows: packing.Spec                # one device's micro-batch of model rows
   data_shards: int                  # devices of the "data" axis
   model_parallel: int               # devices of the "model" axis (1: no TP)
+  lora: lora_lib.LoraConfig | None = None  # adapters train, the base is frozen
 
   @property
   def reference(self) -> str:
@@ -49,7 +51,9 @@ class StepPlan:
 
   @property
   def layout(self) -> str:
-    return ("FSDP" if self.cfg.fsdp else "ZeRO-1") + (
+    lora = (f"LoRA r={self.lora.rank} on {len(self.lora.targets)} projection(s), base "
+            if self.lora else "")
+    return lora + ("FSDP" if self.cfg.fsdp else "ZeRO-1") + (
         f" x TP {self.model_parallel}" if self.model_parallel > 1 else "")
 
   def describe(self) -> str:
@@ -103,6 +107,9 @@ def make_plan(cfg: TrainConfig, devices, sizes: packing.Sizes | None = None,
   sizes = worst_case_sizes(cfg) if sizes is None else sizes
   rows = packing.make_spec(sizes, pairs_per_group(cfg, len(devices)), cfg.prefix_sharing,
                            cfg.packing, cfg.max_length)
+  lora = cfg.lora_config()
+  if lora is not None:
+    mcfg = dataclasses.replace(mcfg, lora_scale=lora.scale)
   return StepPlan(cfg=cfg, model=mcfg, rows=rows,
                   data_shards=len(devices) // cfg.model_parallel,
-                  model_parallel=cfg.model_parallel)
+                  model_parallel=cfg.model_parallel, lora=lora)

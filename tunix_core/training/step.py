@@ -26,7 +26,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tunix_core import model as model_lib
 from tunix_core.data import packing
 from tunix_core.parallel import collectives
+from tunix_core.model import lora as lora_lib
 from tunix_core.parallel import layout as layout_lib
+from tunix_core.parallel import lora as lora_layout
 from tunix_core.parallel import mesh as mesh_lib
 from tunix_core.parallel import zero
 from tunix_core.training import health as health_lib
@@ -38,10 +40,11 @@ from tunix_core.training.plan import StepPlan
 class StepFunctions:
   """The compiled step functions of `plan` on `mesh`.
 
-  - `train_step(state, ref_params, batch) -> (state, metrics)`; donates `state`.
-  - `eval_step(params, ref_params, batch) -> metrics`.
-  - `ref_logps(ref_params, batch) -> [B, 2, T]` float32, the reference's log-probs.
-  `ref_params` is None unless the plan's reference runs in the step. Metrics are
+  - `train_step(state, frozen, batch) -> (state, metrics)`; donates `state`.
+  - `eval_step(params, frozen, batch) -> metrics`.
+  - `ref_logps(frozen, batch) -> [B, 2, T]` float32, the reference's log-probs.
+  `frozen` is the step's frozen input: the reference params when the plan's reference
+  runs in the step (None otherwise), or under LoRA the frozen base (`parallel.lora`). Metrics are
   device-mean scalars: the `dpo_loss` keys, `loss`, `grad_norm` and `learning_rate` (the
   one this step used); the train step's also carry `nonfinite`, the state's `[3]`
   health after the step (read with the metrics, so checking it costs no extra host sync).
@@ -53,18 +56,31 @@ class StepFunctions:
     self.num_devices = mesh.shape["data"]  # data-parallel shards
     self.model_parallel = dict(mesh.shape).get("model", 1)
     self.tx, self.schedule = optim.make_optimizer(cfg)
-    self.layout = layout_lib.make(
-        mcfg, self.tx, data_shards=self.num_devices, model_parallel=self.model_parallel,
-        fsdp=cfg.fsdp, bucket_bytes=int(cfg.bucket_mb * 2**20), sync_impl=cfg.sync_impl,
-        comm_dtype=collectives.COMM_DTYPES[cfg.grad_sync_dtype],
-        max_grad_norm=cfg.max_grad_norm or None)
+    layout_kw = dict(data_shards=self.num_devices, fsdp=cfg.fsdp,
+                     bucket_bytes=int(cfg.bucket_mb * 2**20), sync_impl=cfg.sync_impl,
+                     comm_dtype=collectives.COMM_DTYPES[cfg.grad_sync_dtype],
+                     max_grad_norm=cfg.max_grad_norm or None)
+    if plan.lora is None:
+      self.layout = layout_lib.make(mcfg, self.tx, model_parallel=self.model_parallel,
+                                    **layout_kw)
+    else:  # the adapters train over a frozen base in the base's own layout
+      self.layout = lora_layout.make(mcfg, plan.lora, self.tx, **layout_kw)
+    self.base_layout = getattr(self.layout, "base", self.layout)
     self.param_shapes = self.layout.param_shapes  # logical
     self.replicated = NamedSharding(mesh, P())
     self.pairs = NamedSharding(mesh, P("data"))
     self.rows = NamedSharding(mesh, self.layout.row_spec)
     pspec = self.layout.param_specs
     self.param_sharding = self._shardings(pspec)
-    ref_spec = pspec if plan.reference == "step" else P()  # else no reference params
+    self.base_sharding = self._shardings(self.base_layout.param_specs)
+    # The step's frozen input: the reference params (full fine-tuning with the
+    # reference in the step; else none), or LoRA's base (`parallel.lora`).
+    self.ref_adapters = bool(plan.lora and cfg.lora_init)
+    if plan.lora is not None:
+      ref_spec = self.layout.frozen_specs(self.ref_adapters)
+    else:
+      ref_spec = pspec if plan.reference == "step" else P()
+    self.frozen_sharding = self._shardings(ref_spec)
     state_specs = {"params": pspec, "opt_state": self.layout.row_spec, "step": P(),
                    "nonfinite": P()}
     smap = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
@@ -73,7 +89,7 @@ class StepFunctions:
              out_specs=(state_specs, P())), donate_argnums=(0,))
     self.eval_step = jax.jit(smap(self._eval_step, in_specs=(pspec, ref_spec, P("data")),
                                   out_specs=P()))
-    self.ref_logps = jax.jit(smap(self._ref_logps, in_specs=(pspec, P("data")),
+    self.ref_logps = jax.jit(smap(self._ref_logps, in_specs=(ref_spec, P("data")),
                                   out_specs=P("data")))
     self._init_opt = jax.jit(smap(
         lambda params: jax.tree.map(lambda x: x[None], self.layout.init_opt(params)),
@@ -87,9 +103,39 @@ class StepFunctions:
                         is_leaf=lambda x: isinstance(x, P))
 
   def init_params(self, key: jax.Array) -> dict:
-    """Params initialised from `key`, directly in this run's layout and shardings."""
-    return jax.jit(lambda k: self.layout.to_step(model_lib.init_params(k, self.mcfg)),
-                   out_shardings=self.param_sharding)(key)
+    """Trained params initialised from `key`, directly in this run's layout and
+    shardings: the model's, or with LoRA fresh adapters (PEFT's init)."""
+    if self.plan.lora is not None:
+      return jax.jit(lambda k: lora_lib.init_adapters(
+          k, self.mcfg, self.plan.lora, model_lib.DTYPES[self.mcfg.param_dtype]),
+                     out_shardings=self.param_sharding)(jax.random.fold_in(key, 1))
+    return self.init_base(key)
+
+  def init_base(self, key: jax.Array, dtype=None) -> dict:
+    """The model's params initialised from `key` in the base's layout (the run's own
+    without LoRA), leaves in `dtype` (default `--param_dtype`)."""
+    def init(k):
+      params = model_lib.init_params(k, self.mcfg)
+      return self.base_layout.to_step(jax.tree.map(lambda x: x.astype(dtype or x.dtype),
+                                                    params))
+    return jax.jit(init, out_shardings=self.base_sharding)(key)
+
+  def base_logical_shardings(self) -> dict:
+    """Where the model's logical params live outside the step, in the base's layout."""
+    return self._shardings(self.base_layout.logical_specs())
+
+  def place_base(self, logical: dict) -> dict:
+    """The model's logical params -> the base's layout and shardings."""
+    return self.base_layout.place(logical, self.base_sharding)
+
+  def abstract_frozen(self, dtype) -> dict | None:
+    """ShapeDtypeStructs of the step's frozen input (the model params' leaves in
+    `dtype`): None when it has none."""
+    if self.plan.lora is not None:
+      return jax.tree.map(
+          lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+          self.layout.abstract_frozen(dtype, self.ref_adapters), self.frozen_sharding)
+    return self.abstract_params(dtype) if self.plan.reference == "step" else None
 
   def logical_shardings(self) -> dict:
     """Where logical params live outside the step (`layout.logical_specs`): as in the
@@ -126,29 +172,30 @@ class StepFunctions:
     """`[count, first step, bits]` (host ints) as the state's replicated int32 `[3]`."""
     return jax.device_put(jnp.asarray(health, jnp.int32), self.replicated)
 
-  def _objective(self, params, ref_logps, batch):
-    return objective.dpo_objective(params, ref_logps, batch, self.cfg, self.mcfg,
-                                   self.plan.rows, self.layout)
+  def _objective(self, params, frozen, ref_logps, batch):
+    return objective.dpo_objective(self.layout.policy(params, frozen), ref_logps, batch,
+                                   self.cfg, self.mcfg, self.plan.rows, self.layout)
 
-  def _ref_logps(self, ref_params, batch):
+  def _ref_logps(self, frozen, batch):
     return jax.lax.stop_gradient(objective.sequence_logps(
-        ref_params, batch, self.mcfg, self.cfg.logprob_impl, self.plan.rows, self.layout))
+        self.layout.reference(frozen), batch, self.mcfg, self.cfg.logprob_impl,
+        self.plan.rows, self.layout))
 
-  def _resolve_ref(self, ref_params, batch):
+  def _resolve_ref(self, frozen, batch):
     """Reference log-probs `[b, 2, T]` of a local batch, as the plan's reference mode
     says: computed in the step, carried by the batch, or None."""
-    return {"step": lambda: self._ref_logps(ref_params, batch),
+    return {"step": lambda: self._ref_logps(frozen, batch),
             "precomputed": lambda: batch["ref_logps"],
             "none": lambda: None}[self.plan.reference]()
 
-  def _train_step(self, state, ref_params, batch):
+  def _train_step(self, state, frozen, batch):
     k = self.plan.micro_batches
     params = state["params"]
 
     def micro_step(mb):
-      ref = self._resolve_ref(ref_params, mb)
+      ref = self._resolve_ref(frozen, mb)
       (loss, metrics), grads = jax.value_and_grad(self._objective, has_aux=True)(
-          params, ref, mb)
+          params, frozen, ref, mb)
       return self.layout.sync_grads(grads), dict(metrics, loss=loss)
 
     def accumulate(carry, mb):
@@ -178,8 +225,8 @@ class StepFunctions:
                  "step": state["step"] + 1, "nonfinite": health}
     return new_state, dict(metrics, nonfinite=health)
 
-  def _eval_step(self, params, ref_params, batch):
-    loss, metrics = self._objective(params, self._resolve_ref(ref_params, batch), batch)
+  def _eval_step(self, params, frozen, batch):
+    loss, metrics = self._objective(params, frozen, self._resolve_ref(frozen, batch), batch)
     return jax.lax.pmean(dict(metrics, loss=loss), "data")
 
   @staticmethod
