@@ -55,6 +55,7 @@ CHIPS = {
 # do: 4 megacore chips, 4 JAX devices.
 TOPOLOGIES = {
     "v4-8": ("v4", "v4:2x2x1", "megacore", (2, 2, 1)),
+    "v5e-4": ("v5e", "v5e:2x2", "default", (2, 2, 1)),
     "v5e-8": ("v5e", "v5e:2x4", "default", (2, 2, 1)),
     "v5e-16": ("v5e", "v5e:4x4", "default", (2, 2, 1)),
     "v5p-8": ("v5p", "v5p:2x2x1", "megacore", (2, 2, 1)),

@@ -144,6 +144,10 @@ PRESETS = {
     # Llama-2-7B shapes.
     "7b": ModelConfig(vocab_size=32_000, d_model=4096, num_layers=32, num_heads=32,
                       num_kv_heads=32, head_dim=128, mlp_dim=11_008),
+    # Llama-3-8B shapes (GQA, 128k vocabulary, Llama 3.1 rope scaling).
+    "8b": ModelConfig(vocab_size=128_256, d_model=4096, num_layers=32, num_heads=32,
+                      num_kv_heads=8, head_dim=128, mlp_dim=14_336, rope_theta=500_000.0,
+                      rope_type="llama3", rope_factor=8.0),
 }
 
 
