@@ -26,6 +26,9 @@ from kernels import tpu
 from kernels.attention_blocks import BlockSizes
 
 ATTENTION_IMPLS = ("auto", "xla", "pallas", "interpret")
+# Bytes of one call's visit list (int32 per tile and row) in the 1 MiB of scalar memory
+# (SMEM) the kernels prefetch it into; a batch with longer lists runs in several calls.
+_SMEM_LIST_BYTES = 256 << 10
 _BLOCK = 128  # the XLA path's query blocks under a band
 
 
@@ -98,6 +101,19 @@ def attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis: Visibility, *, scale: float,
   if block_sizes is not None:
     bs.check(K, q_BxTxHxK.dtype, chip)
   bq, bk = bs.tiles(T)
+  nq, nk = -(-T // bq), -(-T // bk)
+  if nq * nk * 4 > _SMEM_LIST_BYTES:
+    raise ValueError(f"rows of {T} tokens in {bq} x {bk} tiles make visit lists of "
+                     f"{nq * nk * 4} bytes per row, more than the kernels keep in scalar "
+                     f"memory ({_SMEM_LIST_BYTES}); use larger tiles")
+  rows_per_call = _SMEM_LIST_BYTES // (nq * nk * 4)
+  if B > rows_per_call:  # the visit lists of every row must fit the 1 MiB of SMEM
+    part = lambda x, i: None if x is None or isinstance(x, int) else x[i:i + rows_per_call]
+    return jnp.concatenate([attention(
+        q_BxTxHxK[i:i + rows_per_call], k_BxTxVxK[i:i + rows_per_call],
+        v_BxTxVxK[i:i + rows_per_call], Visibility(*(part(x, i) for x in vis[:4]), vis.band),
+        scale=scale, softcap=softcap, window=window, impl=impl, block_sizes=bs)
+        for i in range(0, B, rows_per_call)], axis=0)
   zeros = jnp.zeros((B, T), jnp.int32)
   segments = zeros if vis.segments is None else vis.segments.astype(jnp.int32)
   branches = zeros if vis.branches is None else vis.branches.astype(jnp.int32)
@@ -117,7 +133,7 @@ def attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis: Visibility, *, scale: float,
   heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # [B, T, H, K] <-> [B, H, T, K]
 
   def run(interpret):
-    d = attention_tiles.Dims(t=T, bq=bq, bk=bk, nq=-(-T // bq), nk=-(-T // bk),
+    d = attention_tiles.Dims(t=T, bq=bq, bk=bk, nq=nq, nk=nk,
                              groups=H // KV, scale=float(scale), softcap=float(softcap),
                              windowed=windowed, vmem_limit_bytes=bs.vmem_limit_bytes,
                              interpret=interpret)

@@ -63,8 +63,10 @@ CASES = {  # T, H, KV, K, softcap, window, dtype, blocks
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=() if c == "ragged-gqa" else
                                                pytest.mark.slow) for c in CASES])
-def test_kernels_match_the_float64_oracle(case):
+def test_kernels_match_the_float64_oracle(case, monkeypatch):
   T, H, KV, K, softcap, window, dtype, blocks = CASES[case]
+  if case == "bf16":  # visit lists over the scalar-memory budget: one row per call
+    monkeypatch.setattr(attention, "_SMEM_LIST_BYTES", 4 * 2 * 2)
   rng = np.random.default_rng(len(case))
   B = 2
   pos, valid, seg, br = _layout(rng, B, T)
