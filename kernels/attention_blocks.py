@@ -15,8 +15,6 @@ from kernels.dispatch import LANES
 # Preferred (block_q, block_k), largest first. Larger tiles mean fewer grid steps and
 # re-reads; smaller ones skip masked areas at a finer grain.
 _CANDIDATES = ((512, 512), (256, 512), (256, 256), (128, 256), (128, 128))
-# Room left for what Mosaic allocates beyond our model (semaphores, spills, alignment).
-_HEADROOM = 0.9
 # The segment id of padding keys in the kernels' key vectors: no query has it.
 NO_KEY = int(jnp.iinfo(jnp.int32).min)
 # The "window" of unwindowed layers: longer than any row.
@@ -66,7 +64,7 @@ class BlockSizes:
     cap = _round_up(seq_len, LANES) if seq_len else None
     for bq, bk in _CANDIDATES:
       bs = cls(min(bq, cap or bq), min(bk, cap or bk))
-      if bs.vmem_bytes(head_dim, dtype) <= scoped * _HEADROOM:
+      if bs.vmem_bytes(head_dim, dtype) <= scoped * tpu.VMEM_HEADROOM:
         return bs
     return cls(LANES, LANES)
 
@@ -96,23 +94,9 @@ class BlockSizes:
     """Raises ValueError unless these tiles fit `vmem_limit_bytes` (at most the chip's
     VMEM when `chip` is known), else the default scoped VMEM of `chip`, or of the
     smallest generation."""
-    chip = None if chip is None else tpu.get_chip(chip)
-    if self.vmem_limit_bytes is not None:
-      limit, where = self.vmem_limit_bytes, "vmem_limit_bytes"
-      if chip is not None and limit > chip.vmem_bytes:
-        raise ValueError(f"BlockSizes.vmem_limit_bytes={limit} exceeds the "
-                         f"{chip.vmem_bytes} bytes of VMEM of a TPU {chip.name} core")
-    else:
-      limit = tpu.MIN_SCOPED_VMEM_BYTES if chip is None else chip.scoped_vmem_bytes
-      where = ("the default scoped VMEM" + (f" of TPU {chip.name}" if chip else
-                                             " of the smallest TPU generation"))
-    need = self.vmem_bytes(head_dim, dtype)
-    if need > limit * _HEADROOM:
-      raise ValueError(
-          f"{self} needs about {need / 2**20:.1f} MiB of VMEM for head_dim={head_dim} "
-          f"{jnp.dtype(dtype).name}, more than {_HEADROOM:.0%} of {where} "
-          f"({limit / 2**20:.0f} MiB): use smaller blocks or "
-          "BlockSizes.get_default(head_dim, dtype, chip)")
+    tpu.check_vmem(self.vmem_bytes(head_dim, dtype), self.vmem_limit_bytes, chip,
+                   str(self), f"head_dim={head_dim} {jnp.dtype(dtype).name}",
+                   "use smaller blocks or BlockSizes.get_default(head_dim, dtype, chip)")
 
 
 class Visits(NamedTuple):

@@ -16,8 +16,6 @@ SUBLANES = 8
 # per vocabulary block once D is split).
 _CANDIDATES = ((512, 1024), (512, 512), (256, 512), (256, 256), (128, 256), (128, 128),
                (64, 128), (16, 128))
-# Room left for what Mosaic allocates beyond our model (semaphores, spills, alignment).
-_HEADROOM = 0.9
 
 
 def _round_up(x, m):
@@ -78,7 +76,8 @@ class BlockSizes:
     """
     chip = None if chip is None else tpu.get_chip(chip)
     scoped = tpu.MIN_SCOPED_VMEM_BYTES if chip is None else chip.scoped_vmem_bytes
-    budget = int((scoped if chip is None else max(scoped, chip.vmem_bytes // 2)) * _HEADROOM)
+    budget = int((scoped if chip is None else max(scoped, chip.vmem_bytes // 2))
+                 * tpu.VMEM_HEADROOM)
     n_cap = _round_up(num_tokens, _sublanes(dtype)) if num_tokens else None
     v_cap = _round_up(vocab_size, LANES) if vocab_size else None
     # Hidden blocks: multiples of 128 that divide D, largest first (none for D = 2880).
@@ -93,8 +92,8 @@ class BlockSizes:
           bs = cls(bn, bv, bd)
           need = bs.vmem_bytes(d_model, dtype)
           if need <= budget:
-            limit = None if need <= scoped * _HEADROOM else _round_up(
-                int(need / _HEADROOM), 1 << 20)
+            limit = None if need <= scoped * tpu.VMEM_HEADROOM else _round_up(
+                int(need / tpu.VMEM_HEADROOM), 1 << 20)
             return dataclasses.replace(bs, vmem_limit_bytes=limit)
     # Nothing fits (a huge D, or one without a divisor that is a multiple of 128): the
     # smallest tiles, so tracing never fails; the compiler has the last word.
@@ -127,23 +126,10 @@ class BlockSizes:
     if self.block_d is not None and d_model % self.block_d:
       raise ValueError(f"BlockSizes.block_d={self.block_d} must divide the hidden size "
                        f"D={d_model}")
-    chip = None if chip is None else tpu.get_chip(chip)
-    if self.vmem_limit_bytes is not None:
-      limit, where = self.vmem_limit_bytes, "vmem_limit_bytes"
-      if chip is not None and limit > chip.vmem_bytes:
-        raise ValueError(f"BlockSizes.vmem_limit_bytes={limit} exceeds the "
-                         f"{chip.vmem_bytes} bytes of VMEM of a TPU {chip.name} core")
-    else:
-      limit = tpu.MIN_SCOPED_VMEM_BYTES if chip is None else chip.scoped_vmem_bytes
-      where = ("the default scoped VMEM" + (f" of TPU {chip.name}" if chip else
-                                             " of the smallest TPU generation"))
-    need = self.vmem_bytes(d_model, dtype)
-    if need > limit * _HEADROOM:
-      raise ValueError(
-          f"{self} needs about {need / 2**20:.1f} MiB of VMEM for D={d_model} "
-          f"{jnp.dtype(dtype).name}, more than {_HEADROOM:.0%} of {where} "
-          f"({limit / 2**20:.0f} MiB): use smaller blocks, a block_d, or "
-          "BlockSizes.get_default(d_model, dtype, chip)")
+    tpu.check_vmem(self.vmem_bytes(d_model, dtype), self.vmem_limit_bytes, chip,
+                   str(self), f"D={d_model} {jnp.dtype(dtype).name}",
+                   "use smaller blocks, a block_d, or "
+                   "BlockSizes.get_default(d_model, dtype, chip)")
 
 
 def cost_estimate(kernel, hidden, weight, bs, softcap=None) -> pl.CostEstimate:

@@ -63,6 +63,31 @@ TOPOLOGIES = {
 }
 # What the kernels may assume when the generation is unknown at trace time.
 MIN_SCOPED_VMEM_BYTES = min(c.scoped_vmem_bytes for c in CHIPS.values())
+# The share of a VMEM limit the kernels' own model of their tiles may fill: the rest is
+# for what Mosaic allocates beyond it (semaphores, spills, alignment).
+VMEM_HEADROOM = 0.9
+
+
+def check_vmem(need: int, vmem_limit_bytes: int | None, chip, tiles: str, problem: str,
+               hint: str) -> None:
+  """Raises ValueError unless `need` bytes of VMEM fit `VMEM_HEADROOM` of the limit:
+  `vmem_limit_bytes` (itself at most the VMEM of `chip` when that is known), else the
+  default scoped VMEM of `chip`, or of the smallest generation. The message names the
+  `tiles`, the `problem` they were sized for and what to do instead (`hint`)."""
+  chip = None if chip is None else get_chip(chip)
+  if vmem_limit_bytes is not None:
+    limit, where = vmem_limit_bytes, "vmem_limit_bytes"
+    if chip is not None and limit > chip.vmem_bytes:
+      raise ValueError(f"BlockSizes.vmem_limit_bytes={limit} exceeds the "
+                       f"{chip.vmem_bytes} bytes of VMEM of a TPU {chip.name} core")
+  else:
+    limit = MIN_SCOPED_VMEM_BYTES if chip is None else chip.scoped_vmem_bytes
+    where = ("the default scoped VMEM" + (f" of TPU {chip.name}" if chip else
+                                           " of the smallest TPU generation"))
+  if need > limit * VMEM_HEADROOM:
+    raise ValueError(f"{tiles} needs about {need / 2**20:.1f} MiB of VMEM for {problem}, "
+                     f"more than {VMEM_HEADROOM:.0%} of {where} ({limit / 2**20:.0f} MiB): "
+                     f"{hint}")
 
 
 def get_chip(chip) -> Chip:
