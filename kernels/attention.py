@@ -94,6 +94,9 @@ def attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis: Visibility, *, scale: float,
   if impl == "xla":
     return xla_attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis, scale, softcap, window
                          ).reshape(B, T, H, K)
+  if not q_BxTxHxK.dtype == k_BxTxVxK.dtype == v_BxTxVxK.dtype:
+    raise ValueError(f"the attention kernels take q, k and v of one dtype, got "
+                     f"{q_BxTxHxK.dtype}, {k_BxTxVxK.dtype}, {v_BxTxVxK.dtype}")
   if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
     raise TypeError(f"block_sizes must be a kernels.attention.BlockSizes, got {block_sizes!r}")
   chip = tpu.target_chip()
@@ -108,11 +111,11 @@ def attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis: Visibility, *, scale: float,
                      f"memory ({_SMEM_LIST_BYTES}); use larger tiles")
   rows_per_call = _SMEM_LIST_BYTES // (nq * nk * 4)
   if B > rows_per_call:  # the visit lists of every row must fit the 1 MiB of SMEM
-    part = lambda x, i: None if x is None or isinstance(x, int) else x[i:i + rows_per_call]
+    part = lambda x, i: None if x is None else x[i:i + rows_per_call]
     return jnp.concatenate([attention(
         q_BxTxHxK[i:i + rows_per_call], k_BxTxVxK[i:i + rows_per_call],
         v_BxTxVxK[i:i + rows_per_call], Visibility(*(part(x, i) for x in vis[:4]), vis.band),
-        scale=scale, softcap=softcap, window=window, impl=impl, block_sizes=bs)
+        scale=scale, softcap=softcap, window=window, impl=impl, block_sizes=block_sizes)
         for i in range(0, B, rows_per_call)], axis=0)
   zeros = jnp.zeros((B, T), jnp.int32)
   segments = zeros if vis.segments is None else vis.segments.astype(jnp.int32)
