@@ -92,13 +92,13 @@ def test_peft_directories_round_trip_and_unsupported_adapters_are_named(tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("base", ["zero1", "fsdp"])
-def test_lora_steps_on_8_devices_equal_one_device_from_ln2(tmp_path, base):
-  """Adapters over a frozen base held replicated (ZeRO-1) or in FSDP pieces: 5 steps on 8
-  devices equal 1 device; step 1 starts at ln 2 (fresh adapters leave the base as it
-  is, so the policy is the reference)."""
+@pytest.mark.parametrize("base,reference", [("zero1", "step"), ("fsdp", "precomputed")])
+def test_lora_steps_on_8_devices_equal_one_device_from_ln2(tmp_path, base, reference):
+  """Adapters over a frozen base held replicated (ZeRO-1) or in FSDP pieces, with the
+  reference in the step or precomputed: 5 steps on 8 devices equal 1 device; step 1
+  starts at ln 2 (fresh adapters leave the base as it is: the policy is the reference)."""
   cfg = runs.config(tmp_path, steps=5, batch_size=8, lora_rank=4, lora_alpha=8.0,
-                    fsdp=base == "fsdp", learning_rate=1e-2)
+                    fsdp=base == "fsdp", learning_rate=1e-2, reference=reference)
   eight = runs.step_run(runs.steps(cfg, jax.devices()), cfg, num_steps=5)
   one_cfg = dataclasses.replace(cfg, fsdp=False)
   one = runs.step_run(runs.steps(one_cfg, jax.devices()[:1]), one_cfg, num_steps=5)

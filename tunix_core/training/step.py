@@ -77,17 +77,17 @@ class StepFunctions:
     # reference in the step; else none), or LoRA's base (`parallel.lora`).
     self.ref_adapters = bool(plan.lora and cfg.lora_init)
     if plan.lora is not None:
-      ref_spec = self.layout.frozen_specs(self.ref_adapters)
-    else:
-      ref_spec = pspec if plan.reference == "step" else P()
-    self.frozen_sharding = self._shardings(ref_spec)
+      frozen_spec = ref_spec = self.layout.frozen_specs(self.ref_adapters)
+    else:  # reference log-probs are computed from the reference params in any mode
+      frozen_spec, ref_spec = (pspec if plan.reference == "step" else P()), pspec
+    self.frozen_sharding = self._shardings(frozen_spec)
     state_specs = {"params": pspec, "opt_state": self.layout.row_spec, "step": P(),
                    "nonfinite": P()}
     smap = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
     self.train_step = jax.jit(
-        smap(self._train_step, in_specs=(state_specs, ref_spec, P("data")),
+        smap(self._train_step, in_specs=(state_specs, frozen_spec, P("data")),
              out_specs=(state_specs, P())), donate_argnums=(0,))
-    self.eval_step = jax.jit(smap(self._eval_step, in_specs=(pspec, ref_spec, P("data")),
+    self.eval_step = jax.jit(smap(self._eval_step, in_specs=(pspec, frozen_spec, P("data")),
                                   out_specs=P()))
     self.ref_logps = jax.jit(smap(self._ref_logps, in_specs=(ref_spec, P("data")),
                                   out_specs=P("data")))
