@@ -34,7 +34,8 @@ def _logits(params, cfg, name):
                                      None, cfg))
 
 
-@pytest.mark.parametrize("name", sorted(os.listdir(LORA)))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "llama3" else
+                                               pytest.mark.slow) for n in sorted(os.listdir(LORA))])
 def test_adapted_logits_match_peft_on_the_committed_fixtures(name):
   cfg, base, lcfg, adapters = _adapted(name)
   want = np.load(os.path.join(LORA, name, "logits.npy"))
@@ -45,6 +46,7 @@ def test_adapted_logits_match_peft_on_the_committed_fixtures(name):
   assert rel_error(_logits(lora.merge(base, adapters, lcfg), cfg, name), want) <= 1e-5
 
 
+@pytest.mark.slow
 def test_fresh_adapters_are_peft_s_init_and_change_nothing():
   cfg = model_lib.preset("tiny")
   lcfg = lora.LoraConfig(rank=4, alpha=16)
