@@ -226,16 +226,21 @@ def test_kernels_compile_for_tpu_with_memory_linear_in_the_row():
 @needs_libtpu
 @pytest.mark.slow
 def test_shared_prefix_train_step_for_v5e_runs_the_kernels_without_t_by_t_scores(tmp_path):
-  """The plan's step with prefix sharing (the default) and packing, lowered for a v5e-8:
-  its HLO holds the three kernels and no float array with two row-length axes."""
+  """The plan's step with prefix sharing (the default rows), compiled for a v5e-8: its
+  HLO holds the three kernels and no float array with two row-length axes, where the
+  XLA attention's step holds its `[T, T]` scores."""
   cfg = runs.config(tmp_path, model="tiny", batch_size=16, max_length=160,
-                    max_prompt_length=80, packing=True)
+                    max_prompt_length=80)
   _, devices = tpu.topology_devices("v5e-8")
-  plan = plan_lib.make_plan(cfg, devices)
-  assert plan.model.attention_impl == "pallas" and plan.rows.share
-  T = plan.rows.length
-  _, lowered = aot.lower(plan, devices)
-  text = lowered.compile().as_text()
-  for kernel in ("attention_fwd", "attention_dq", "attention_dkv"):
-    assert kernel in text, kernel
-  assert not re.search(rf"(f32|bf16)\[[0-9,]*\b{T},{T}\b", text)
+  scores = {}
+  for impl in ("auto", "xla"):
+    plan = plan_lib.make_plan(dataclasses.replace(cfg, attention_impl=impl), devices)
+    assert plan.rows.share and plan.rows.band is None
+    T = plan.rows.length
+    text = aot.lower(plan, devices)[1].compile().as_text()
+    scores[plan.model.attention_impl] = bool(re.search(rf"(f32|bf16)\[[0-9,]*\b{T},{T}\b",
+                                                       text))
+    if impl == "auto":
+      for kernel in ("attention_fwd", "attention_dq", "attention_dkv"):
+        assert kernel in text, kernel
+  assert scores == {"pallas": False, "xla": True}
