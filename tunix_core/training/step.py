@@ -25,8 +25,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tunix_core import model as model_lib
 from tunix_core.data import packing
-from tunix_core.parallel import collectives
 from tunix_core.model import lora as lora_lib
+from tunix_core.parallel import collectives
 from tunix_core.parallel import layout as layout_lib
 from tunix_core.parallel import lora as lora_layout
 from tunix_core.parallel import mesh as mesh_lib
@@ -44,8 +44,8 @@ class StepFunctions:
   - `eval_step(params, frozen, batch) -> metrics`.
   - `ref_logps(frozen, batch) -> [B, 2, T]` float32, the reference's log-probs.
   `frozen` is the step's frozen input: the reference params when the plan's reference
-  runs in the step (None otherwise), or under LoRA the frozen base (`parallel.lora`). Metrics are
-  device-mean scalars: the `dpo_loss` keys, `loss`, `grad_norm` and `learning_rate` (the
+  runs in the step (None otherwise), or under LoRA the frozen base (`parallel.lora`).
+  Metrics are device-mean scalars: the `dpo_loss` keys, `loss`, `grad_norm` and `learning_rate` (the
   one this step used); the train step's also carry `nonfinite`, the state's `[3]`
   health after the step (read with the metrics, so checking it costs no extra host sync).
   """
