@@ -153,6 +153,11 @@ def test_lora_from_a_peft_adapter_trains_resumes_and_exports(tmp_path):
   assert lcfg2 == lcfg
   final = jax.device_get(full["state"]["params"])
   jax.tree.map(np.testing.assert_array_equal, exported, final)
+  # Any saved step of a LoRA run exports as a PEFT adapter (`python -m tunix_core.hf export`).
+  from tunix_core.checkpoints import export  # pylint: disable=g-import-not-at-top
+  assert export.export_step(str(tmp_path / "cut"), str(tmp_path / "step4"), log=print) == 4
+  jax.tree.map(np.testing.assert_array_equal,
+               peft_lib.read_adapter(str(tmp_path / "step4"), cfg)[1], final)
   merged = hf.load_params(os.path.join(export_dir, "merged"), cfg)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
                merged, lora.merge(base, final, lcfg))

@@ -1,4 +1,5 @@
-"""A saved step of a run as a Hugging Face directory (`python -m tunix_core.hf export`).
+"""A saved step of a run as a Hugging Face directory (`python -m tunix_core.hf export`),
+or, for a LoRA run, as a PEFT adapter directory.
 
 The step's params are restored (and verified against their saved fingerprints) on the
 local devices, whatever device count wrote them; the model config comes from the
@@ -12,6 +13,7 @@ import os
 import jax
 
 from tunix_core import hf
+from tunix_core.hf import peft
 from tunix_core import model as model_lib
 from tunix_core.checkpoints import resume
 from tunix_core.checkpoints import store as checkpoint
@@ -63,7 +65,13 @@ def export_step(output_dir: str, out_dir: str, step: int | None = None,
   if src_dir and not os.path.isdir(src_dir):
     log(f"warning: {src_dir} is gone; exporting without its tokenizer files")
     src_dir = None
-  hf.save_params(steps.logical_params(state["params"]), mcfg, out_dir, src_dir=src_dir, dtype=dtype)
+  params = steps.logical_params(state["params"])
+  if steps.plan.lora is not None:  # a LoRA run's state is its adapters: a PEFT directory
+    peft.write_adapter(out_dir, jax.device_get(params), mcfg, steps.plan.lora,
+                       base_model=src_dir or cfg.model)
+    log(f"exported step {step} of {output_dir} to {out_dir} (a PEFT LoRA adapter)")
+    return step
+  hf.save_params(params, mcfg, out_dir, src_dir=src_dir, dtype=dtype)
   log(f"exported step {step} of {output_dir} to {out_dir} ({dtype}"
       + (f", tokenizer and config from {src_dir})" if src_dir else ")"))
   return step
