@@ -70,7 +70,8 @@ def steps(cfg, devices, **plan_kw) -> step_lib.StepFunctions:
 def step_run(steps, cfg, num_steps=3):
   """`(metrics of each step, final logical params)` of `num_steps` train steps of `steps`
   (a `step.StepFunctions` for `cfg`) on the first pairs of `TRAIN`, in-step or
-  precomputed reference as `cfg` says."""
+  precomputed reference as `cfg` says; asserts the frozen input (the reference params,
+  or LoRA's base) is bit-identical afterwards."""
   ds = dataset(cfg.max_length, cfg.max_prompt_length)
   state = steps.init_state(jax.random.PRNGKey(0))
   if steps.plan.lora is not None:  # the frozen base (the reference: adapters off)
@@ -78,6 +79,7 @@ def step_run(steps, cfg, num_steps=3):
   else:
     ref = jax.tree.map(lambda x: jnp.array(x, copy=True), state["params"])
   frozen = ref if cfg.reference == "step" or steps.plan.lora is not None else None
+  frozen_before = jax.device_get(frozen)
   out = []
   for i in range(num_steps):
     B = cfg.batch_size
@@ -86,6 +88,8 @@ def step_run(steps, cfg, num_steps=3):
       batch["ref_logps"] = steps.ref_logps(ref, batch)
     state, metrics = steps.train_step(state, frozen, batch)
     out.append({k: float(v) for k, v in metrics.items() if k != "nonfinite"})
+  # Only the trained params change: the reference (LoRA: the base) keeps its bytes.
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(frozen), frozen_before)
   return out, jax.device_get(steps.logical_params(state["params"]))
 
 

@@ -94,15 +94,20 @@ def test_peft_directories_round_trip_and_unsupported_adapters_are_named(tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("base,reference", [("zero1", "step"), ("fsdp", "precomputed")])
-def test_lora_steps_on_8_devices_equal_one_device_from_ln2(tmp_path, base, reference):
-  """Adapters over a frozen base held replicated (ZeRO-1) or in FSDP pieces, with the
-  reference in the step or precomputed: 5 steps on 8 devices equal 1 device; step 1
-  starts at ln 2 (fresh adapters leave the base as it is: the policy is the reference)."""
+@pytest.mark.parametrize("base,kw", [
+    ("zero1", {}), ("fsdp", dict(reference="precomputed")),
+    ("fsdp", dict(model_parallel=2, model="tiny_tp", max_grad_norm=0.05))],
+                         ids=["zero1", "fsdp-precomputed", "fsdp-tp-clipped"])
+def test_lora_steps_on_8_devices_equal_one_device_from_ln2(tmp_path, base, kw):
+  """Adapters over a frozen base held replicated (ZeRO-1), in FSDP pieces, or in FSDP
+  pieces of a 2-way tensor-parallel split (adapters split as their projections, the
+  global norm clipped over both axes), with the reference in the step or precomputed:
+  5 steps on 8 devices equal 1 device; step 1 starts at ln 2 (fresh adapters leave the
+  base as it is: the policy is the reference)."""
   cfg = runs.config(tmp_path, steps=5, batch_size=8, lora_rank=4, lora_alpha=8.0,
-                    fsdp=base == "fsdp", learning_rate=1e-2, reference=reference)
+                    fsdp=base == "fsdp", learning_rate=1e-2, **kw)
   eight = runs.step_run(runs.steps(cfg, jax.devices()), cfg, num_steps=5)
-  one_cfg = dataclasses.replace(cfg, fsdp=False)
+  one_cfg = dataclasses.replace(cfg, fsdp=False, model_parallel=1)
   one = runs.step_run(runs.steps(one_cfg, jax.devices()[:1]), one_cfg, num_steps=5)
   assert abs(eight[0][0]["loss"] - np.log(2)) < 1e-6
   assert eight[0][-1]["loss"] < eight[0][0]["loss"] - 1e-3  # the adapters learn
@@ -161,3 +166,37 @@ def test_lora_from_a_peft_adapter_trains_resumes_and_exports(tmp_path):
   merged = hf.load_params(os.path.join(export_dir, "merged"), cfg)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
                merged, lora.merge(base, final, lcfg))
+
+
+@pytest.mark.parametrize("name", sorted(os.listdir(LORA)))
+def test_our_exports_load_in_peft_and_transformers(tmp_path, name):
+  """Live, where torch, transformers and peft are installed (CI skips it; the committed
+  fixtures above hold the same parity without torch): the adapter directory our export
+  writes (`peft.write_adapter`, B non-zero, rsLoRA on some projections) loads with
+  `peft.PeftModel.from_pretrained` onto the fixture's base, and the merged export
+  (`hf.save_params` of `lora.merge`) loads with `transformers` alone; both give our
+  adapted logits within 1e-5 relative (torch in float64)."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  peft = pytest.importorskip("peft")
+  cfg = hf.read_config(os.path.join(HF, name))
+  base = hf.load_params(os.path.join(HF, name), cfg)
+  lcfg = lora.LoraConfig(rank=3, alpha=5.0, rslora=True,
+                         targets=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj"))
+  adapters = jax.tree.map(lambda x: x + 0.02, lora.init_adapters(jax.random.PRNGKey(5), cfg,
+                                                                 lcfg))
+  adapter_dir, merged_dir = str(tmp_path / "adapter"), str(tmp_path / "merged")
+  peft_lib.write_adapter(adapter_dir, jax.device_get(adapters), cfg, lcfg,
+                         base_model=os.path.join(HF, name))
+  hf.save_params(lora.merge(base, adapters, lcfg), cfg, merged_dir,
+                 src_dir=os.path.join(HF, name), dtype="float32")
+  ours = _logits(lora.attach(base, adapters), dataclasses.replace(cfg, lora_scale=lcfg.scale),
+                 name)
+  tokens = torch.from_numpy(np.load(os.path.join(HF, name, "tokens.npy")).astype(np.int64))
+  load = lambda d: transformers.AutoModelForCausalLM.from_pretrained(
+      d, attn_implementation="eager", dtype=torch.float64).eval()
+  adapted = peft.PeftModel.from_pretrained(load(os.path.join(HF, name)), adapter_dir).eval()
+  with torch.no_grad():
+    for model in (adapted, load(merged_dir)):
+      assert rel_error(ours, model(tokens).logits.numpy()) <= 1e-5
+  assert rel_error(_logits(base, cfg, name), ours) > 1e-3  # the adapters matter

@@ -59,7 +59,7 @@ def test_stacked_layout_rows_are_each_slices_pieces():
                                                        tp.local_config(TINY_TP, k)))
   params = jax.tree.map(np.asarray, model_lib.init_params(jax.random.PRNGKey(1), TINY_TP))
   for inner in (fsdp.Layout(local, n), zero.Zero1Layout(collectives.BucketPlan.create(local, n))):
-    layout = tp.Stacked(inner, TINY_TP, k)
+    layout = tp.Stacked(inner, model_lib.param_specs(TINY_TP, "model"), k)
     pieces = jax.device_get(layout.to_pieces(params))
     for j in range(k):
       want = jax.device_get(inner.to_pieces(_slice(params, j, k)))
@@ -71,7 +71,7 @@ def test_stacked_layout_rows_are_each_slices_pieces():
 
 def _slice(params, j, k):
   """Model slice j of logical NumPy params, by `param_specs`' split dimensions."""
-  dims = tp.split_dims(TINY_TP)
+  dims = tp.split_dims(model_lib.param_specs(TINY_TP, "model"))
   return jax.tree.map(lambda x, d: x if d is None else np.split(x, k, axis=d)[j], params, dims,
                       is_leaf=lambda x: x is None)
 

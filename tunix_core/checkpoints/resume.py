@@ -36,12 +36,11 @@ def _saved_layout(steps, meta: dict):
   """The cut of the optimizer state the checkpoint described by `meta` was written in
   (older checkpoints carry no "layout" and no "model_parallel": they are ZeRO-1 without
   TP)."""
-  kw = dict(data_shards=meta["num_shards"], bucket_bytes=int(steps.cfg.bucket_mb * 2**20))
+  kw = dict(data_shards=meta["num_shards"], bucket_bytes=int(steps.cfg.bucket_mb * 2**20),
+            model_parallel=meta.get("model_parallel", 1))
   if steps.plan.lora is not None:  # the adapters' ZeRO-1 rows, whatever the base's layout
     return lora_layout.make(steps.mcfg, steps.plan.lora, steps.tx, **kw).cut
-  return layout_lib.make(
-      steps.mcfg, steps.tx, model_parallel=meta.get("model_parallel", 1),
-      fsdp=meta.get("layout") == "fsdp", **kw).cut
+  return layout_lib.make(steps.mcfg, steps.tx, fsdp=meta.get("layout") == "fsdp", **kw).cut
 
 
 def same_layout(steps, meta: dict) -> bool:

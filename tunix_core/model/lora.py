@@ -15,6 +15,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from tunix_core.model.config import ModelConfig
 
@@ -64,6 +65,17 @@ def adapter_shapes(cfg: ModelConfig, lcfg: LoraConfig) -> dict:
   dims = {"wq": (D, q_dim), "wk": (D, kv_dim), "wv": (D, kv_dim), "wo": (q_dim, D),
           "w_gate": (D, F), "w_up": (D, F), "w_down": (F, D)}
   return {TARGETS[t]: ((L, dims[TARGETS[t]][0], r), (L, r, dims[TARGETS[t]][1]))
+          for t in lcfg.targets}
+
+
+def param_specs(lcfg: LoraConfig, model_axis: str | None = None) -> dict:
+  """PartitionSpecs with the structure of `init_adapters`: with a tensor-parallel axis,
+  each adapter is split the way its projection is (Megatron-style, `decoder.param_specs`):
+  B's output columns for a column-parallel projection, A's input rows for a row-parallel
+  one (`wo`, `w_down`); the other factor is replicated."""
+  row = {"wo", "w_down"}
+  return {TARGETS[t]: {"a": P(None, model_axis, None) if TARGETS[t] in row else P(),
+                       "b": P() if TARGETS[t] in row else P(None, None, model_axis)}
           for t in lcfg.targets}
 
 

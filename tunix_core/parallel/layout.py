@@ -218,20 +218,21 @@ class FSDP(Zero1):
 
 class TensorParallel:
   """`inner` (a `Zero1` or `FSDP` over one model slice's shapes) on each of the K slices
-  of the "model" axis. Under ZeRO-1 the step form is the logical params split by
-  `model.param_specs`; under FSDP, `tensor_parallel.Stacked` rows over both axes."""
+  of the "model" axis that `specs` (the logical params' PartitionSpecs over it) say.
+  Under ZeRO-1 the step form is the logical params split by `specs`; under FSDP,
+  `tensor_parallel.Stacked` rows over both axes."""
 
   model_axis = MODEL
 
-  def __init__(self, inner: Zero1, mcfg: model_lib.ModelConfig, k: int, param_shapes: dict):
+  def __init__(self, inner: Zero1, specs: dict, k: int, param_shapes: dict):
     self.inner, self.param_shapes = inner, param_shapes
     self.name, self.replica_axis = inner.name, inner.replica_axis
-    self.cut = tp_lib.Stacked(inner.cut, mcfg, k)
+    self.cut = tp_lib.Stacked(inner.cut, specs, k)
     self.num_shards = self.cut.num_shards
     self.row_spec = P((DATA, MODEL))
     self.pieces = inner.replica_axis is None  # FSDP: the params are rows too
     self.param_specs = (jax.tree.map(lambda _: self.row_spec, inner.param_shapes)
-                        if self.pieces else model_lib.param_specs(mcfg, MODEL))
+                        if self.pieces else specs)
 
   def logical_specs(self) -> dict:
     if not self.pieces:
@@ -275,26 +276,36 @@ class TensorParallel:
     return self.inner.update(grads, opt_state, params)
 
 
-def make(mcfg: model_lib.ModelConfig, tx, *, data_shards: int, model_parallel: int = 1,
-         fsdp: bool = False, bucket_bytes: int = 25 << 20, sync_impl: str = "xla",
-         comm_dtype=None, max_grad_norm: float | None = None) -> Layout:
-  """The layout of `mcfg`'s params on `data_shards` x `model_parallel` devices, updating
-  with the optax transformation `tx` (`zero.ShardedOptimizer`'s settings as named)."""
+def build(param_shapes: dict, local_shapes: dict, specs: dict, tx, *, data_shards: int,
+          model_parallel: int = 1, fsdp: bool = False, compute_dtype=None,
+          bucket_bytes: int = 25 << 20, sync_impl: str = "xla", comm_dtype=None,
+          max_grad_norm: float | None = None) -> Layout:
+  """The layout of any params tree (`param_shapes`, logical) on `data_shards` x
+  `model_parallel` devices: `local_shapes` are one model slice's, `specs` the logical
+  params' PartitionSpecs over "model" (unused without TP)."""
   k = model_parallel
-  shapes = lambda cfg: jax.eval_shape(lambda: model_lib.init_params(jax.random.PRNGKey(0),
-                                                                    cfg))
-  param_shapes = shapes(mcfg)
-  local_shapes = shapes(tp_lib.local_config(mcfg, k)) if k > 1 else param_shapes
   split = None
   if k > 1:
-    split = jax.tree.map(lambda d: d is not None, tp_lib.split_dims(mcfg),
+    split = jax.tree.map(lambda d: d is not None, tp_lib.split_dims(specs, MODEL),
                          is_leaf=lambda x: x is None)
   plan = collectives.BucketPlan.create(local_shapes, data_shards, bucket_bytes)
   opt = zero.ShardedOptimizer(tx, plan, DATA, max_grad_norm=max_grad_norm, impl=sync_impl,
                               comm_dtype=comm_dtype, model_axis=MODEL if k > 1 else None,
                               split=split)
-  if fsdp:
-    inner = FSDP(local_shapes, opt, model_lib.DTYPES[mcfg.compute_dtype], comm_dtype)
-  else:
-    inner = Zero1(local_shapes, opt)
-  return TensorParallel(inner, mcfg, k, param_shapes) if k > 1 else inner
+  inner = (FSDP(local_shapes, opt, compute_dtype, comm_dtype) if fsdp
+           else Zero1(local_shapes, opt))
+  return TensorParallel(inner, specs, k, param_shapes) if k > 1 else inner
+
+
+def make(mcfg: model_lib.ModelConfig, tx, *, data_shards: int, model_parallel: int = 1,
+         **kw) -> Layout:
+  """The layout of `mcfg`'s params on `data_shards` x `model_parallel` devices, updating
+  with the optax transformation `tx` (`kw`: `build`'s settings, e.g. `fsdp=True`)."""
+  k = model_parallel
+  shapes = lambda cfg: jax.eval_shape(lambda: model_lib.init_params(jax.random.PRNGKey(0),
+                                                                    cfg))
+  param_shapes = shapes(mcfg)
+  local_shapes = shapes(tp_lib.local_config(mcfg, k)) if k > 1 else param_shapes
+  return build(param_shapes, local_shapes, model_lib.param_specs(mcfg, MODEL), tx,
+               data_shards=data_shards, model_parallel=k,
+               compute_dtype=model_lib.DTYPES[mcfg.compute_dtype], **kw)

@@ -1,12 +1,14 @@
 """LoRA as a parameter layout: the adapters train, the base is frozen.
 
-The train state's params are the adapters (`model.lora`), held as ZeRO-1 holds params:
-replicated over "data", their optimizer state 1/N per device, the bucketed gradient sync
-and global-norm clipping over the adapters only, so checkpoints hold only them. The
-base is not in the state: the step takes it as its frozen input, in its own layout
-(`base`: ZeRO-1's replicated arrays or FSDP's pieces, gathered per layer as in full
-fine-tuning), in `--ref_dtype`. The frozen input is `{"base": ...}`, plus
-`"ref_adapters"` when the run started from a PEFT adapter (`--lora_init`).
+The train state's params are the adapters (`model.lora`), in the `adapters` layout:
+ZeRO-1 (replicated over "data", their optimizer state 1/N per device, the bucketed
+gradient sync and global-norm clipping over the adapters only, so checkpoints hold only
+them), under tensor parallelism split over "model" the way their projections are
+(`model.lora.param_specs`). The base is not in the state: the step takes it as its
+frozen input, in its own layout (`base`: ZeRO-1's replicated arrays, FSDP's pieces
+gathered per layer, either split Megatron-style), in `--ref_dtype`. The frozen input is
+`{"base": ...}`, plus `"ref_adapters"` when the run started from a PEFT adapter
+(`--lora_init`).
 
 The policy is the base with the trained adapters; DPO's reference is the base with
 `ref_adapters` (without them: the bare base, adapters off). No second copy of the
@@ -19,24 +21,33 @@ from jax.sharding import PartitionSpec as P
 from tunix_core import model as model_lib
 from tunix_core.model import lora as lora_lib
 from tunix_core.model.config import ModelConfig
-from tunix_core.parallel import collectives
 from tunix_core.parallel import layout as layout_lib
-from tunix_core.parallel import zero
+from tunix_core.parallel import tensor_parallel as tp_lib
 
 
-class LoRA(layout_lib.Zero1):
-  """Adapters as ZeRO-1 params over a frozen base in the `base` layout."""
+class LoRA:
+  """Adapters in the `adapters` layout (the train state: params, optimizer state,
+  update) over a frozen base in the `base` layout (the compute: gather, forward)."""
 
-  def __init__(self, adapter_shapes: dict, opt: zero.ShardedOptimizer,
-               base: layout_lib.Layout):
-    super().__init__(adapter_shapes, opt)
-    self.base = base
+  def __init__(self, adapters: layout_lib.Layout, base: layout_lib.Layout):
+    self.adapters, self.base = adapters, base
+    for name in ("name", "num_shards", "model_axis", "replica_axis", "param_shapes", "cut",
+                 "param_specs", "row_spec"):
+      setattr(self, name, getattr(adapters, name))
+    for name in ("logical_specs", "to_step", "from_step", "logical", "place",
+                 "abstract_params", "init_opt", "update"):
+      setattr(self, name, getattr(adapters, name))
+    # Under TP an adapter's replicated factor acts inside the sharded heads or columns:
+    # each device's gradient of it is its slice's share, summed over the model axis.
+    self._slice_shares = jax.tree.map(lambda s: self.model_axis is not None and
+                                      self.model_axis not in s, self.param_specs,
+                                      is_leaf=lambda x: isinstance(x, P))
 
   def frozen_specs(self, ref_adapters: bool) -> dict:
     """PartitionSpecs of the step's frozen input."""
     specs = {"base": self.base.param_specs}
     if ref_adapters:
-      specs["ref_adapters"] = jax.tree.map(lambda _: P(), self.param_shapes)
+      specs["ref_adapters"] = self.param_specs
     return specs
 
   def abstract_frozen(self, dtype, ref_adapters: bool) -> dict:
@@ -72,18 +83,22 @@ class LoRA(layout_lib.Zero1):
   def forward(self, params, gather_layer, tokens_BxT, mask_BxT, mcfg, **rows):
     return self.base.forward(params, gather_layer, tokens_BxT, mask_BxT, mcfg, **rows)
 
+  def sync_grads(self, grads: dict) -> dict:
+    return jax.tree.map(lambda g, share: jax.lax.psum(g, self.model_axis) if share else g,
+                        grads, self._slice_shares)
+
 
 def make(mcfg: ModelConfig, lcfg: lora_lib.LoraConfig, tx, *, data_shards: int,
-         bucket_bytes: int = 25 << 20, sync_impl: str = "xla", comm_dtype=None,
-         max_grad_norm: float | None = None, **base_kw) -> LoRA:
-  """The LoRA layout of `lcfg`'s adapters on `mcfg`'s base (`base_kw`: the base's layout
-  as `parallel.layout.make` takes it, e.g. `fsdp=True`), updating the adapters with the
-  optax transformation `tx`."""
-  base = layout_lib.make(mcfg, tx, data_shards=data_shards, bucket_bytes=bucket_bytes,
-                         sync_impl=sync_impl, comm_dtype=comm_dtype, **base_kw)
-  shapes = jax.eval_shape(lambda: lora_lib.init_adapters(
-      jax.random.PRNGKey(0), mcfg, lcfg, model_lib.DTYPES[mcfg.param_dtype]))
-  plan = collectives.BucketPlan.create(shapes, data_shards, bucket_bytes)
-  opt = zero.ShardedOptimizer(tx, plan, layout_lib.DATA, max_grad_norm=max_grad_norm,
-                              impl=sync_impl, comm_dtype=comm_dtype)
-  return LoRA(shapes, opt, base)
+         model_parallel: int = 1, fsdp: bool = False, **kw) -> LoRA:
+  """The LoRA layout of `lcfg`'s adapters on `mcfg`'s base, on `data_shards` x
+  `model_parallel` devices, updating the adapters with the optax transformation `tx`
+  (`fsdp`: the base's layout; `kw`: `parallel.layout.build`'s settings)."""
+  base = layout_lib.make(mcfg, tx, data_shards=data_shards, model_parallel=model_parallel,
+                         fsdp=fsdp, **kw)
+  k, dtype = model_parallel, model_lib.DTYPES[mcfg.param_dtype]
+  shapes = lambda cfg: jax.eval_shape(lambda: lora_lib.init_adapters(
+      jax.random.PRNGKey(0), cfg, lcfg, dtype))
+  local = shapes(tp_lib.local_config(mcfg, k)) if k > 1 else shapes(mcfg)
+  adapters = layout_lib.build(shapes(mcfg), local, lora_lib.param_specs(lcfg, layout_lib.MODEL),
+                              tx, data_shards=data_shards, model_parallel=k, **kw)
+  return LoRA(adapters, base)

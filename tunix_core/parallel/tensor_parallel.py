@@ -88,27 +88,27 @@ def sync_replicated_grads(grads, axis: str):
   return dict(grads, layers=layers)
 
 
-def split_dims(cfg: model_lib.ModelConfig) -> dict:
-  """Per param (the structure of `model.init_params`): the dimension `param_specs(cfg,
-  "model")` splits over the model axis, or None for a replicated param."""
-  specs = model_lib.param_specs(cfg, "model")
-  return jax.tree.map(lambda spec: spec.index("model") if "model" in spec else None, specs,
+def split_dims(specs: dict, axis: str = "model") -> dict:
+  """Per leaf of a tree of PartitionSpecs (`model.param_specs(cfg, "model")`, or the
+  adapters' `model.lora.param_specs`): the dimension split over `axis`, or None for a
+  replicated leaf."""
+  return jax.tree.map(lambda spec: spec.index(axis) if axis in spec else None, specs,
                       is_leaf=lambda x: isinstance(x, P))
 
 
 class Stacked:
-  """A one-slice layout (`zero.Zero1Layout` or `fsdp.Layout` over the shapes of
-  `local_config(cfg, k)`, cut over the data axis) applied to each of the `k` slices of the
-  model axis. Its pieces have rows `i k + j` = data piece i of model slice j, the block
+  """A one-slice layout (`zero.Zero1Layout` or `fsdp.Layout` over one slice's shapes, e.g.
+  of `local_config(cfg, k)`, cut over the data axis) applied to each of the `k` slices of
+  the model axis, which `specs` (PartitionSpecs over "model" of the logical params) say. Its pieces have rows `i k + j` = data piece i of model slice j, the block
   device (i, j) of a `("data", "model")` mesh holds under `P(("data", "model"))`; inside
   `shard_map` each device sees the inner layout's local block. Same interface as the
   inner layout for `zero.relayout_opt_state`."""
 
-  def __init__(self, inner, cfg: model_lib.ModelConfig, k: int):
+  def __init__(self, inner, specs: dict, k: int):
     self.inner, self.k = inner, k
     self.num_shards = inner.num_shards * k
     self.treedef = inner.treedef
-    self.dims = jax.tree.leaves(split_dims(cfg), is_leaf=lambda x: x is None)
+    self.dims = jax.tree.leaves(split_dims(specs), is_leaf=lambda x: x is None)
 
   def _split(self, tree):
     """Logical leaves -> `[k, *slice]` (replicated leaves repeated k times)."""

@@ -256,7 +256,6 @@ class TrainConfig:
     need(not self.lora_init or os.path.isdir(self.lora_init),
          f"--lora_init={self.lora_init!r} is not a directory")
     if self.lora_rank or self.lora_init:
-      need(k == 1, "LoRA with --model_parallel > 1 is not supported yet")
       try:
         self.lora_config()
       except ValueError as e:  # hf.HFError is one too

@@ -56,13 +56,13 @@ class StepFunctions:
     self.num_devices = mesh.shape["data"]  # data-parallel shards
     self.model_parallel = dict(mesh.shape).get("model", 1)
     self.tx, self.schedule = optim.make_optimizer(cfg)
-    layout_kw = dict(data_shards=self.num_devices, fsdp=cfg.fsdp,
+    layout_kw = dict(data_shards=self.num_devices, model_parallel=self.model_parallel,
+                     fsdp=cfg.fsdp,
                      bucket_bytes=int(cfg.bucket_mb * 2**20), sync_impl=cfg.sync_impl,
                      comm_dtype=collectives.COMM_DTYPES[cfg.grad_sync_dtype],
                      max_grad_norm=cfg.max_grad_norm or None)
     if plan.lora is None:
-      self.layout = layout_lib.make(mcfg, self.tx, model_parallel=self.model_parallel,
-                                    **layout_kw)
+      self.layout = layout_lib.make(mcfg, self.tx, **layout_kw)
     else:  # the adapters train over a frozen base in the base's own layout
       self.layout = lora_layout.make(mcfg, plan.lora, self.tx, **layout_kw)
     self.base_layout = getattr(self.layout, "base", self.layout)
