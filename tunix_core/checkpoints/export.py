@@ -8,7 +8,6 @@ checkpoint's metadata and the tokenizer and config files from the run's
 """
 
 import dataclasses
-import os
 
 import jax
 
@@ -17,6 +16,7 @@ from tunix_core.hf import peft
 from tunix_core import model as model_lib
 from tunix_core.checkpoints import resume
 from tunix_core.checkpoints import store as checkpoint
+from tunix_core.storage import paths
 from tunix_core.training import config as config_lib
 from tunix_core.training import plan as plan_lib
 from tunix_core.training import step as step_lib
@@ -33,7 +33,7 @@ def export_step(output_dir: str, out_dir: str, step: int | None = None,
                 dtype: str = "bfloat16", src_dir: str | None = None, log=print) -> int:
   """Writes step `step` (default: the newest) of the run in `output_dir` to `out_dir`;
   returns the step. Raises `checkpoint.CheckpointError` for a missing or damaged step."""
-  ckpt = checkpoint.Checkpointer(os.path.join(output_dir, "checkpoints"), async_save=False)
+  ckpt = checkpoint.Checkpointer(paths.join(output_dir, "checkpoints"), async_save=False)
   try:
     available = ckpt.steps()
     if not available:
@@ -62,7 +62,7 @@ def export_step(output_dir: str, out_dir: str, step: int | None = None,
   finally:
     ckpt.close(quiet=True)
   src_dir = src_dir or meta.get("source", {}).get("hf_model_dir")
-  if src_dir and not os.path.isdir(src_dir):
+  if src_dir and not paths.isdir(src_dir):
     log(f"warning: {src_dir} is gone; exporting without its tokenizer files")
     src_dir = None
   params = steps.logical_params(state["params"])

@@ -6,9 +6,11 @@ A checkpoint step directory holds two items:
 - `meta` (JSON): step, data-iterator state, PRNG key data, the full run config, the
   device count the optimizer state was sharded for, and a fingerprint of every array.
 
-Orbax writes a step into a temporary directory and renames it when complete, so a
-process killed mid-save leaves the previous steps intact; the leftover temporary
-directory is removed on the next start. Restore takes explicit target shardings, so a
+Orbax writes a step into a temporary directory and renames it when complete (on object
+storage, where nothing renames, it writes a commit marker last), so a process killed
+mid-save leaves the previous steps intact; the leftover temporary directory is removed
+on the next start. The directory may be local or `gs://` (Orbax's own support; the
+probe and the quarantine go through `tunix_core.storage.paths`). Restore takes explicit target shardings, so a
 checkpoint written on N devices restores on any other count (the ZeRO optimizer state,
 which is laid out per device, is re-cut for the new count by `tunix_core.parallel.zero`).
 
@@ -23,6 +25,7 @@ import json
 import os
 import re
 import time
+import uuid
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +33,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from tunix_core.storage import paths
 
 
 class CheckpointError(RuntimeError):
@@ -101,11 +105,10 @@ class Checkpointer:
     self.directory = directory
     self._writing = None  # the step whose save was started and not yet committed
     try:
-      os.makedirs(directory, exist_ok=True)
-      probe = os.path.join(directory, f".write_probe_{os.getpid()}")
-      with open(probe, "w") as f:
-        f.write("ok")
-      os.remove(probe)
+      paths.makedirs(directory)
+      probe = paths.join(directory, f".write_probe_{uuid.uuid4().hex}")
+      paths.write_text(probe, "ok")
+      paths.remove(probe)
     except OSError as e:
       raise CheckpointError(f"checkpoint directory {directory} is not writable: {e}") from None
     options = ocp.CheckpointManagerOptions(
@@ -161,11 +164,10 @@ class Checkpointer:
   def reject(self, step: int) -> str:
     """Moves step `step` aside to `{directory}.rejected/<step>-<time>` (never deletes it),
     so that the step can be written again; returns the new path."""
-    target = os.path.join(f"{self.directory}.rejected",
-                          f"{step}-{time.strftime('%Y%m%dT%H%M%S')}")
-    if jax.process_index() == 0:
-      os.makedirs(os.path.dirname(target), exist_ok=True)
-      os.rename(os.path.join(self.directory, str(step)), target)
+    target = paths.join(f"{self.directory.rstrip('/')}.rejected",
+                        f"{step}-{time.strftime('%Y%m%dT%H%M%S')}")
+    if jax.process_index() == 0:  # on object storage a copy, then a delete
+      paths.move(paths.join(self.directory, str(step)), target)
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices(f"checkpoint_reject_{step}")
     self.manager.reload()

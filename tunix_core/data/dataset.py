@@ -34,6 +34,8 @@ from typing import Protocol
 import numpy as np
 
 from tunix_core.data import encode as data_encode
+from tunix_core.storage import paths
+
 FIELDS = data_encode.FIELDS
 IGNORE_INDEX = data_encode.IGNORE_INDEX  # the target at unscored positions
 
@@ -86,8 +88,7 @@ def with_chat_template(tok: Tokenizer, chat_template: str) -> Tokenizer:
   template = None
   if chat_template != "none":
     try:
-      with open(chat_template, encoding="utf-8") as f:
-        template = f.read()
+      template = paths.read_bytes(chat_template).decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
       raise DataError(f"{chat_template}: cannot read the chat template ({e})") from None
   if not hasattr(tok, "apply_chat_template"):
@@ -102,8 +103,7 @@ def with_chat_template(tok: Tokenizer, chat_template: str) -> Tokenizer:
 def _read_records(path: str, skip_bad_lines: bool) -> tuple[list[tuple[int, dict]], int]:
   """`([(line number, pair)], bad lines skipped)`; see `read_jsonl`."""
   try:
-    with open(path, encoding="utf-8") as f:
-      lines = f.readlines()
+    lines = paths.read_bytes(path).decode("utf-8").splitlines(keepends=True)
   except FileNotFoundError:
     raise DataError(f"{path}: no such data file") from None
   except UnicodeDecodeError as e:

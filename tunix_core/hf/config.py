@@ -7,9 +7,9 @@ transformers 4 writes `rope_theta` + `rope_scaling` + `torch_dtype`; transformer
 """
 
 import json
-import os
 
 from tunix_core.model import config as mc
+from tunix_core.storage import paths
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "gemma3")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -143,14 +143,13 @@ def read_config(model_dir: str, **overrides) -> mc.ModelConfig:
   """The `ModelConfig` of an HF model directory (its `config.json`); `overrides` replace
   fields (e.g. `param_dtype`, `compute_dtype`, `remat`). Raises `HFError` naming what it
   cannot represent exactly."""
-  path = os.path.join(model_dir, "config.json")
-  if not os.path.isfile(path):
+  path = paths.join(model_dir, "config.json")
+  if not paths.isfile(path):
     raise HFError(f"{model_dir} is not a Hugging Face model directory: no config.json")
-  with open(path) as f:
-    try:
-      config = json.load(f)
-    except json.JSONDecodeError as e:
-      raise HFError(f"{path}: not JSON ({e.msg})") from None
+  try:
+    config = json.loads(paths.read_text(path))
+  except json.JSONDecodeError as e:
+    raise HFError(f"{path}: not JSON ({e.msg})") from None
   return model_config(config, **overrides)
 
 

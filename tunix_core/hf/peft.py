@@ -16,6 +16,7 @@ import numpy as np
 from tunix_core.hf.config import HFError
 from tunix_core.model import lora as lora_lib
 from tunix_core.model.config import ModelConfig
+from tunix_core.storage import paths
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _PREFIX = "base_model.model.model.layers"
@@ -32,11 +33,10 @@ def _key(layer: int, target: str, which: str) -> str:
 
 def read_config(adapter_dir: str) -> lora_lib.LoraConfig:
   """The `LoraConfig` of a PEFT LoRA directory (`HFError` for one we cannot represent)."""
-  path = os.path.join(adapter_dir, CONFIG)
-  if not os.path.exists(path):
+  path = paths.join(adapter_dir, CONFIG)
+  if not paths.exists(path):
     raise HFError(f"{adapter_dir} is not a PEFT adapter directory: no {CONFIG}")
-  with open(path) as f:
-    config = json.load(f)
+  config = json.loads(paths.read_text(path))
   if config.get("peft_type") != "LORA":
     raise HFError(f"{path}: peft_type {config.get('peft_type')!r} is not LORA")
   for field, default in _UNSUPPORTED.items():
@@ -60,8 +60,8 @@ def read_config(adapter_dir: str) -> lora_lib.LoraConfig:
 def read_adapter(adapter_dir: str, cfg: ModelConfig) -> tuple[lora_lib.LoraConfig, dict]:
   """`(LoraConfig, float32 adapters)` of a PEFT LoRA directory for a base of `cfg`."""
   lcfg = read_config(adapter_dir)
-  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
-  tensors = load_file(os.path.join(adapter_dir, WEIGHTS))
+  from safetensors.numpy import load  # pylint: disable=g-import-not-at-top
+  tensors = load(paths.read_bytes(paths.join(adapter_dir, WEIGHTS)))
   shapes = lora_lib.adapter_shapes(cfg, lcfg)
   adapters = {}
   for target in lcfg.targets:
@@ -88,9 +88,9 @@ def read_adapter(adapter_dir: str, cfg: ModelConfig) -> tuple[lora_lib.LoraConfi
 def write_adapter(out_dir: str, adapters: dict, cfg: ModelConfig,
                   lcfg: lora_lib.LoraConfig, base_model: str | None = None) -> None:
   """Writes `adapters` as a PEFT LoRA directory `peft.PeftModel.from_pretrained` loads
-  onto the base (`base_model`: its name or path, recorded in the config)."""
+  onto the base (`base_model`: its name or path, recorded in the config); `out_dir` may
+  be remote (written locally, then uploaded)."""
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
-  os.makedirs(out_dir, exist_ok=True)
   tensors = {}
   for target in lcfg.targets:
     ab = adapters[lora_lib.TARGETS[target]]
@@ -98,11 +98,12 @@ def write_adapter(out_dir: str, adapters: dict, cfg: ModelConfig,
       stacked = np.asarray(ab[which.lower()], np.float32)
       for i in range(cfg.num_layers):
         tensors[_key(i, target, which)] = np.ascontiguousarray(stacked[i].T)
-  save_file(tensors, os.path.join(out_dir, WEIGHTS), metadata={"format": "pt"})
   config = dict(peft_type="LORA", task_type="CAUSAL_LM", r=lcfg.rank,
                 lora_alpha=lcfg.alpha, target_modules=list(lcfg.targets), lora_dropout=0.0,
                 use_rslora=lcfg.rslora, bias="none", fan_in_fan_out=False,
                 init_lora_weights=True, inference_mode=True, modules_to_save=None,
                 base_model_name_or_path=base_model)
-  with open(os.path.join(out_dir, CONFIG), "w") as f:
-    json.dump(config, f, indent=2)
+  with paths.staged_dir(out_dir) as local:
+    save_file(tensors, os.path.join(local, WEIGHTS), metadata={"format": "pt"})
+    with open(os.path.join(local, CONFIG), "w") as f:
+      json.dump(config, f, indent=2)

@@ -10,7 +10,8 @@ a jinja2 sandbox with the options and helpers `transformers` gives them (`trim_b
 import datetime
 import functools
 import json
-import os
+
+from tunix_core.storage import paths
 
 
 class TokenizerError(ValueError):
@@ -24,10 +25,9 @@ def _token(value):
 
 
 def _chat_template(model_dir: str, config: dict):
-  path = os.path.join(model_dir, "chat_template.jinja")
-  if os.path.isfile(path):
-    with open(path, encoding="utf-8") as f:
-      return f.read()
+  path = paths.join(model_dir, "chat_template.jinja")
+  if paths.isfile(path):
+    return paths.read_text(path)
   template = config.get("chat_template")
   if isinstance(template, list):  # named templates: the "default" one is the chat one
     template = {t["name"]: t["template"] for t in template}.get("default")
@@ -45,15 +45,14 @@ class HFTokenizer:
 
   def __init__(self, model_dir: str):
     from tokenizers import Tokenizer  # pylint: disable=g-import-not-at-top
-    path = os.path.join(model_dir, "tokenizer.json")
-    if not os.path.isfile(path):
+    path = paths.join(model_dir, "tokenizer.json")
+    if not paths.isfile(path):
       raise TokenizerError(f"{model_dir} has no tokenizer.json")
-    self._tok = Tokenizer.from_file(path)
-    config_path = os.path.join(model_dir, "tokenizer_config.json")
+    self._tok = Tokenizer.from_str(paths.read_text(path))
+    config_path = paths.join(model_dir, "tokenizer_config.json")
     config = {}
-    if os.path.isfile(config_path):
-      with open(config_path, encoding="utf-8") as f:
-        config = json.load(f)
+    if paths.isfile(config_path):
+      config = json.loads(paths.read_text(config_path))
     self.special_tokens = {name: _token(config.get(name)) for name in
                            ("bos_token", "eos_token", "pad_token", "unk_token")}
     self.bos_id = self._id(self.special_tokens["bos_token"])

@@ -15,12 +15,13 @@ import contextlib
 import functools
 import json
 import os
-import shutil
 
 import numpy as np
 
 from tunix_core import model as model_lib
 from tunix_core.hf import config as hf_config
+from tunix_core.hf import ranged
+from tunix_core.storage import paths
 
 HFError = hf_config.HFError
 
@@ -66,21 +67,28 @@ def _canonical(name: str) -> str:
 def _tensor_files(model_dir: str) -> dict:
   """`{canonical name: (file path, stored name)}` of a single-file or index-sharded
   safetensors checkpoint, other towers of a multimodal one left out."""
-  index = os.path.join(model_dir, "model.safetensors.index.json")
-  if os.path.isfile(index):
-    with open(index) as f:
-      names = {name: os.path.join(model_dir, file)
-               for name, file in json.load(f)["weight_map"].items()}
+  index = paths.join(model_dir, "model.safetensors.index.json")
+  if paths.isfile(index):
+    names = {name: paths.join(model_dir, file)
+             for name, file in json.loads(paths.read_text(index))["weight_map"].items()}
   else:
-    single = os.path.join(model_dir, "model.safetensors")
-    if not os.path.isfile(single):
+    single = paths.join(model_dir, "model.safetensors")
+    if not paths.isfile(single):
       raise HFError(f"{model_dir} has neither model.safetensors nor "
                     "model.safetensors.index.json")
-    from safetensors import safe_open  # pylint: disable=g-import-not-at-top
-    with safe_open(single, framework="numpy") as f:
+    with _open(single) as f:
       names = {name: single for name in f.keys()}
   return {_canonical(name): (path, name) for name, path in names.items()
           if not name.startswith(OTHER_TOWERS)}
+
+
+def _open(path: str):
+  """A safetensors file's lazily sliced tensors: memory-mapped when local, read by byte
+  ranges on object storage (`hf.ranged`)."""
+  if paths.is_remote(path):
+    return ranged.RangedFile(path)
+  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+  return safe_open(path, framework="numpy")
 
 
 def _leaf_shapes(cfg) -> dict:
@@ -128,7 +136,6 @@ def load_params(model_dir: str, cfg: model_lib.ModelConfig, *, dtype=None,
   `lm_head.weight` is accepted, the copy ignored).
   """
   import jax  # pylint: disable=g-import-not-at-top
-  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
   files = _tensor_files(model_dir)
   shapes = _leaf_shapes(cfg)
   wanted = expected_tensors(cfg, shapes)
@@ -149,7 +156,7 @@ def load_params(model_dir: str, cfg: model_lib.ModelConfig, *, dtype=None,
       """The lazily sliceable tensor `name`: only what is indexed is read."""
       path, stored = files[name]
       if path not in handles:
-        handles[path] = stack.enter_context(safe_open(path, framework="numpy"))
+        handles[path] = stack.enter_context(_open(path))
       return handles[path].get_slice(stored)
 
     for name, (_, _, _, shape) in wanted.items():  # headers only
@@ -195,11 +202,11 @@ def save_params(params: dict, cfg: model_lib.ModelConfig, out_dir: str, *, src_d
   `config.json` (the source's, updated, when `src_dir` has one); and whichever tokenizer
   and generation files `src_dir` has. `dtype` is the stored dtype ("bfloat16",
   "float32"). Each tensor is copied to the host on its own, so the host never holds
-  the model twice."""
+  the model twice. A remote `out_dir` (`gs://...`) is written to a local temporary
+  directory first, then uploaded."""
   import jax  # pylint: disable=g-import-not-at-top
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   np_dtype = np.dtype(model_lib.DTYPES[dtype])
-  os.makedirs(out_dir, exist_ok=True)
   shards, current, size = [], {}, 0
   for name, (leaf, layer, transposed, _) in expected_tensors(cfg).items():
     value = params
@@ -215,20 +222,22 @@ def save_params(params: dict, cfg: model_lib.ModelConfig, out_dir: str, *, src_d
   shards.append(current)
   names = (["model.safetensors"] if len(shards) == 1 else
            [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-  for file, tensors in zip(names, shards):
-    save_file(tensors, os.path.join(out_dir, file), metadata={"format": "pt"})
-  if len(shards) > 1:
-    index = dict(metadata=dict(total_size=sum(v.nbytes for t in shards for v in t.values())),
-                 weight_map={name: file for file, t in zip(names, shards) for name in t})
-    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-      json.dump(index, f, indent=2)
   config = hf_config.hf_config(cfg, dtype)
-  if src_dir and os.path.isfile(os.path.join(src_dir, "config.json")):
-    with open(os.path.join(src_dir, "config.json")) as f:
-      config = hf_config.merged_config(json.load(f), config)
-  with open(os.path.join(out_dir, "config.json"), "w") as f:
-    json.dump(config, f, indent=2)
-  for file in TOKENIZER_FILES:
-    if src_dir and os.path.isfile(os.path.join(src_dir, file)):
-      shutil.copy(os.path.join(src_dir, file), os.path.join(out_dir, file))
+  if src_dir and paths.isfile(paths.join(src_dir, "config.json")):
+    config = hf_config.merged_config(json.loads(paths.read_text(paths.join(src_dir,
+                                                                           "config.json"))),
+                                     config)
+  with paths.staged_dir(out_dir) as local:  # remote: written here, then uploaded
+    for file, tensors in zip(names, shards):
+      save_file(tensors, os.path.join(local, file), metadata={"format": "pt"})
+    if len(shards) > 1:
+      index = dict(metadata=dict(total_size=sum(v.nbytes for t in shards for v in t.values())),
+                   weight_map={name: file for file, t in zip(names, shards) for name in t})
+      with open(os.path.join(local, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f, indent=2)
+    with open(os.path.join(local, "config.json"), "w") as f:
+      json.dump(config, f, indent=2)
+    for file in TOKENIZER_FILES:
+      if src_dir and paths.isfile(paths.join(src_dir, file)):
+        paths.copy_file(paths.join(src_dir, file), os.path.join(local, file))
 

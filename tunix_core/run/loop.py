@@ -8,8 +8,6 @@ metrics, so the host never stalls the device; checkpoints are saved asynchronous
 last step always.
 """
 
-import os
-
 import jax
 import jax.numpy as jnp
 
@@ -22,6 +20,7 @@ from tunix_core.run import metrics as metrics_lib
 from tunix_core.run import preemption
 from tunix_core.run import ref_cache
 from tunix_core.run import source as source_lib
+from tunix_core.storage import paths
 from tunix_core.training import flops
 from tunix_core.training import health as health_lib
 from tunix_core.training import plan as plan_lib
@@ -35,7 +34,7 @@ def _precompute_refs(cfg, steps, ref_params, train_set, eval_set, log):
   Nones."""
   if cfg.reference != "precomputed":
     return None, None
-  cache_dir = os.path.join(cfg.output_dir, "ref_cache")
+  cache_dir = paths.join(cfg.output_dir, "ref_cache")
   train_ref = ref_cache.precompute_ref_logps(steps, ref_params, train_set, cache_dir)
   eval_ref = (None if eval_set is None else
               ref_cache.precompute_ref_logps(steps, ref_params, eval_set, cache_dir))
@@ -63,8 +62,8 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
   primary = jax.process_index() == 0
   log = log if primary else (lambda *_: None)
   try:
-    os.makedirs(cfg.output_dir, exist_ok=True)
-  except OSError as e:
+    paths.makedirs(cfg.output_dir)
+  except paths.StorageError as e:
     raise ConfigError(f"--output_dir={cfg.output_dir!r} cannot be created: {e}") from None
   train_set, eval_set = source_lib.load_data(cfg, log)
   plan = plan_lib.make_plan(cfg, devices, plan_lib.data_sizes(
@@ -72,7 +71,7 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
   mcfg = plan.model
   steps = step_lib.make_steps(plan, devices)
   key = jax.random.PRNGKey(cfg.seed)
-  ckpt = checkpoint.Checkpointer(os.path.join(cfg.output_dir, "checkpoints"), keep=cfg.keep,
+  ckpt = checkpoint.Checkpointer(paths.join(cfg.output_dir, "checkpoints"), keep=cfg.keep,
                                  keep_period=cfg.keep_period or None)
   source = source_lib.source(cfg)
   state, meta = resume.resume(steps, ckpt, cfg, log, source=source)

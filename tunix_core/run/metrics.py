@@ -5,42 +5,56 @@ loop does after it has queued the next step, so logging never makes the device w
 """
 
 import json
-import os
 import time
 
 import jax
 
+from tunix_core.storage import paths
+
 
 class MetricsWriter:
-  """Appends one JSON object per row to `{output_dir}/metrics.jsonl`.
+  """Writes one JSON object per row to `{output_dir}/metrics.jsonl` (local or remote).
 
   A fresh run (`resume_step=0`) starts the file anew; a resumed run keeps the rows up
   to its checkpoint step and drops later ones, which the resumed run writes again.
+  Locally rows are appended and flushed one by one. Object storage cannot append: there
+  the whole file is uploaded again after every row (a few KB per 10 rows; the rows a
+  checkpoint step needs are always uploaded before that step is saved).
   """
 
   def __init__(self, output_dir: str, resume_step: int = 0, log=print):
-    self.path = os.path.join(output_dir, "metrics.jsonl")
+    self.path = paths.join(output_dir, "metrics.jsonl")
     kept, dropped = [], 0
-    if resume_step and os.path.exists(self.path):
-      with open(self.path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-          row = _parse_row(line)
-          if row is None:
-            dropped += bool(line.strip())
-          elif row["step"] <= resume_step:
-            kept.append(line if line.endswith("\n") else line + "\n")
+    if resume_step and paths.exists(self.path):
+      for line in paths.read_text(self.path).splitlines(keepends=True):
+        row = _parse_row(line)
+        if row is None:
+          dropped += bool(line.strip())
+        elif row["step"] <= resume_step:
+          kept.append(line if line.endswith("\n") else line + "\n")
     if dropped:
       log(f"warning: {self.path}: dropped {dropped} unparseable or foreign line(s) "
           "(e.g. torn by a kill during a write)")
-    self._file = open(self.path, "w", encoding="utf-8")
-    self._file.writelines(kept)
+    self._lines = kept if paths.is_remote(self.path) else None
+    if self._lines is None:
+      self._file = open(self.path, "w", encoding="utf-8")
+      self._file.writelines(kept)
+      self._file.flush()
+    else:
+      paths.write_text(self.path, "".join(kept))
 
   def write(self, row: dict) -> None:
-    self._file.write(json.dumps(row) + "\n")
-    self._file.flush()
+    line = json.dumps(row) + "\n"
+    if self._lines is None:
+      self._file.write(line)
+      self._file.flush()
+    else:
+      self._lines.append(line)
+      paths.write_text(self.path, "".join(self._lines))
 
   def close(self) -> None:
-    self._file.close()
+    if self._lines is None:
+      self._file.close()
 
 
 def _parse_row(line: str) -> dict | None:

@@ -6,14 +6,16 @@ each pair) then rides along with each batch as `ref_logps`.
 """
 
 import hashlib
+import io
 import json
-import os
 
+import jax
 import numpy as np
 
 from tunix_core import data as data_lib
 from tunix_core.checkpoints import store as checkpoint
 from tunix_core.parallel import mesh as mesh_lib
+from tunix_core.storage import paths
 from tunix_core.training import step as step_lib
 
 
@@ -29,16 +31,17 @@ def _data_hash(dataset: data_lib.PreferenceDataset, ref_params) -> str:
 
 def precompute_ref_logps(steps: step_lib.StepFunctions, ref_params,
                          dataset: data_lib.PreferenceDataset, cache_dir: str) -> np.ndarray:
-  """Reference log-probs of every pair, float32 `[num_pairs, 2, T]`, cached on disk.
+  """Reference log-probs of every pair, float32 `[num_pairs, 2, T]`, cached in
+  `cache_dir` (local or remote).
 
   The cache file name is a hash of the encoded data and the reference params (and the
   model config), so a change to either recomputes instead of reusing stale values.
   """
   key = _data_hash(dataset, ref_params) + hashlib.sha256(
       repr((steps.mcfg, steps.cfg.logprob_impl)).encode()).hexdigest()[:8]
-  path = os.path.join(cache_dir, f"ref_logps_{key}.npy")
-  if os.path.exists(path):
-    return np.load(path)
+  path = paths.join(cache_dir, f"ref_logps_{key}.npy")
+  if paths.exists(path):
+    return np.load(io.BytesIO(paths.read_bytes(path)))
   n, B = len(dataset), steps.cfg.batch_size
   out = np.zeros(dataset.tokens.shape, np.float32)
   for start in range(0, n, B):
@@ -46,10 +49,10 @@ def precompute_ref_logps(steps: step_lib.StepFunctions, ref_params,
     batch = steps.put_batch(data_lib.take_pairs(dataset, idx))
     keep = min(B, n - start)
     out[start:start + keep] = mesh_lib.to_host(steps.ref_logps(ref_params, batch))[:keep]
-  os.makedirs(cache_dir, exist_ok=True)
-  tmp = f"{path}.{os.getpid()}.tmp.npy"  # processes sharing the directory never collide
-  np.save(tmp, out)
-  os.replace(tmp, path)  # a crash never leaves a half-written cache behind
+  if jax.process_index() == 0:  # one writer per shared directory
+    buffer = io.BytesIO()
+    np.save(buffer, out)
+    paths.write_bytes(path, buffer.getvalue())  # atomic: never a half-written cache
   return out
 
 

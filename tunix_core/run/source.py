@@ -14,6 +14,7 @@ import jax
 
 from tunix_core import data as data_lib
 from tunix_core import model as model_lib
+from tunix_core.storage import paths
 from tunix_core.training import config as config_lib
 
 # Bytes read from each end of a weight file for its fingerprint (see `fingerprint`).
@@ -57,13 +58,13 @@ def fingerprint(model_dir: str) -> str:
   they do, without reading 14 GB: each safetensors file's size, its header (names,
   dtypes, shapes and offsets of every tensor) and the first and last MiB of its data."""
   digest = hashlib.sha256()
-  names = sorted(f for f in os.listdir(model_dir)
-                 if f == "config.json" or f.endswith((".safetensors", ".safetensors.index.json")))
+  names = [f for f in paths.listdir(model_dir)
+           if f == "config.json" or f.endswith((".safetensors", ".safetensors.index.json"))]
   for name in names:
-    path = os.path.join(model_dir, name)
-    size = os.path.getsize(path)
+    path = paths.join(model_dir, name)
+    size = paths.getsize(path)
     digest.update(f"{name}:{size}:".encode())
-    with open(path, "rb") as f:
+    with paths.open_read(path) as f:
       if not name.endswith(".safetensors"):
         digest.update(f.read())
         continue
@@ -79,7 +80,9 @@ def source(cfg) -> dict:
   resuming against a different `hf_fingerprint` is refused."""
   if not cfg.hf_model_dir:
     return {}
-  return {"hf_model_dir": os.path.abspath(cfg.hf_model_dir),
+  where = cfg.hf_model_dir if paths.is_remote(cfg.hf_model_dir) else os.path.abspath(
+      cfg.hf_model_dir)
+  return {"hf_model_dir": where,
           "hf_fingerprint": fingerprint(cfg.hf_model_dir)}
 
 
@@ -121,7 +124,7 @@ def export(cfg, steps, params: dict, frozen, log) -> None:
   if jax.process_index() == 0:
     from tunix_core import hf  # pylint: disable=g-import-not-at-top
     from tunix_core.hf import peft  # pylint: disable=g-import-not-at-top
-    os.makedirs(cfg.export_hf_dir, exist_ok=True)
+    paths.makedirs(cfg.export_hf_dir)
     if lcfg is None:
       hf.save_params(logical, mcfg, cfg.export_hf_dir, src_dir=cfg.hf_model_dir or None,
                      dtype=dtype)
@@ -131,10 +134,10 @@ def export(cfg, steps, params: dict, frozen, log) -> None:
       if base is not None:
         from tunix_core.model import lora  # pylint: disable=g-import-not-at-top
         hf.save_params(lora.merge(base, logical, lcfg), mcfg,
-                       os.path.join(cfg.export_hf_dir, "merged"),
+                       paths.join(cfg.export_hf_dir, "merged"),
                        src_dir=cfg.hf_model_dir or None, dtype=dtype)
-    with open(os.path.join(cfg.export_hf_dir, "tunix_export.json"), "w") as f:
-      json.dump({"source": source(cfg), "steps": cfg.steps}, f, indent=2)
+    paths.write_text(paths.join(cfg.export_hf_dir, "tunix_export.json"),
+                     json.dumps({"source": source(cfg), "steps": cfg.steps}, indent=2))
   what = ("a PEFT LoRA adapter" + (", and merged/" if base is not None else "")
           if lcfg else "Hugging Face format")
   log(f"exported the policy to {cfg.export_hf_dir} ({what}, {dtype})")

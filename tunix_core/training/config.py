@@ -5,7 +5,6 @@
 """
 
 import dataclasses
-import os
 
 import kernels
 from kernels import attention as attention_lib
@@ -13,14 +12,14 @@ from kernels import tpu
 from tunix_core import model as model_lib
 from tunix_core.model import lora as lora_lib
 from tunix_core.parallel import collectives
-from tunix_core.parallel import tensor_parallel
 from tunix_core.training import optim
+from tunix_core.training import validation
 
 RESUME_MODES = ("auto", "never", "required")
 # Where the frozen reference's log-probs come from (`--reference`).
 REFERENCE_MODES = ("step", "precomputed", "none")
-# --chat_template values besides a path to a jinja file.
-CHAT_TEMPLATES = ("auto", "none")
+CHAT_TEMPLATES = validation.CHAT_TEMPLATES  # --chat_template values besides a file
+ConfigError = validation.ConfigError
 # What a step with a non-finite loss, metric or gradient norm does: end the run (its
 # update is never applied) or skip its update and count it.
 NONFINITE_ACTIONS = ("stop", "skip")
@@ -30,10 +29,6 @@ NONFINITE_ACTIONS = ("stop", "skip")
 RESUME_FIELDS = ("max_length", "max_prompt_length", "seed", "batch_size", "optimizer",
                  "train_data", "chat_template", "lora_rank", "lora_alpha", "lora_targets",
                  "lora_rslora", "lora_init")
-
-
-class ConfigError(ValueError):
-  """A setting that cannot work; the message names the flag."""
 
 
 def _flag(default, help_text: str, **metadata):
@@ -195,71 +190,7 @@ class TrainConfig:
 
   def validate(self, num_devices: int) -> None:
     """Raises ConfigError with one line naming the offending setting."""
-    def need(cond, msg):
-      if not cond:
-        raise ConfigError(msg)
-
-    for name, choices in CHOICES.items():
-      value = getattr(self, name)
-      verb = "is not a preset" if name == "model" else "is unknown"
-      need(value in choices, f"--{name}={value!r} {verb}; choose one of {choices}")
-    need(self.steps > 0, f"--steps must be positive, got {self.steps}")
-    need(self.batch_size > 0, f"--batch_size must be positive, got {self.batch_size}")
-    k = self.model_parallel
-    need(k >= 1 and num_devices % k == 0,
-         f"--model_parallel={k} does not divide the {num_devices} devices")
-    shards = num_devices // k
-    what = (f"{shards} data-parallel shards ({num_devices} devices / --model_parallel={k})"
-            if k > 1 else f"{num_devices} devices")
-    need(self.batch_size % shards == 0,
-         f"--batch_size={self.batch_size} is not divisible by the {what}")
-    need(self.grad_accum_steps > 0, f"--grad_accum_steps must be positive, got "
-         f"{self.grad_accum_steps}")
-    need(self.batch_size % (shards * self.grad_accum_steps) == 0,
-         f"--batch_size={self.batch_size} does not split into {self.grad_accum_steps} "
-         f"micro-batches on each of the {what}")
-    need(self.bucket_mb > 0, f"--bucket_mb must be positive, got {self.bucket_mb}")
-    need(self.check_replicas_every >= 0, "--check_replicas_every must be >= 0")
-    need(not (self.fsdp and self.check_replicas_every),
-         "--check_replicas_every checks replicated params; under --fsdp no param is "
-         "replicated (set it to 0)")
-    need(0 < self.max_prompt_length < self.max_length,
-         f"--max_prompt_length={self.max_prompt_length} must be positive and less than "
-         f"--max_length={self.max_length}")
-    need(self.beta > 0, f"--beta must be positive, got {self.beta}")
-    need(self.learning_rate > 0, f"--learning_rate must be positive, got {self.learning_rate}")
-    need(self.log_every > 0, f"--log_every must be positive, got {self.log_every}")
-    need(self.eval_every >= 0, f"--eval_every must be >= 0, got {self.eval_every}")
-    need(self.output_dir, "--output_dir is required")
-    need(self.train_data or self.compile_only, "--train_data is required (but for "
-         "--compile_only, which then plans for the flags' worst case)")
-    for name in ("train_data", "eval_data"):
-      path = getattr(self, name)
-      need(not path or os.path.isfile(path), f"--{name}={path!r}: no such file")
-    need(not (self.eval_every and not self.eval_data), "--eval_every needs --eval_data")
-    need(not self.hf_model_dir or os.path.isfile(os.path.join(self.hf_model_dir, "config.json")),
-         f"--hf_model_dir={self.hf_model_dir!r} is not a Hugging Face model directory "
-         "(no config.json)")
-    if k > 1:
-      try:
-        tensor_parallel.check(self.model_config(), k)
-      except ValueError as e:
-        raise ConfigError(str(e)) from None
-    need(self.chat_template in CHAT_TEMPLATES or os.path.isfile(self.chat_template),
-         f"--chat_template={self.chat_template!r} is neither {CHAT_TEMPLATES} nor a file")
-    need(not (self.export_hf_dir and os.path.isfile(self.export_hf_dir)),
-         f"--export_hf_dir={self.export_hf_dir!r} is a file")
-    need(self.lora_rank >= 0, f"--lora_rank must be >= 0, got {self.lora_rank}")
-    need(self.lora_dropout == 0, f"--lora_dropout={self.lora_dropout}: only 0 is supported")
-    need(not self.export_merged or self.lora_rank or self.lora_init,
-         "--export_merged needs LoRA (--lora_rank or --lora_init)")
-    need(not self.lora_init or os.path.isdir(self.lora_init),
-         f"--lora_init={self.lora_init!r} is not a directory")
-    if self.lora_rank or self.lora_init:
-      try:
-        self.lora_config()
-      except ValueError as e:  # hf.HFError is one too
-        raise ConfigError(f"--lora_*: {e}") from None
+    validation.check(self, num_devices, CHOICES)
 
   def lora_config(self) -> lora_lib.LoraConfig | None:
     """The run's adapters (None: full fine-tuning): from `--lora_init`'s adapter config

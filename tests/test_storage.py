@@ -1,0 +1,189 @@
+"""The path layer (`tunix_core.storage.paths`) and the HF reader on local disk and on a
+real Cloud Storage server on loopback (`tests/gcs.py`)."""
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gcs as gcs_lib
+import runs
+from tunix_core import hf
+from tunix_core.checkpoints import store as checkpoint
+from tunix_core.hf import ranged
+from tunix_core.storage import paths
+
+HF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf")
+
+
+@pytest.mark.parametrize("where", ["local", "gcs"])
+def test_paths_mean_the_same_on_disk_and_object_storage(tmp_path, gcs, where):
+  root = str(tmp_path / "root") if where == "local" else gcs.bucket("paths") + "/root"
+  f = paths.join(root, "a", "b.txt")
+  assert not paths.exists(f) and paths.listdir(root) == []
+  paths.makedirs(paths.join(root, "a"))
+  paths.write_text(f, "one")
+  paths.write_text(f, "two")  # replaced whole, never appended
+  assert paths.read_text(f) == "two" and paths.isfile(f) and paths.isdir(paths.join(root, "a"))
+  assert paths.getsize(f) == 3 and paths.listdir(root) == ["a"]
+  with paths.staged_dir(paths.join(root, "staged")) as local:
+    with open(os.path.join(local, "x.bin"), "wb") as out:
+      out.write(b"\0" * 1000)
+    os.makedirs(os.path.join(local, "sub"))
+    with open(os.path.join(local, "sub", "y.txt"), "w") as out:
+      out.write("y")
+  paths.move(paths.join(root, "staged"), paths.join(root + "-moved", "staged"))
+  assert not paths.exists(paths.join(root, "staged", "x.bin"))
+  with paths.local_copy(paths.join(root + "-moved", "staged")) as local:
+    assert sorted(os.listdir(local)) == ["sub", "x.bin"]
+    assert open(os.path.join(local, "sub", "y.txt")).read() == "y"
+  with paths.open_read(f) as fin:
+    fin.seek(1)
+    assert fin.read(2) == b"wo"
+  paths.remove(paths.join(root, "a"))
+  assert paths.listdir(root) == []
+  if where == "gcs":  # nothing of ours was written anywhere but the bucket
+    assert sorted(gcs_lib.objects(gcs, "gs://paths")) == [
+        "root-moved/staged/sub/y.txt", "root-moved/staged/x.bin"]
+
+
+def test_storage_errors_are_one_line_naming_the_path(gcs):
+  with pytest.raises(paths.StorageError, match=r"^writing gs://no-such-bucket/x failed: .*"
+                     ) as e:
+    paths.write_text("gs://no-such-bucket/x", "data")
+  assert "\n" not in str(e.value)
+  with pytest.raises(FileNotFoundError):
+    paths.read_bytes(gcs.bucket("errors") + "/missing")
+
+
+def test_ranged_reads_equal_numpy_and_the_hf_reader_reads_gcs(tmp_path, gcs):
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  tensors = {"f32": rng.standard_normal((6, 5, 3)).astype(np.float32),
+             "bf16": rng.standard_normal((7, 4)).astype(ml_dtypes.bfloat16),
+             "i32": np.arange(5, dtype=np.int32)}
+  save_file(tensors, str(tmp_path / "t.safetensors"))
+  remote = gcs.bucket("ranged") + "/t.safetensors"
+  gcs_lib.upload(gcs, str(tmp_path / "t.safetensors"), remote)
+  with ranged.RangedFile(remote) as f:
+    assert sorted(f.keys()) == sorted(tensors)
+    for name, want in tensors.items():
+      s = f.get_slice(name)
+      assert s.get_shape() == list(want.shape)
+      np.testing.assert_array_equal(s[()], want)
+      np.testing.assert_array_equal(s[2:4], want[2:4])
+      if want.ndim > 1:
+        np.testing.assert_array_equal(s[1:5, 1:3], want[1:5, 1:3])
+  # A whole HF directory read from the bucket, each device's block by range.
+  model_dir = gcs.bucket("ranged") + "/llama3"
+  gcs_lib.upload(gcs, os.path.join(HF, "llama3"), model_dir)
+  cfg = hf.read_config(model_dir)
+  assert cfg == hf.read_config(os.path.join(HF, "llama3"))
+  mesh = jax.make_mesh((8,), ("data",))
+  specs = jax.tree.map(lambda x: P(*([None] * (x.ndim - 1) + ["data"])) if x.shape[-1] % 8 == 0
+                       else P(), hf.load_params(os.path.join(HF, "llama3"), cfg))
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                           is_leaf=lambda x: isinstance(x, P))
+  got = hf.load_params(model_dir, cfg, shardings=shardings)
+  want = hf.load_params(os.path.join(HF, "llama3"), cfg)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(got), jax.device_get(want))
+
+
+def _trainer(args, env_extra=None, cwd=None, timeout=600):
+  """Runs trainer.py with `args` on 8 CPU devices; returns the CompletedProcess."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu", **(env_extra or {}))
+  return subprocess.run([sys.executable, os.path.join(runs.REPO, "trainer.py"), *args],
+                        env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def _pod_inputs(tmp_path, server, bucket: str) -> dict:
+  """Uploads the shipped pairs and a tiny HF model directory (with a tokenizer) to
+  `bucket`; returns the path flags that read them from there."""
+  from tunix_core import model as model_lib  # pylint: disable=g-import-not-at-top
+  cfg = dataclasses.replace(model_lib.preset("tiny"), vocab_size=320)
+  model_dir = tmp_path / "model"
+  hf.save_params(model_lib.init_params(jax.random.PRNGKey(3), cfg), cfg, str(model_dir),
+                 dtype="float32")
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    shutil.copy(os.path.join(HF, "tokenizer", name), model_dir)
+  gcs_lib.upload(server, str(model_dir), f"{bucket}/model")
+  for name in ("train.jsonl", "eval.jsonl"):
+    gcs_lib.upload(server, os.path.join(runs.REPO, "data", name), f"{bucket}/data/{name}")
+  return {"hf_model_dir": f"{bucket}/model", "train_data": f"{bucket}/data/train.jsonl",
+          "eval_data": f"{bucket}/data/eval.jsonl"}
+
+
+def _ckpt_steps(out):
+  ckpt = checkpoint.Checkpointer(paths.join(out, "checkpoints"))
+  try:
+    return ckpt.steps(), {s: ckpt.read_meta(s)["fingerprints"] for s in ckpt.steps()}
+  finally:
+    ckpt.close()
+
+
+@pytest.mark.slow
+def test_a_run_on_gcs_trains_resumes_falls_back_and_exports(tmp_path, gcs):
+  """Output, data and HF model all on `gs://`: a run killed (SIGKILL) after its step-4
+  checkpoint resumes bit-exactly (metrics.jsonl keeps its rows up to the restored step,
+  then one row per step); a damaged newest step (bytes flipped in an object) is moved
+  aside and the run falls back past it; only --keep steps stay; the export lands on
+  `gs://`; and nothing is written to local disk but the temporary directory."""
+  bucket = gcs.bucket("pod")
+  flags = dict(_pod_inputs(tmp_path, gcs, bucket), max_length=48, max_prompt_length=24,
+               batch_size=8, log_every=1, save_every=2, keep=2, eval_every=4,
+               learning_rate=1e-3)
+  args = lambda out, **kw: [f"--{k}={v}" for k, v in {**flags, "output_dir": out, **kw}.items()]
+  work, tmp, home = (tmp_path / d for d in ("work", "tmp", "home"))
+  for d in (work, tmp, home):
+    d.mkdir()
+  # The measured-peak cache of CPU devices (none on TPU) goes to XDG_CACHE_HOME.
+  local = dict(TMPDIR=str(tmp), HOME=str(home), XDG_CACHE_HOME=str(tmp / "cache"))
+
+  straight = _trainer(args(f"{bucket}/straight", steps=8), local, work)
+  assert straight.returncode == 0, straight.stderr[-3000:]
+  run = f"{bucket}/run"
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu", **local)
+  proc = subprocess.Popen([sys.executable, os.path.join(runs.REPO, "trainer.py"),
+                           *args(run, steps=8)], env=env, cwd=work,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 300
+  while "4/commit_success.txt" not in "".join(gcs_lib.objects(gcs, f"{run}/checkpoints")):
+    assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+    time.sleep(0.1)
+  proc.kill()
+  proc.wait()
+  resumed = _trainer(args(run, steps=8), local, work)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "resumed from step" in resumed.stdout
+  got, want = runs.rows(run), runs.rows(f"{bucket}/straight")
+  assert [r["step"] for r in got] == [r["step"] for r in want]  # one row per logged step
+  assert runs.losses(run) == runs.losses(f"{bucket}/straight")  # bit-identical
+  steps, prints = _ckpt_steps(run)
+  assert steps == [6, 8] and prints[8] == _ckpt_steps(f"{bucket}/straight")[1][8]
+
+  # Damage step 8: flip bytes in its largest array object, then train on to step 10.
+  objs = gcs_lib.objects(gcs, f"{run}/checkpoints/8/state")
+  name = max((n for n in objs if "/d/" in f"/{n}"), key=objs.get)
+  data = bytearray(gcs_lib.download(gcs, f"{run}/checkpoints/8/state/{name}"))
+  data[len(data) // 2:len(data) // 2 + 64] = bytes(b ^ 0xFF for b in data[len(data) // 2:
+                                                                        len(data) // 2 + 64])
+  gcs_lib.upload_bytes(gcs, bytes(data), f"{run}/checkpoints/8/state/{name}")
+  again = _trainer(args(run, steps=10, export_hf_dir=f"{bucket}/export"), local, work)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "checkpoint step 8 " in again.stdout and "resumed from step 6 " in again.stdout
+  assert any(n.startswith("8-") for n in paths.listdir(f"{run}/checkpoints.rejected"))
+  assert _ckpt_steps(run)[0] == [8, 10]  # --keep=2
+  exported = gcs_lib.objects(gcs, f"{bucket}/export")
+  assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(exported)
+  assert os.listdir(work) == [] and os.listdir(home) == []  # local disk: TMPDIR only

@@ -1,0 +1,224 @@
+"""Paths on local disk or object storage (`gs://bucket/path`), behind one small layer.
+
+Everything the trainer reads or writes outside Orbax (metrics, logs, the reference
+cache, the damaged-step quarantine, exports, HF directories, data) goes through here;
+Orbax and TensorStore speak `gs://` themselves. A path is a plain `str`; a remote one has
+a scheme and is reached through `etils.epath` (Orbax's own path library, over `gcsfs`).
+
+Object storage has no directories (a prefix exists once an object is under it), no
+append (an object is written whole) and no rename (a copy, then a delete). The functions
+here give both kinds the same meaning: `makedirs` of a remote prefix does nothing,
+`write_*` replace a file atomically (locally through a temporary file and a rename; an
+object is replaced whole by one upload), and `move` copies every object before it
+deletes any, so a failure part-way loses nothing.
+
+Failures: a transient one (connection refused or reset, a timeout, HTTP 408, 429 or 5xx)
+is retried with exponential backoff for at most `RETRY_SECONDS`; anything else, or a
+failure that outlasts the retries, is one `StorageError` line naming the operation and
+the path. `FileNotFoundError` passes through unchanged, for callers that expect it.
+"""
+
+import contextlib
+import os
+import re
+import shutil
+import tempfile
+import time
+
+RETRY_SECONDS = 30.0  # the budget of retries of one operation on object storage
+_TRANSIENT = re.compile(r"\b(408|429|500|502|503|504)\b|timed? ?out|connection (refused|"
+                        r"reset|aborted)|cannot connect|server disconnected", re.I)
+
+
+class StorageError(OSError):
+  """A read or write that failed; the message names the operation, the path and why."""
+
+
+def is_remote(path: str) -> bool:
+  return "://" in str(path)
+
+
+def join(base: str, *parts: str) -> str:
+  if is_remote(base):
+    return "/".join([base.rstrip("/"), *(p.strip("/") for p in parts)])
+  return os.path.join(base, *parts)
+
+
+def _epath(path: str):
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  return epath.Path(path)
+
+
+def _reason(e: BaseException) -> str:
+  text = str(e).strip().splitlines()
+  return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
+
+
+def _transient(e: BaseException) -> bool:
+  if isinstance(e, (ConnectionError, TimeoutError)):
+    return True
+  return bool(_TRANSIENT.search(f"{type(e).__name__} {e}"))
+
+
+def call(what: str, path: str, fn, writes: bool = False):
+  """`fn()`, retried while it fails transiently (for `RETRY_SECONDS` at most) on a remote
+  `path`; a failure is a `StorageError` "`what` `path` failed: reason" (a missing file
+  stays a `FileNotFoundError` unless the call `writes`: then a missing bucket or
+  directory is the failure)."""
+  deadline, delay = time.monotonic() + RETRY_SECONDS, 0.5
+  while True:
+    try:
+      return fn()
+    except StorageError:
+      raise
+    except FileNotFoundError as e:
+      if not writes:
+        raise
+      raise StorageError(f"{what} {path} failed: no such bucket or directory "
+                         f"({_reason(e)})") from None
+    except Exception as e:  # noqa: BLE001 - gcsfs, aiohttp and OS errors alike
+      if is_remote(path) and _transient(e) and time.monotonic() + delay < deadline:
+        time.sleep(delay)
+        delay *= 2
+        continue
+      raise StorageError(f"{what} {path} failed: {_reason(e)}") from None
+
+
+def exists(path: str) -> bool:
+  return call("checking", path, lambda: _epath(path).exists())
+
+
+def isdir(path: str) -> bool:
+  """A local directory, or a remote prefix with an object under it."""
+  return call("checking", path, lambda: _epath(path).is_dir())
+
+
+def isfile(path: str) -> bool:
+  return call("checking", path, lambda: _epath(path).is_file())
+
+
+def listdir(path: str) -> list[str]:
+  """Sorted names directly under `path` ([] when it does not exist)."""
+  if not isdir(path):
+    return []
+  return sorted(call("listing", path, lambda: [p.name for p in _epath(path).iterdir()]))
+
+
+def getsize(path: str) -> int:
+  return call("reading the size of", path, lambda: _epath(path).stat().length)
+
+
+def makedirs(path: str) -> None:
+  """Creates a local directory and its parents; a remote prefix needs nothing."""
+  if not is_remote(path):
+    call("creating", path, lambda: os.makedirs(path, exist_ok=True), writes=True)
+
+
+def read_bytes(path: str) -> bytes:
+  return call("reading", path, lambda: _epath(path).read_bytes())
+
+
+def read_text(path: str) -> str:
+  return read_bytes(path).decode("utf-8", errors="replace")
+
+
+def write_bytes(path: str, data: bytes) -> None:
+  """Replaces `path` with `data` atomically (readers see the old or the new file)."""
+  if is_remote(path):
+    call("writing", path, lambda: _epath(path).write_bytes(data), writes=True)
+    return
+  makedirs(os.path.dirname(path) or ".")
+  tmp = f"{path}.{os.getpid()}.tmp"
+
+  def write():
+    with open(tmp, "wb") as f:
+      f.write(data)
+    os.replace(tmp, path)
+
+  try:
+    call("writing", path, write, writes=True)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+
+
+def write_text(path: str, text: str) -> None:
+  write_bytes(path, text.encode("utf-8"))
+
+
+def open_read(path: str):
+  """A binary file object of `path` that seeks (remote: ranged reads, nothing more)."""
+  return call("opening", path, lambda: _epath(path).open("rb"))
+
+
+def remove(path: str) -> None:
+  """Deletes a file or object, or a whole directory or prefix."""
+  p = _epath(path)
+  call("deleting", path, lambda: p.rmtree() if p.is_dir() else p.unlink(missing_ok=True))
+
+
+def _files(root: str) -> list[str]:
+  """Paths relative to `root` of every file (object) under it."""
+  bare = lambda p: str(p).split("://", 1)[-1].rstrip("/")  # gcsfs walks without gs://
+  base, out = bare(_epath(root)), []
+  for top, _, names in call("listing", root, lambda: list(_epath(root).walk())):
+    rel = bare(top)[len(base):].strip("/")
+    out += [f"{rel}/{name}" if rel else name for name in names]
+  return sorted(out)
+
+
+def copy_file(src: str, dst: str) -> None:
+  """Streams one file between any two places (local or remote), 16 MiB at a time."""
+  if not is_remote(dst):
+    makedirs(os.path.dirname(dst) or ".")
+
+  def copy():
+    with _epath(src).open("rb") as fin, _epath(dst).open("wb") as fout:
+      shutil.copyfileobj(fin, fout, 16 << 20)
+
+  call("copying to", dst, copy, writes=True)
+
+
+def copy_tree(src: str, dst: str) -> None:
+  """Copies every file under `src` to the same place under `dst`."""
+  for rel in _files(src):
+    copy_file(join(src, rel), join(dst, rel))
+
+
+def move(src: str, dst: str) -> None:
+  """Moves the file or directory `src` to `dst`: a rename on local disk; on object
+  storage every object is copied before `src` is deleted, so nothing is lost."""
+  if not is_remote(src) and not is_remote(dst):
+    makedirs(os.path.dirname(dst))
+    call("moving to", dst, lambda: os.rename(src, dst), writes=True)
+    return
+  if isdir(src):
+    copy_tree(src, dst)
+  else:
+    copy_file(src, dst)
+  remove(src)
+
+
+@contextlib.contextmanager
+def staged_dir(path: str):
+  """A local directory to write `path`'s files in: `path` itself when local; for a remote
+  `path` a temporary directory, uploaded to it on a clean exit, then removed."""
+  if not is_remote(path):
+    makedirs(path)
+    yield path
+    return
+  with tempfile.TemporaryDirectory(prefix="tunix-stage-") as local:
+    yield local
+    copy_tree(local, path)
+
+
+@contextlib.contextmanager
+def local_copy(path: str):
+  """A local directory holding `path`'s files: `path` itself when local; a remote
+  `path` is downloaded into a temporary directory, removed on exit."""
+  if not is_remote(path):
+    yield path
+    return
+  with tempfile.TemporaryDirectory(prefix="tunix-fetch-") as local:
+    copy_tree(path, local)
+    yield local

@@ -1,0 +1,85 @@
+"""One-line checks of a run config (`TrainConfig.validate`): the first setting that
+cannot work raises `ConfigError` naming its flag. Path flags may be local or remote
+(`storage.paths`)."""
+
+from tunix_core.parallel import tensor_parallel
+from tunix_core.storage import paths
+
+
+# --chat_template values besides a path to a jinja file.
+CHAT_TEMPLATES = ("auto", "none")
+
+
+class ConfigError(ValueError):
+  """A setting that cannot work; the message names the flag."""
+
+
+def check(cfg, num_devices: int, choices: dict) -> None:
+  """Raises ConfigError for the first setting of `cfg` (a `TrainConfig`) that cannot
+  work on `num_devices` devices; `choices`: each choice flag's allowed values."""
+  def need(cond, msg):
+    if not cond:
+      raise ConfigError(msg)
+
+  for name, allowed in choices.items():
+    value = getattr(cfg, name)
+    verb = "is not a preset" if name == "model" else "is unknown"
+    need(value in allowed, f"--{name}={value!r} {verb}; choose one of {allowed}")
+  need(cfg.steps > 0, f"--steps must be positive, got {cfg.steps}")
+  need(cfg.batch_size > 0, f"--batch_size must be positive, got {cfg.batch_size}")
+  k = cfg.model_parallel
+  need(k >= 1 and num_devices % k == 0,
+       f"--model_parallel={k} does not divide the {num_devices} devices")
+  shards = num_devices // k
+  what = (f"{shards} data-parallel shards ({num_devices} devices / --model_parallel={k})"
+          if k > 1 else f"{num_devices} devices")
+  need(cfg.batch_size % shards == 0,
+       f"--batch_size={cfg.batch_size} is not divisible by the {what}")
+  need(cfg.grad_accum_steps > 0, f"--grad_accum_steps must be positive, got "
+       f"{cfg.grad_accum_steps}")
+  need(cfg.batch_size % (shards * cfg.grad_accum_steps) == 0,
+       f"--batch_size={cfg.batch_size} does not split into {cfg.grad_accum_steps} "
+       f"micro-batches on each of the {what}")
+  need(cfg.bucket_mb > 0, f"--bucket_mb must be positive, got {cfg.bucket_mb}")
+  need(cfg.check_replicas_every >= 0, "--check_replicas_every must be >= 0")
+  need(not (cfg.fsdp and cfg.check_replicas_every),
+       "--check_replicas_every checks replicated params; under --fsdp no param is "
+       "replicated (set it to 0)")
+  need(0 < cfg.max_prompt_length < cfg.max_length,
+       f"--max_prompt_length={cfg.max_prompt_length} must be positive and less than "
+       f"--max_length={cfg.max_length}")
+  need(cfg.beta > 0, f"--beta must be positive, got {cfg.beta}")
+  need(cfg.learning_rate > 0, f"--learning_rate must be positive, got {cfg.learning_rate}")
+  need(cfg.log_every > 0, f"--log_every must be positive, got {cfg.log_every}")
+  need(cfg.eval_every >= 0, f"--eval_every must be >= 0, got {cfg.eval_every}")
+  need(cfg.output_dir, "--output_dir is required")
+  need(cfg.train_data or cfg.compile_only, "--train_data is required (but for "
+       "--compile_only, which then plans for the flags' worst case)")
+  for name in ("train_data", "eval_data"):
+    path = getattr(cfg, name)
+    need(not path or paths.isfile(path), f"--{name}={path!r}: no such file")
+  need(not (cfg.eval_every and not cfg.eval_data), "--eval_every needs --eval_data")
+  need(not cfg.hf_model_dir or paths.isfile(paths.join(cfg.hf_model_dir, "config.json")),
+       f"--hf_model_dir={cfg.hf_model_dir!r} is not a Hugging Face model directory "
+       "(no config.json)")
+  if k > 1:
+    try:
+      tensor_parallel.check(cfg.model_config(), k)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
+  need(cfg.chat_template in CHAT_TEMPLATES or paths.isfile(cfg.chat_template),
+       f"--chat_template={cfg.chat_template!r} is neither {CHAT_TEMPLATES} nor a file")
+  need(not (cfg.export_hf_dir and paths.isfile(cfg.export_hf_dir)),
+       f"--export_hf_dir={cfg.export_hf_dir!r} is a file")
+  need(cfg.lora_rank >= 0, f"--lora_rank must be >= 0, got {cfg.lora_rank}")
+  need(cfg.lora_dropout == 0, f"--lora_dropout={cfg.lora_dropout}: only 0 is supported")
+  need(not cfg.export_merged or cfg.lora_rank or cfg.lora_init,
+       "--export_merged needs LoRA (--lora_rank or --lora_init)")
+  need(not cfg.lora_init or paths.isdir(cfg.lora_init),
+       f"--lora_init={cfg.lora_init!r} is not a directory")
+  if cfg.lora_rank or cfg.lora_init:
+    try:
+      cfg.lora_config()
+    except ValueError as e:  # hf.HFError is one too
+      raise ConfigError(f"--lora_*: {e}") from None
+
