@@ -8,12 +8,16 @@ through `TENSORSTORE_GCS_HTTP_URL` with a test token, `gcsfs` (`etils.epath`'s
 bucket types over gRPC.
 """
 
+import http.client
+import http.server
 import json
 import os
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -83,9 +87,65 @@ class Server:
     return f"gs://{name}"
 
   def stop(self) -> None:
+    """Kills the server (SIGKILL); `start` brings it back on the same port."""
     if self.proc is not None and self.proc.poll() is None:
       self.proc.kill()
       self.proc.wait()
+
+
+class DenyingProxy:
+  """An HTTP proxy in front of `server` that answers 403 Forbidden to every upload of an
+  object whose name starts with `deny` (None: forwards everything): a bucket where some
+  objects cannot be written. Point clients at `url` (`env(proxy.url)`)."""
+
+  def __init__(self, server: Server):
+    self.deny = None
+    backend = urllib.parse.urlparse(server.url)
+    proxy = self
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+      protocol_version = "HTTP/1.1"
+
+      def log_message(self, *_):
+        pass
+
+      def _forward(self):
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else None
+        query = urllib.parse.parse_qs(urllib.parse.urlparse(self.path).query)
+        name = (query.get("name") or [""])[0]
+        if proxy.deny is not None and self.command in ("POST", "PUT") and name.startswith(
+            proxy.deny):
+          data = json.dumps({"error": {"code": 403, "message": "Forbidden"}}).encode()
+          self.send_response(403)
+          self.send_header("Content-Type", "application/json")
+          self.send_header("Content-Length", str(len(data)))
+          self.end_headers()
+          self.wfile.write(data)
+          return
+        conn = http.client.HTTPConnection(backend.hostname, backend.port, timeout=60)
+        headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+        conn.request(self.command, self.path, body=body, headers=headers)
+        response = conn.getresponse()
+        data = response.read()
+        self.send_response(response.status)
+        for k, v in response.getheaders():
+          if k.lower() not in ("transfer-encoding", "content-length", "connection"):
+            self.send_header(k, v.replace(server.url, proxy.url))
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+        conn.close()
+
+      do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _forward
+
+    self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+    threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+  def stop(self) -> None:
+    self.httpd.shutdown()
+    self.httpd.server_close()
 
 
 def upload(server: Server, local: str, remote: str) -> None:

@@ -187,8 +187,10 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def test_two_processes_then_one_process_resume(tmp_path):
-  out = tmp_path / "mp"
+def test_two_processes_then_one_process_resume(tmp_path, gcs):
+  """Two processes (loopback) with no shared disk save to `gs://` (each its own shards);
+  one process resumes the run from there."""
+  out = gcs.bucket("multihost") + "/mp"
   cfg = _config(out, steps=3, save_every=3)
   port = _free_port()
   procs = [_spawn(cfg, devices=4, extra=[f"--coordinator_address=127.0.0.1:{port}",

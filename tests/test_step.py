@@ -19,8 +19,11 @@ EVAL = os.path.join(REPO, "data", "eval.jsonl")
 
 # Metrics of two train steps of the tiny preset on the first 8 shipped pairs (1 CPU
 # device, float32, seed 0, AdamW lr 2e-3, in-step reference, plain rows), recorded per jax minor
-# version with the exact release named: that release must reproduce them bit for bit,
-# any other patch release within 1e-6 (0.10 and 0.12 themselves differ by ~2e-6).
+# version with the release named. Within 1e-6 relative or 1e-5 absolute, not bit for bit:
+# XLA:CPU compiles for the host's instruction set, so one release on two CPUs differs in
+# the last bits (measured: 1.5e-6 absolute on the rewards, which are differences of
+# ~50-nat log-probs, between an AVX-512 host and the one these were recorded on; 0.10
+# and 0.12 themselves differ by ~2e-6).
 # These must only change with an intended change of the numerics (model math, init,
 # data encoding, loss, optimizer): then rerun this test, paste the values it prints
 # and say why in the commit. A refactor that moves them has changed behaviour.
@@ -82,11 +85,12 @@ def test_golden_step_metrics(tmp_path):
     pytest.fail(f"no golden metrics pinned for jax {minor}; measured with {version}:\n"
                 f"    {rows!r}")
   recorded_with, golden = GOLDEN[minor]
-  tol = dict(rel=0, abs=0) if version == recorded_with else dict(rel=1e-6, abs=1e-7)
+  tol = dict(rel=1e-6, abs=1e-5)
   for step, (got, want) in enumerate(zip(rows, golden), start=1):
     for key in GOLDEN_KEYS:
       assert got[key] == pytest.approx(want[key], **tol), (
-          f"step {step} {key}: {got[key]!r} != pinned {want[key]!r} (jax {version}). "
+          f"step {step} {key}: {got[key]!r} != pinned {want[key]!r} (jax {version}; "
+          f"pinned with {recorded_with}). "
           "Update GOLDEN only for an intended numerical change (see its comment); "
           f"measured:\n    {rows!r}")
 

@@ -187,3 +187,75 @@ def test_a_run_on_gcs_trains_resumes_falls_back_and_exports(tmp_path, gcs):
   exported = gcs_lib.objects(gcs, f"{bucket}/export")
   assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(exported)
   assert os.listdir(work) == [] and os.listdir(home) == []  # local disk: TMPDIR only
+
+
+def _until(cond, proc, timeout=300):
+  deadline = time.time() + timeout
+  while not cond():
+    assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+    time.sleep(0.1)
+
+
+def _committed(server, out) -> list[int]:
+  names = gcs_lib.objects(server, f"{out}/checkpoints")
+  return sorted(int(n.split("/")[0]) for n in names
+                if n.count("/") == 1 and n.endswith("/commit_success.txt"))
+
+
+def _one_error_line(proc, seconds: float, codes) -> str:
+  """The trainer ended with a status in `codes` within `seconds`, with one error line."""
+  out, err = proc.communicate(timeout=seconds)
+  assert proc.returncode in codes, err[-3000:]
+  errors = [l for l in err.splitlines() if l.startswith("trainer.py: error:")]
+  assert len(errors) == 1 and len(err.splitlines()) <= 8, err
+  return errors[0]
+
+
+@pytest.mark.slow
+def test_storage_failures_end_in_one_line_and_keep_the_last_checkpoint(tmp_path):
+  """A bucket that does not exist, objects that cannot be written (403 from a proxy in
+  front of the server) and a server killed mid-run each end the trainer with one error
+  line within two minutes; the newest complete checkpoint stays, and resumes."""
+  server = gcs_lib.Server(root=str(tmp_path / "objects"))  # survives a restart
+  proxy = gcs_lib.DenyingProxy(server)
+  server.bucket("pod")
+  base = ["--train_data=" + runs.TRAIN, "--max_length=48", "--max_prompt_length=24",
+          "--batch_size=8", "--log_every=1", "--save_every=2"]
+
+  def spawn(url, out, *extra):
+    env = dict(os.environ, **gcs_lib.env(url), JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    return subprocess.Popen([sys.executable, os.path.join(runs.REPO, "trainer.py"),
+                             f"--output_dir={out}", *base, *extra], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+  try:
+    line = _one_error_line(spawn(server.url, "gs://no-such-bucket/run", "--steps=2"), 120, [1])
+    assert "gs://no-such-bucket/run/checkpoints" in line and "no such bucket" in line
+
+    denied = "gs://pod/denied"
+    proc = spawn(proxy.url, denied, "--steps=500")
+    _until(lambda: _committed(server, denied) == [2], proc)
+    proxy.deny = "denied/checkpoints/4"  # step 2 may still be finishing its writes
+    line = _one_error_line(proc, 120, [4])
+    assert "writing checkpoint step 4 to gs://pod/denied/checkpoints failed" in line
+    assert line.endswith("newest complete checkpoint: step 2 (library messages in "
+                         + line.split("(library messages in ")[-1])
+    assert _committed(server, denied) == [2]
+
+    killed = "gs://pod/killed"
+    proc = spawn(server.url, killed, "--steps=500")
+    _until(lambda: _committed(server, killed) == [2], proc)
+    server.stop()
+    # Whichever write meets the dead server first names itself: a checkpoint's (status
+    # 4, naming the newest complete step) or metrics.jsonl's (status 1).
+    line = _one_error_line(proc, 120, [1, 4])
+    assert "gs://pod/killed" in line and "failed" in line
+    server.start()
+    assert _committed(server, killed) == [2]
+    resumed = spawn(server.url, killed, "--steps=3", "--resume=required")
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0 and "resumed from step 2" in out, err[-3000:]
+  finally:
+    proxy.stop()
+    server.stop()

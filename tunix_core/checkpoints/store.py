@@ -36,6 +36,24 @@ from jax.experimental import multihost_utils
 from tunix_core.storage import paths
 
 
+# TensorStore retries a failing GCS request up to 32 times, its delay growing to 32 s
+# (about 15 minutes) before Orbax sees the error. A checkpoint on object storage gets a
+# bound like the run's other storage calls: 5 retries, 1 s doubling to 8 s (23 s).
+GCS_RETRIES = {"max_retries": 5, "initial_delay": "1s", "max_delay": "8s"}
+
+
+def _bound_gcs_retries() -> None:
+  """Puts `GCS_RETRIES` into the TensorStore contexts Orbax creates (its defaults are
+  module dicts it copies per context); an Orbax without them keeps TensorStore's."""
+  try:
+    from orbax.checkpoint._src.serialization import tensorstore_utils  # pylint: disable=g-import-not-at-top
+    for context in (tensorstore_utils._BASE_TS_CONTEXT,  # pylint: disable=protected-access
+                    tensorstore_utils._DEFAULT_OCDBT_TS_CONTEXT):  # pylint: disable=protected-access
+      context["gcs_request_retries"] = dict(GCS_RETRIES)
+  except (ImportError, AttributeError):
+    pass
+
+
 class CheckpointError(RuntimeError):
   """A checkpoint that cannot be used; the message says which and why."""
 
@@ -104,6 +122,10 @@ class Checkpointer:
                async_save: bool = True):
     self.directory = directory
     self._writing = None  # the step whose save was started and not yet committed
+    self._committed = None  # the newest step known complete (for errors when the
+                            # directory itself cannot be listed)
+    if paths.is_remote(directory):
+      _bound_gcs_retries()
     try:
       paths.makedirs(directory)
       probe = paths.join(directory, f".write_probe_{uuid.uuid4().hex}")
@@ -120,13 +142,16 @@ class Checkpointer:
   def steps(self) -> list[int]:
     """Steps with a complete checkpoint, oldest first (temporary directories excluded)."""
     self.manager.reload()
-    return sorted(self.manager.all_steps())
+    steps = sorted(self.manager.all_steps())
+    if steps:
+      self._committed = max(steps[-1], self._committed or 0)
+    return steps
 
   def _write_failed(self, step, e: BaseException) -> CheckpointWriteError:
     try:
       complete = [s for s in self.steps() if s != step]
     except Exception:  # noqa: BLE001 - the directory itself may be what failed
-      complete = []
+      complete = [self._committed] if self._committed is not None else []
     newest = f"step {complete[-1]}" if complete else "none"
     return CheckpointWriteError(
         f"writing checkpoint step {step} to {self.directory} failed: {_os_error(e)}; "
@@ -150,6 +175,8 @@ class Checkpointer:
       self.manager.wait_until_finished()
     except Exception as e:  # noqa: BLE001
       raise self._write_failed(self._writing, e) from None
+    if self._writing is not None:
+      self._committed = max(self._writing, self._committed or 0)
     self._writing = None
 
   def read_meta(self, step: int) -> dict:

@@ -25,7 +25,9 @@ import shutil
 import tempfile
 import time
 
-RETRY_SECONDS = 30.0  # the budget of retries of one operation on object storage
+# The budget of this layer's retries of one operation on object storage, on top of the
+# client's own (gcsfs tries each request 6 times, backing off for about 33 s).
+RETRY_SECONDS = 10.0
 _TRANSIENT = re.compile(r"\b(408|429|500|502|503|504)\b|timed? ?out|connection (refused|"
                         r"reset|aborted)|cannot connect|server disconnected", re.I)
 
