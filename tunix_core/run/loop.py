@@ -17,6 +17,7 @@ from tunix_core.checkpoints import resume
 from tunix_core.checkpoints import store as checkpoint
 from tunix_core.run import evaluate as evaluate_lib
 from tunix_core.run import metrics as metrics_lib
+from tunix_core.run import observe
 from tunix_core.run import preemption
 from tunix_core.run import ref_cache
 from tunix_core.run import source as source_lib
@@ -35,9 +36,9 @@ def _precompute_refs(cfg, steps, ref_params, train_set, eval_set, log):
   if cfg.reference != "precomputed":
     return None, None
   cache_dir = paths.join(cfg.output_dir, "ref_cache")
-  train_ref = ref_cache.precompute_ref_logps(steps, ref_params, train_set, cache_dir)
+  train_ref = ref_cache.precompute_ref_logps(steps, ref_params, train_set, cache_dir, log)
   eval_ref = (None if eval_set is None else
-              ref_cache.precompute_ref_logps(steps, ref_params, eval_set, cache_dir))
+              ref_cache.precompute_ref_logps(steps, ref_params, eval_set, cache_dir, log))
   log(f"reference log-probs precomputed (cache: {cache_dir})")
   return train_ref, eval_ref
 
@@ -103,8 +104,10 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
 
   it = data_lib.BatchIterator(train_set, cfg.batch_size, cfg.seed,
                               state=meta["data_state"] if meta else None)
-  writer = (metrics_lib.MetricsWriter(cfg.output_dir, resume_step=start, log=log)
+  writer = (metrics_lib.MetricsWriter(cfg.output_dir, resume_step=start, log=log,
+                                      sinks=observe.open_sinks(cfg, source, log))
             if primary else None)
+  profiler = observe.Profiler(cfg, log)
   peak, peak_source = flops.peak_flops(
       next(d for d in devices if d.process_index == jax.process_index()),
       model_lib.DTYPES[mcfg.compute_dtype])
@@ -130,14 +133,20 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
         model_config=mcfg, nonfinite=health, source=source,
         layout=steps.layout.name, model_parallel=steps.model_parallel)
     log(f"checkpoint step {step}: saving asynchronously (content digest {digest})")
+    if writer is not None:
+      writer.note(f"checkpoint/{step}", digest)
 
+  log(f"step {start + 1}: compiling the step, then running it (the first line waits "
+      "for both)")
   try:
     with preemption.StopSignal() as stop:
       for step in range(start + 1, cfg.steps + 1):
         idx = it.next_indices()
         batch = ref_cache.with_ref(data_lib.take_pairs(train_set, idx), train_ref, idx)
         progress.count_tokens(int(batch["attention_mask"].sum()))
+        profiler.before(step)
         state, metrics = steps.train_step(state, ref_params, steps.put_batch(batch))
+        profiler.after(step, state)
         if step == start + 1 or (cfg.check_replicas_every
                                  and step % cfg.check_replicas_every == 0):
           steps.check_replicas(state["params"])
@@ -155,10 +164,12 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
           log(f"stop signal: step {step} saved and committed")
           raise preemption.Preempted(step)
         if _every(cfg.save_every, step, cfg.steps) or step == cfg.steps:
+          flush()  # its row is written before the step can be restored
           save(step)
       flush()
       health_lib.check_finite(jax.device_get(state["nonfinite"]), cfg.on_nonfinite, log)
   except BaseException:
+    profiler.stop()
     progress.close()
     ckpt.close(quiet=True)  # an error is on its way already; let pending saves finish
     raise

@@ -18,11 +18,12 @@ class MetricsWriter:
   A fresh run (`resume_step=0`) starts the file anew; a resumed run keeps the rows up
   to its checkpoint step and drops later ones, which the resumed run writes again.
   Locally rows are appended and flushed one by one. Object storage cannot append: there
-  the whole file is uploaded again after every row (a few KB per 10 rows; the rows a
-  checkpoint step needs are always uploaded before that step is saved).
+  the whole file is uploaded again after every row (a few KB per 10 rows). Every row
+  also goes to `sinks` (`run.observe`: TensorBoard, W&B), which `close` closes.
   """
 
-  def __init__(self, output_dir: str, resume_step: int = 0, log=print):
+  def __init__(self, output_dir: str, resume_step: int = 0, log=print, sinks=()):
+    self.sinks = list(sinks)
     self.path = paths.join(output_dir, "metrics.jsonl")
     kept, dropped = [], 0
     if resume_step and paths.exists(self.path):
@@ -51,10 +52,19 @@ class MetricsWriter:
     else:
       self._lines.append(line)
       paths.write_text(self.path, "".join(self._lines))
+    for sink in self.sinks:
+      sink.write(row)
+
+  def note(self, key: str, text: str) -> None:
+    """A fact of the run that is not a metric (a checkpoint's digest) for the sinks."""
+    for sink in self.sinks:
+      sink.note(key, text)
 
   def close(self) -> None:
     if self._lines is None:
       self._file.close()
+    for sink in self.sinks:
+      sink.close()
 
 
 def _parse_row(line: str) -> dict | None:

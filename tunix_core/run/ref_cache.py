@@ -30,12 +30,14 @@ def _data_hash(dataset: data_lib.PreferenceDataset, ref_params) -> str:
 
 
 def precompute_ref_logps(steps: step_lib.StepFunctions, ref_params,
-                         dataset: data_lib.PreferenceDataset, cache_dir: str) -> np.ndarray:
+                         dataset: data_lib.PreferenceDataset, cache_dir: str,
+                         log=lambda _: None) -> np.ndarray:
   """Reference log-probs of every pair, float32 `[num_pairs, 2, T]`, cached in
   `cache_dir` (local or remote).
 
   The cache file name is a hash of the encoded data and the reference params (and the
   model config), so a change to either recomputes instead of reusing stale values.
+  `log` gets a progress line at every tenth of the batches.
   """
   key = _data_hash(dataset, ref_params) + hashlib.sha256(
       repr((steps.mcfg, steps.cfg.logprob_impl)).encode()).hexdigest()[:8]
@@ -44,7 +46,10 @@ def precompute_ref_logps(steps: step_lib.StepFunctions, ref_params,
     return np.load(io.BytesIO(paths.read_bytes(path)))
   n, B = len(dataset), steps.cfg.batch_size
   out = np.zeros(dataset.tokens.shape, np.float32)
-  for start in range(0, n, B):
+  batches = -(-n // B)
+  for i, start in enumerate(range(0, n, B)):
+    if batches >= 10 and i % (batches // 10) == 0:
+      log(f"reference log-probs: batch {i + 1}/{batches}")
     idx = np.arange(start, start + B) % n  # wrap the last batch; extra pairs are discarded
     batch = steps.put_batch(data_lib.take_pairs(dataset, idx))
     keep = min(B, n - start)

@@ -72,6 +72,16 @@ class TrainConfig:
                             "loss, metrics or gradient norm is NaN/Inf, without applying "
                             "or saving it; skip: skip such steps' updates and count them.",
                             group="run")
+  # Watching a run.
+  tensorboard_dir: str = _flag("", "TensorBoard event files of the metrics (local or gs://; "
+                               "needs the tensorboard extra). Empty: "
+                               "{output_dir}/tensorboard; none: off.", group="observe")
+  wandb_project: str = _flag("", "Also log the metrics, the config and the checkpoint "
+                             "digests to this Weights & Biases project (needs wandb; "
+                             "WANDB_MODE=offline works without a network). Empty: off.",
+                             group="observe")
+  profile_steps: str = _flag("", "N:M: write a JAX profiler trace of steps N to M to "
+                             "{output_dir}/profile. Empty: off.", group="observe")
   # Data.
   train_data: str = _flag("", "Training pairs, JSONL: prompt/chosen/rejected strings or "
                           "TRL conversational messages. Required, but for --compile_only.",
@@ -219,6 +229,13 @@ class TrainConfig:
       from tunix_core.hf import config as hf_config  # pylint: disable=g-import-not-at-top
       return hf_config.read_config(self.hf_model_dir, **overrides)
     return model_lib.preset(self.model, **overrides)
+
+  def profile_range(self) -> tuple[int, int] | None:
+    """`--profile_steps` as `(first, last)`, or None."""
+    if not self.profile_steps:
+      return None
+    first, _, last = self.profile_steps.partition(":")
+    return int(first), int(last or first)
 
   def ref_param_dtype(self) -> str:
     return self.param_dtype if self.ref_dtype == "auto" else self.ref_dtype

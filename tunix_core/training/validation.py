@@ -2,6 +2,8 @@
 cannot work raises `ConfigError` naming its flag. Path flags may be local or remote
 (`storage.paths`)."""
 
+import importlib.util
+
 from tunix_core.parallel import tensor_parallel
 from tunix_core.storage import paths
 
@@ -82,4 +84,13 @@ def check(cfg, num_devices: int, choices: dict) -> None:
       cfg.lora_config()
     except ValueError as e:  # hf.HFError is one too
       raise ConfigError(f"--lora_*: {e}") from None
+  steps = cfg.profile_steps
+  if steps:
+    first, _, last = steps.partition(":")
+    need(first.isdigit() and (last or first).isdigit()
+         and 1 <= int(first) <= int(last or first),
+         f"--profile_steps={steps!r}: expected N:M with 1 <= N <= M (or one step N)")
+  if cfg.wandb_project:
+    need(importlib.util.find_spec("wandb") is not None,
+         f"--wandb_project={cfg.wandb_project!r} needs wandb: pip install 'tunix-core[wandb]'")
 

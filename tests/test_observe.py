@@ -1,0 +1,100 @@
+"""Watching a run (`tunix_core.run.observe`, `tunix_core.plot`): TensorBoard event files,
+an offline W&B run and the PNG curves hold what `metrics.jsonl` holds; a profile of the
+chosen steps is written. One run, its output on `gs://` (the loopback server of
+`tests/gcs.py`), so the uploads of each are checked too."""
+
+import glob
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+
+import runs
+from tunix_core.plot import __main__ as plot_main
+from tunix_core.run import loop as train
+from tunix_core.storage import paths
+
+
+def _wandb_history(run_file: str) -> list[dict]:
+  """The history rows of a W&B `.wandb` file: LevelDB-log framed `Record` protobufs (a
+  7-byte ":W&B" header; 32 KiB blocks of records, each a 7-byte header (crc, length,
+  type: full, first, middle, last) and its bytes)."""
+  from wandb.proto import wandb_internal_pb2  # pylint: disable=g-import-not-at-top
+  data = open(run_file, "rb").read()
+  assert data[:4] == b":W&B"
+  pos, parts, rows = 7, [], []
+  while pos + 7 <= len(data):
+    left = 32768 - pos % 32768
+    _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+    if left < 7 or (kind == 0 and length == 0):
+      pos += left
+      continue
+    parts.append(data[pos + 7:pos + 7 + length])
+    pos += 7 + length
+    if kind in (1, 4):  # a full record, or the last part of one
+      record = wandb_internal_pb2.Record()
+      record.ParseFromString(b"".join(parts))
+      parts = []
+      if record.WhichOneof("record_type") == "history":
+        rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                     for i in record.history.item})
+  return rows
+
+
+@pytest.mark.slow
+def test_tensorboard_wandb_plots_and_profile_hold_the_metrics(tmp_path, gcs, monkeypatch):
+  event_accumulator = pytest.importorskip(
+      "tensorboard.backend.event_processing.event_accumulator")
+  tensor_util = pytest.importorskip("tensorboard.util.tensor_util")
+  pytest.importorskip("wandb")
+  pytest.importorskip("matplotlib")
+  monkeypatch.setenv("WANDB_MODE", "offline")
+  monkeypatch.setenv("WANDB_SILENT", "true")
+  out = gcs.bucket("observe") + "/run"
+  cfg = runs.quickstart_config(out, steps=4, log_every=1, eval_every=2, save_every=0,
+                               batch_size=8, wandb_project="tunix-tests", profile_steps="2:3")
+  lines = []
+  train.train(cfg, log=lines.append)
+  assert f"TensorBoard: {out}/tensorboard" in lines
+  rows = runs.rows(out)
+  want = {}  # (tag, step) -> value, as metrics.jsonl has them
+  for row in rows:
+    want.update({(k, row["step"]): v for k, v in row.items() if k != "step"})
+  assert ("eval/loss", 4) in want and ("grad_norm", 3) in want
+
+  with paths.local_copy(out) as local:
+    acc = event_accumulator.EventAccumulator(os.path.join(local, "tensorboard"),
+                                             size_guidance={"tensors": 0})
+    acc.Reload()
+    # tensorboard's writer stores scalars as v2 summaries: scalar tensors of the scalars
+    # plugin, which TensorBoard draws as scalars.
+    got = {(tag, e.step): float(tensor_util.make_ndarray(e.tensor_proto))
+           for tag in acc.Tags()["tensors"] for e in acc.Tensors(tag)}
+    assert set(got) == set(want)
+    for key, value in want.items():
+      assert got[key] == pytest.approx(value, rel=1e-6), key  # stored as float32
+
+    (run_file,) = glob.glob(os.path.join(local, "wandb", "wandb", "offline-run-*",
+                                         "run-*.wandb"))
+    history = {}
+    for row in _wandb_history(run_file):
+      history.update({(k, row["_step"]): v for k, v in row.items() if not k.startswith("_")})
+    assert history == want
+
+    traces = [f for f in glob.glob(os.path.join(local, "profile", "**", "*"), recursive=True)
+              if os.path.isfile(f)]
+    assert traces and sum(os.path.getsize(f) for f in traces) > 1000
+
+  assert plot_main.main([out]) == 0
+  with paths.local_copy(paths.join(out, "plots")) as local:
+    names = sorted(os.listdir(local))
+    assert {"loss.png", "accuracy.png", "margin.png", "logps.png", "grad_norm.png",
+            "tokens_per_sec.png"} <= set(names)
+    from matplotlib import image  # pylint: disable=g-import-not-at-top
+    loss = image.imread(os.path.join(local, "loss.png"))
+    assert loss.shape[0] > 200 and loss.shape[1] > 400
+    rgb = loss[..., :3]
+    # A curve is drawn: pixels in matplotlib's first line colour (C0, #1f77b4).
+    assert np.sum(np.all(np.abs(rgb - np.array([0x1f, 0x77, 0xb4]) / 255) < 0.05, -1)) > 100

@@ -1,0 +1,138 @@
+"""Watching a run: its metric rows in TensorBoard and Weights & Biases, and a profiler
+trace of chosen steps. Each is optional and imported only when used.
+
+- `TensorBoard`: the rows of `metrics.jsonl` as scalars (tags exactly its keys, `eval/...`
+  included, at the row's step), written with `tensorboard`'s own writer (the
+  `tensorboard` extra). Event files cannot be appended to on object storage: for a
+  `gs://` directory they are written in a local temporary directory and uploaded whole
+  after every row.
+- `Wandb`: the same rows to a W&B run (`--wandb_project`; `WANDB_MODE=offline` works with
+  no network), with the run config and the model's fingerprint as its config and every
+  checkpoint's content digest in its summary. Its id derives from `--output_dir`, so a
+  resumed run continues the same W&B run.
+- `Profiler`: a JAX profiler trace of steps N..M (`--profile_steps=N:M`) into
+  `{output_dir}/profile` (uploaded there from a temporary directory on object storage).
+
+Only process 0 writes any of them.
+"""
+
+import dataclasses
+import hashlib
+import os
+import shutil
+import tempfile
+
+import jax
+
+from tunix_core.storage import paths
+
+
+class _Staged:
+  """A directory written locally: `path` itself, or for a remote `path` a temporary
+  directory whose files `upload` copies there."""
+
+  def __init__(self, path: str, prefix: str):
+    self.path = path
+    self.local = tempfile.mkdtemp(prefix=prefix) if paths.is_remote(path) else path
+    os.makedirs(self.local, exist_ok=True)
+
+  def upload(self) -> None:
+    if self.local != self.path:
+      paths.copy_tree(self.local, self.path)
+
+  def close(self) -> None:
+    self.upload()
+    if self.local != self.path:
+      shutil.rmtree(self.local, ignore_errors=True)
+
+
+class TensorBoard:
+  """Scalars of every metrics row in event files under `log_dir` (local or remote)."""
+
+  def __init__(self, log_dir: str):
+    from tensorboard.summary import Writer  # pylint: disable=g-import-not-at-top
+    self.dir = _Staged(log_dir, "tunix-tensorboard-")
+    self._writer = Writer(self.dir.local)
+
+  def write(self, row: dict) -> None:
+    for key, value in row.items():
+      if key != "step" and isinstance(value, (int, float)):
+        self._writer.add_scalar(key, value, row["step"])
+    self._writer.flush()
+    self.dir.upload()
+
+  def note(self, key: str, text: str) -> None:
+    del key, text  # scalars only: digests go to W&B and the log
+
+  def close(self) -> None:
+    self._writer.close()
+    self.dir.close()
+
+
+class Wandb:
+  """A Weights & Biases run of `project` holding the metrics rows; its files under
+  `{output_dir}/wandb` (uploaded there at the end when the output is remote)."""
+
+  def __init__(self, project: str, cfg, source: dict):
+    import wandb  # pylint: disable=g-import-not-at-top
+    self.dir = _Staged(paths.join(cfg.output_dir, "wandb"), "tunix-wandb-")
+    run_id = hashlib.sha256(cfg.output_dir.encode()).hexdigest()[:16]
+    self.run = wandb.init(project=project, id=run_id, resume="allow", dir=self.dir.local,
+                          name=cfg.output_dir.rstrip("/").rpartition("/")[-1],
+                          config={**dataclasses.asdict(cfg), "source": source})
+
+  def write(self, row: dict) -> None:
+    self.run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+
+  def note(self, key: str, text: str) -> None:
+    self.run.summary[key] = text
+
+  def close(self) -> None:
+    self.run.finish()
+    self.dir.close()
+
+
+def open_sinks(cfg, source: dict, log) -> list:
+  """The metric sinks of this run besides `metrics.jsonl` (process 0 only): TensorBoard
+  unless `--tensorboard_dir=none` (one line says how to get it when the extra is
+  missing), W&B when `--wandb_project` is set."""
+  sinks = []
+  if cfg.tensorboard_dir != "none":
+    log_dir = cfg.tensorboard_dir or paths.join(cfg.output_dir, "tensorboard")
+    try:
+      sinks.append(TensorBoard(log_dir))
+      log(f"TensorBoard: {log_dir}")
+    except ImportError:
+      log("TensorBoard: off (pip install 'tunix-core[tensorboard]' writes event files to "
+          "--tensorboard_dir)")
+  if cfg.wandb_project:
+    sinks.append(Wandb(cfg.wandb_project, cfg, source))
+    log(f"W&B: project {cfg.wandb_project}, run {sinks[-1].run.id}")
+  return sinks
+
+
+class Profiler:
+  """Traces steps `first..last` (`--profile_steps=first:last`; None: never) with the JAX
+  profiler into `{output_dir}/profile`."""
+
+  def __init__(self, cfg, log):
+    self.range, self.log = cfg.profile_range(), log
+    self.dir = None
+    self.out = paths.join(cfg.output_dir, "profile")
+
+  def before(self, step: int) -> None:
+    if self.range and step == self.range[0]:
+      self.dir = _Staged(self.out, "tunix-profile-")
+      jax.profiler.start_trace(self.dir.local)
+
+  def after(self, step: int, state) -> None:
+    if self.dir is not None and step == self.range[1]:
+      jax.block_until_ready(state)
+      self.stop()
+      self.log(f"profile of steps {self.range[0]}-{self.range[1]} written to {self.out}")
+
+  def stop(self) -> None:
+    if self.dir is not None:
+      jax.profiler.stop_trace()
+      self.dir.close()  # every process its own trace (one file per host)
+      self.dir = None
