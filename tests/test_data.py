@@ -63,6 +63,14 @@ def test_dataset_batches_and_drops(tmp_path):
   assert (batch["targets"][batch["loss_mask"] == 0] == IGN).all()
 
 
+def test_a_large_file_logs_its_encoding_progress(tmp_path):
+  path = _write(tmp_path, [_pair(f"q{i}", "a", "b") for i in range(10_000)])
+  lines = []
+  ds = data.load_dataset(path, TOK, max_length=16, max_prompt_length=8, log=lines.append)
+  assert len(ds) == 10_000
+  assert lines == [f"{path}: encoding pair {i:,} of 10,000" for i in range(1, 10_000, 1000)]
+
+
 def test_iterator_is_deterministic_and_resumes(tmp_path):
   lines = [_pair(f"p{i}", f"c{i}", f"r{i}") for i in range(10)]
   ds = data.load_dataset(_write(tmp_path, lines), TOK, 16, 8)

@@ -38,7 +38,7 @@ def load_data(cfg, log, vocab_size: int | None = None):
   vocab_size = vocab_size or cfg.model_config().vocab_size
   def load(path):
     return data_lib.load_dataset(path, tok, cfg.max_length, cfg.max_prompt_length,
-                                 cfg.skip_bad_lines, vocab_size=vocab_size)
+                                 cfg.skip_bad_lines, vocab_size=vocab_size, log=log)
   train_set = load(cfg.train_data)
   eval_set = load(cfg.eval_data) if cfg.eval_data else None
   mismatches = train_set.num_prefix_mismatch + (eval_set.num_prefix_mismatch if eval_set
