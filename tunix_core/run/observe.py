@@ -18,32 +18,10 @@ Only process 0 writes any of them.
 
 import dataclasses
 import hashlib
-import os
-import shutil
-import tempfile
 
 import jax
 
 from tunix_core.storage import paths
-
-
-class _Staged:
-  """A directory written locally: `path` itself, or for a remote `path` a temporary
-  directory whose files `upload` copies there."""
-
-  def __init__(self, path: str, prefix: str):
-    self.path = path
-    self.local = tempfile.mkdtemp(prefix=prefix) if paths.is_remote(path) else path
-    os.makedirs(self.local, exist_ok=True)
-
-  def upload(self) -> None:
-    if self.local != self.path:
-      paths.copy_tree(self.local, self.path)
-
-  def close(self) -> None:
-    self.upload()
-    if self.local != self.path:
-      shutil.rmtree(self.local, ignore_errors=True)
 
 
 class TensorBoard:
@@ -51,7 +29,7 @@ class TensorBoard:
 
   def __init__(self, log_dir: str):
     from tensorboard.summary import Writer  # pylint: disable=g-import-not-at-top
-    self.dir = _Staged(log_dir, "tunix-tensorboard-")
+    self.dir = paths.Staged(log_dir, "tunix-tensorboard-")
     self._writer = Writer(self.dir.local)
 
   def write(self, row: dict) -> None:
@@ -75,7 +53,7 @@ class Wandb:
 
   def __init__(self, project: str, cfg, source: dict):
     import wandb  # pylint: disable=g-import-not-at-top
-    self.dir = _Staged(paths.join(cfg.output_dir, "wandb"), "tunix-wandb-")
+    self.dir = paths.Staged(paths.join(cfg.output_dir, "wandb"), "tunix-wandb-")
     run_id = hashlib.sha256(cfg.output_dir.encode()).hexdigest()[:16]
     self.run = wandb.init(project=project, id=run_id, resume="allow", dir=self.dir.local,
                           name=cfg.output_dir.rstrip("/").rpartition("/")[-1],
@@ -122,7 +100,7 @@ class Profiler:
 
   def before(self, step: int) -> None:
     if self.range and step == self.range[0]:
-      self.dir = _Staged(self.out, "tunix-profile-")
+      self.dir = paths.Staged(self.out, "tunix-profile-")
       jax.profiler.start_trace(self.dir.local)
 
   def after(self, step: int, state) -> None:

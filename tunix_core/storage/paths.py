@@ -201,17 +201,38 @@ def move(src: str, dst: str) -> None:
   remove(src)
 
 
+class Staged:
+  """A local directory standing in for `path`: `path` itself when local; for a remote
+  `path` a temporary directory, whose files `upload` copies there (each file whole, as
+  often as asked) and `close` uploads a last time, then removes."""
+
+  def __init__(self, path: str, prefix: str = "tunix-stage-"):
+    self.path = path
+    self.local = tempfile.mkdtemp(prefix=prefix) if is_remote(path) else path
+    makedirs(self.local)
+
+  def upload(self) -> None:
+    if self.local != self.path:
+      copy_tree(self.local, self.path)
+
+  def close(self, upload: bool = True) -> None:
+    if upload:
+      self.upload()
+    if self.local != self.path:
+      shutil.rmtree(self.local, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def staged_dir(path: str):
-  """A local directory to write `path`'s files in: `path` itself when local; for a remote
-  `path` a temporary directory, uploaded to it on a clean exit, then removed."""
-  if not is_remote(path):
-    makedirs(path)
-    yield path
-    return
-  with tempfile.TemporaryDirectory(prefix="tunix-stage-") as local:
-    yield local
-    copy_tree(local, path)
+  """A local directory to write `path`'s files in (`Staged`): uploaded on a clean exit;
+  a temporary one is removed either way."""
+  staged = Staged(path)
+  try:
+    yield staged.local
+  except BaseException:
+    staged.close(upload=False)
+    raise
+  staged.close()
 
 
 @contextlib.contextmanager
