@@ -40,7 +40,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kernels import tpu  # noqa: E402
 from tunix_core import data as data_lib  # noqa: E402
 from tunix_core.aot import compile as aot  # noqa: E402
 from tunix_core.parallel import tensor_parallel  # noqa: E402
@@ -163,7 +162,7 @@ def main():
                  help="comma-separated: precomputed, bf16 and/or f32")
   p.add_argument("--layouts", default="zero1,fsdp,fsdp+tp2",
                  help="comma-separated: zero1, fsdp, fsdp+tpK (--model_parallel=K)")
-  p.add_argument("--topology", default="v5e-8", choices=sorted(tpu.TOPOLOGIES))
+  p.add_argument("--topology", default="v5e-8", help="a Cloud TPU slice name (kernels.tpu.parse_topology)")
   p.add_argument("--throughput_steps", type=int, default=7, help="0: skip the CPU timing")
   p.add_argument("--out", default=None, help="where to write the memory table (default: "
                  "docs/results/memory_<topology>.md; empty: nowhere)")

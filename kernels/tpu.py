@@ -9,6 +9,7 @@ JAX device (a v4 or v5p megacore chip is one device with two TensorCores).
 
 import dataclasses
 import importlib.util
+import re
 
 import jax
 
@@ -50,17 +51,11 @@ CHIPS = {
     "v6e": Chip("v6e", ("TPU v6 lite", "TPU v6e"), 128 * MiB, 32 * MiB, 32 * GiB,
                 ("v6e:2x4", "default", (2, 2, 1))),
 }
-# Named slices for `--target_topology`: (chip, topology_name, chip_config_name,
-# chips_per_host_bounds). "v4-8" and "v5p-8" count TensorCores, as their slice names
-# do: 4 megacore chips, 4 JAX devices.
-TOPOLOGIES = {
-    "v4-8": ("v4", "v4:2x2x1", "megacore", (2, 2, 1)),
-    "v5e-4": ("v5e", "v5e:2x2", "default", (2, 2, 1)),
-    "v5e-8": ("v5e", "v5e:2x4", "default", (2, 2, 1)),
-    "v5e-16": ("v5e", "v5e:4x4", "default", (2, 2, 1)),
-    "v5p-8": ("v5p", "v5p:2x2x1", "megacore", (2, 2, 1)),
-    "v6e-8": ("v6e", "v6e:2x4", "default", (2, 2, 1)),
-}
+# A TPU slice as Cloud TPU names it: `v5e-256`, `v6e-64`, `v5p-128`, `v4-8`, and `KxNAME`
+# for K slices of it (`2xv5e-256`). v4 and v5p names count TensorCores (two per chip).
+_SLICE = re.compile(r"(?:(\d+)x)?(v4|v5e|v5p|v6e)-(\d+)")
+_CORES_PER_CHIP = {"v4": 2, "v5p": 2, "v5e": 1, "v6e": 1}
+
 # What the kernels may assume when the generation is unknown at trace time.
 MIN_SCOPED_VMEM_BYTES = min(c.scoped_vmem_bytes for c in CHIPS.values())
 # The share of a VMEM limit the kernels' own model of their tiles may fill: the rest is
@@ -128,16 +123,41 @@ def aot_devices(chip) -> list:
       chips_per_host_bounds=bounds, num_slices=1, wrap=(False, False, False)).devices)
 
 
+def parse_topology(name: str) -> tuple[str, str, str, tuple, int]:
+  """`(chip, topology_name, chip_config_name, chips_per_host_bounds, num_slices)` of a
+  slice name (`_SLICE`) for `jax.experimental.topologies.get_topology_desc`: v5e and v6e
+  chips on a 2-D torus, v4 and v5p (megacore) on a 3-D one, a power of two of chips.
+  ValueError naming what is wrong."""
+  m = _SLICE.fullmatch(name)
+  if m is None:
+    raise ValueError(f"unknown TPU topology {name!r}: expected a Cloud TPU slice name "
+                     "such as v5e-8, v5e-256, v6e-64, v5p-128, v4-8, or 2xv5e-256 for "
+                     "two slices")
+  slices, chip, count = int(m.group(1) or 1), m.group(2), int(m.group(3))
+  chips, rest = divmod(count, _CORES_PER_CHIP[chip])
+  if rest or chips < 1 or chips & (chips - 1) or slices < 1:
+    raise ValueError(f"TPU topology {name!r}: {chip} slices have a power of two of chips"
+                     + (" (the name counts TensorCores, two per chip)"
+                        if _CORES_PER_CHIP[chip] > 1 else ""))
+  bits = chips.bit_length() - 1
+  if chip in ("v5e", "v6e"):
+    dims = (2 ** (bits // 2), 2 ** (bits - bits // 2))
+    config, bounds = "default", (min(2, dims[0]), min(2, dims[1]), 1)
+  else:  # chips go to x, y, z in turn
+    dims = tuple(2 ** (bits // 3 + (bits % 3 > axis)) for axis in range(3))
+    config, bounds = "megacore", (min(2, dims[0]), min(2, dims[1]), 1)
+  return chip, f"{chip}:{'x'.join(map(str, dims))}", config, bounds, slices
+
+
 def topology_devices(name: str) -> tuple[Chip, list]:
-  """`(chip, devices)` of a named slice in `TOPOLOGIES`, for compiling ahead of time
-  (needs `libtpu`; works with `JAX_PLATFORMS=cpu`)."""
-  if name not in TOPOLOGIES:
-    raise ValueError(f"unknown TPU topology {name!r}; choose one of {tuple(TOPOLOGIES)}")
+  """`(chip, devices)` of a named slice (`parse_topology`), for compiling ahead of time
+  (needs `libtpu`; works with `JAX_PLATFORMS=cpu`). Devices of several slices are in
+  slice order."""
+  chip, topology, config, bounds, slices = parse_topology(name)
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
-  chip, topology, config, bounds = TOPOLOGIES[name]
   return CHIPS[chip], list(topologies.get_topology_desc(
       topology_name=topology, platform="tpu", chip_config_name=config,
-      chips_per_host_bounds=bounds, num_slices=1, wrap=(False, False, False)).devices)
+      chips_per_host_bounds=bounds, num_slices=slices, wrap=(False, False, False)).devices)
 
 
 def has_libtpu() -> bool:

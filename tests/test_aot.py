@@ -36,6 +36,22 @@ def test_sizes_print_in_gib_or_mib_below_a_tenth_to_3_significant_figures():
   assert aot._gib(int(92.16 * (1 << 20))) == "92.2 MiB"
 
 
+def test_slice_names_as_cloud_tpu_spells_them():
+  assert tpu.parse_topology("v5e-8") == ("v5e", "v5e:2x4", "default", (2, 2, 1), 1)
+  assert tpu.parse_topology("v5e-256")[1] == "v5e:16x16"
+  assert tpu.parse_topology("v6e-64")[1] == "v6e:8x8"
+  assert tpu.parse_topology("v5p-128") == ("v5p", "v5p:4x4x4", "megacore", (2, 2, 1), 1)
+  assert tpu.parse_topology("v4-8")[1:3] == ("v4:2x2x1", "megacore")  # 8 cores, 4 chips
+  assert tpu.parse_topology("2xv5e-256")[1:] == ("v5e:16x16", "default", (2, 2, 1), 2)
+  assert tpu.parse_topology("v5e-1")[1:4] == ("v5e:1x1", "default", (1, 1, 1))
+  with pytest.raises(ValueError, match="expected a Cloud TPU slice name"):
+    tpu.parse_topology("v7-8")
+  with pytest.raises(ValueError, match="counts TensorCores"):
+    tpu.parse_topology("v5p-6")
+  with pytest.raises(config_lib.ConfigError, match="--target_topology: unknown TPU topology"):
+    _config("/tmp/unused", target_topology="tpu-8").validate(8)
+
+
 @pytest.mark.slow
 def test_local_compile_reports_memory_and_fits(tmp_path):
   lines = []
@@ -65,6 +81,10 @@ def test_tpu_slice_from_an_hf_config_alone_validated_for_the_target(tmp_path):
   # Checked against the slice's 8 devices, not this host's.
   with pytest.raises(config_lib.ConfigError, match="not divisible by the 4 devices"):
     aot.compile_only(_config(tmp_path, batch_size=6), "v4-8", log=lines.append)
+  # Any slice name the compiler knows, several slices included (one data axis over both).
+  lines.clear()
+  assert aot.compile_only(cfg, "2xv5e-4", log=lines.append) == 0
+  assert "8 x TPU v5 lite" in lines[0] and "fits" in lines[3]
 
 
 @pytest.mark.slow

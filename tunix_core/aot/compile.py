@@ -3,9 +3,9 @@ topology, and whether it fits, without allocating anything.
 
 The plan is the one `run.loop.train` builds (`training.plan.make_plan`): from the data
 when `--train_data` is given (it is read and encoded, nothing else), else from the
-flags' worst case. With `libtpu` installed, `--target_topology=v5e-8` (or any name in
-`kernels.tpu.TOPOLOGIES`) gives the devices of that TPU slice on any host, even with
-`JAX_PLATFORMS=cpu`; the step is lowered with `jax.ShapeDtypeStruct` inputs sharded on a
+flags' worst case. With `libtpu` installed, `--target_topology=v5e-8` (or any Cloud TPU
+slice name, `kernels.tpu.parse_topology`) gives the devices of that TPU slice on any
+host, even with `JAX_PLATFORMS=cpu`; the step is lowered with `jax.ShapeDtypeStruct` inputs sharded on a
 mesh of them and compiled by the real TPU compiler (Pallas kernels included). Nothing is
 initialised or loaded: the params, optimizer state, reference and batch are abstract
 (under `--reference=precomputed` the reference log-probs are an abstract input too),

@@ -148,6 +148,10 @@ PRESETS = {
     "8b": ModelConfig(vocab_size=128_256, d_model=4096, num_layers=32, num_heads=32,
                       num_kv_heads=8, head_dim=128, mlp_dim=14_336, rope_theta=500_000.0,
                       rope_type="llama3", rope_factor=8.0),
+    # Llama-3-70B shapes (the same family at 80 layers of width 8192).
+    "70b": ModelConfig(vocab_size=128_256, d_model=8192, num_layers=80, num_heads=64,
+                       num_kv_heads=8, head_dim=128, mlp_dim=28_672, rope_theta=500_000.0,
+                       rope_type="llama3", rope_factor=8.0),
 }
 
 

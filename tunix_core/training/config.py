@@ -8,7 +8,6 @@ import dataclasses
 
 import kernels
 from kernels import attention as attention_lib
-from kernels import tpu
 from tunix_core import model as model_lib
 from tunix_core.model import lora as lora_lib
 from tunix_core.parallel import collectives
@@ -195,8 +194,9 @@ class TrainConfig:
                              "cost analysis, allocating nothing; exit 0 if it fits, 1 if "
                              "not.", group="aot")
   target_topology: str = _flag("local", "Devices --compile_only compiles for: local (this "
-                               "host's) or a TPU slice (needs libtpu, works on any host).",
-                               group="aot")
+                               "host's), or any Cloud TPU slice name (v5e-8, v5e-256, "
+                               "v6e-64, v5p-128, v4-8; 2xv5e-256 for two slices; needs "
+                               "libtpu, works on any host).", group="aot")
 
   def validate(self, num_devices: int) -> None:
     """Raises ConfigError with one line naming the offending setting."""
@@ -263,5 +263,4 @@ CHOICES = {
     "grad_sync_dtype": tuple(collectives.COMM_DTYPES),
     "resume": RESUME_MODES,
     "on_nonfinite": NONFINITE_ACTIONS,
-    "target_topology": ("local",) + tuple(tpu.TOPOLOGIES),
 }

@@ -22,8 +22,7 @@ def flag_table() -> str:
       if f.metadata["group"] != group:
         continue
       choices = CHOICES.get(f.name)
-      extra = (f" One of: {', '.join(choices)}." if choices and f.name != "target_topology"
-               else "")
+      extra = f" One of: {', '.join(choices)}." if choices else ""
       what = (f.metadata["help"] + extra).replace("|", "\\|")  # a literal bar in a cell
       out.append(f"| `--{f.name}` | `{f.default!r}` | {what} |")
     out.append("")

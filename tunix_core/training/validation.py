@@ -4,6 +4,7 @@ cannot work raises `ConfigError` naming its flag. Path flags may be local or rem
 
 import importlib.util
 
+from kernels import tpu
 from tunix_core.parallel import tensor_parallel
 from tunix_core.storage import paths
 
@@ -84,6 +85,11 @@ def check(cfg, num_devices: int, choices: dict) -> None:
       cfg.lora_config()
     except ValueError as e:  # hf.HFError is one too
       raise ConfigError(f"--lora_*: {e}") from None
+  if cfg.target_topology != "local":
+    try:
+      tpu.parse_topology(cfg.target_topology)
+    except ValueError as e:
+      raise ConfigError(f"--target_topology: {e}") from None
   steps = cfg.profile_steps
   if steps:
     first, _, last = steps.partition(":")
