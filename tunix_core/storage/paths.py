@@ -160,7 +160,11 @@ def remove(path: str) -> None:
 
 
 def _files(root: str) -> list[str]:
-  """Paths relative to `root` of every file (object) under it."""
+  """Paths relative to `root` of every file (object) under it; locally, links to
+  directories are not followed (W&B's `latest-run`)."""
+  if not is_remote(root):
+    return sorted(os.path.relpath(os.path.join(top, name), root)
+                  for top, _, names in os.walk(root) for name in names)
   bare = lambda p: str(p).split("://", 1)[-1].rstrip("/")  # gcsfs walks without gs://
   base, out = bare(_epath(root)), []
   for top, _, names in call("listing", root, lambda: list(_epath(root).walk())):
