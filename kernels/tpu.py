@@ -188,12 +188,16 @@ def compiled_stats(compiled) -> dict:
   """Per-device bytes (`argument`, `output`, `temp`, and `alias`: outputs written into
   donated arguments, counted in both) from the compiled memory analysis, `peak` (the
   compiler's own peak of live bytes, `peak_memory_in_bytes`; None where this jax does not
-  report it), and `flops`, `bytes_accessed` from its cost analysis."""
+  report it), `host` (host memory: the temporaries offloaded to it, plus host arguments
+  and outputs), and `flops`, `bytes_accessed` from its cost analysis."""
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   return dict(argument=memory.argument_size_in_bytes, output=memory.output_size_in_bytes,
               temp=memory.temp_size_in_bytes,
               alias=getattr(memory, "alias_size_in_bytes", 0),
-              peak=getattr(memory, "peak_memory_in_bytes", None), flops=cost.get("flops", 0.0),
+              peak=getattr(memory, "peak_memory_in_bytes", None),
+              host=sum(getattr(memory, f"host_{k}_size_in_bytes", 0) or 0
+                       for k in ("argument", "output", "temp")),
+              flops=cost.get("flops", 0.0),
               bytes_accessed=cost.get("bytes accessed", 0.0))

@@ -155,3 +155,17 @@ def test_compile_only_lowers_the_very_step_the_run_trains(tmp_path, monkeypatch)
   _, lowered = aot.lower(aot.plan_for(dataclasses.replace(cfg, compile_only=True),
                                       jax.devices()), jax.devices())
   assert lowered.as_text() == str(trained.value)
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_offload_remat_moves_activations_to_host_memory(tmp_path):
+  """`--remat=offload` on a TPU target: less HBM than `--remat=none`, the difference in
+  pinned host memory, which the compiled stats report."""
+  chip, devices = aot.target_devices("v5e-8")
+  stats = {remat: aot.compile_stats(aot.plan_for(_config(
+      tmp_path, train_data="", max_length=2048, max_prompt_length=1024,
+      compute_dtype="bfloat16", remat=remat), devices), chip, devices)
+      for remat in ("none", "offload")}
+  assert stats["offload"]["need"] < stats["none"]["need"]
+  assert stats["offload"]["host"] > 0 and stats["none"]["host"] == 0

@@ -1,5 +1,6 @@
 """The step functions: pinned golden metrics and no retracing in the training loop."""
 
+import dataclasses
 import os
 
 import chex
@@ -7,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+import runs
 from tunix_core import data as data_lib
 from tunix_core.run import loop as train
 from tunix_core.training import config as config_lib
@@ -118,3 +120,13 @@ def test_training_loop_never_retraces_a_step(tmp_path, monkeypatch):
                 max_length=24, max_prompt_length=12)
   result = train.train(cfg, log=lambda *_: None, devices=jax.devices()[:2])
   assert int(result["state"]["step"]) == 4 and "eval/loss" in result["eval"]
+
+
+@pytest.mark.slow
+def test_offload_remat_equals_full_remat_on_cpu(tmp_path):
+  """`--remat=offload` (matmul outputs to pinned host memory, back for the backward) runs
+  on CPU devices under FSDP and computes what `--remat=full` does."""
+  cfg = runs.config(tmp_path, steps=3, fsdp=True, remat="full")
+  full = runs.step_run(runs.steps(cfg, jax.devices()), cfg)
+  cfg = dataclasses.replace(cfg, remat="offload")
+  runs.assert_agree(runs.step_run(runs.steps(cfg, jax.devices()), cfg), full, tol=1e-6)

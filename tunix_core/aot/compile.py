@@ -154,7 +154,8 @@ def compile_only(cfg, target: str, log=print) -> int:
   need = stats["need"]
   log(f"per device: arguments {_gib(stats['argument'])}, outputs {_gib(stats['output'])} "
       f"({_gib(stats['alias'])} of them in donated arguments), temporaries "
-      f"{_gib(stats['temp'])} as analysed")
+      f"{_gib(stats['temp'])} as analysed"
+      + (f"; host memory {_gib(stats['host'])} (--remat=offload)" if stats["host"] else ""))
   figures = {"allocated by the compiler's buffer assignment": stats["hbm"],
              "the compiler's peak": stats["peak"],
              "arguments + temporaries as analysed": stats["total"]}

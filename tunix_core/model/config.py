@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from kernels import attention as attention_lib
 
-RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
+RematPolicy = Literal["none", "full", "dots", "dots_no_batch", "offload"]
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -36,6 +36,10 @@ REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    # The layer's matmul outputs (our projections are 2-D dots) go to pinned host memory
+    # in the forward and come back for the backward: neither held in HBM nor recomputed.
+    "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device",
+                                                                     "pinned_host"),
 }
 
 

@@ -116,7 +116,8 @@ class TrainConfig:
                          "--param_dtype); bfloat16 halves their memory.", group="model")
   compute_dtype: str = _flag("auto", "Activation/matmul dtype (auto: bfloat16 on TPU, "
                              "float32 elsewhere); params keep --param_dtype.", group="model")
-  remat: str = _flag("none", "Rematerialisation policy of each layer in the backward.",
+  remat: str = _flag("none", "Rematerialisation policy of each layer in the backward "
+                     "(offload: matmul outputs to pinned host memory and back).",
                      group="model")
   export_hf_dir: str = _flag("", "After the last step, write the policy here as a Hugging "
                              "Face directory (with --hf_model_dir's config and tokenizer "
