@@ -168,6 +168,7 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
           save(step)
       flush()
       health_lib.check_finite(jax.device_get(state["nonfinite"]), cfg.on_nonfinite, log)
+      profiler.stop()  # a range past the last step ends with the run
   except BaseException:
     profiler.stop()
     progress.close()

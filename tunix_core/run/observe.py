@@ -110,6 +110,7 @@ class Profiler:
       self.log(f"profile of steps {self.range[0]}-{self.range[1]} written to {self.out}")
 
   def stop(self) -> None:
+    """Ends a trace in progress (a range cut short by the run's end or an error)."""
     if self.dir is not None:
       jax.profiler.stop_trace()
       self.dir.close()  # every process its own trace (one file per host)
