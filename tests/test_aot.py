@@ -12,6 +12,7 @@ import pytest
 
 import runs
 from kernels import tpu
+from tunix_core.aot import comms
 from tunix_core.aot import compile as aot
 from tunix_core.run import loop
 from tunix_core.training import config as config_lib
@@ -169,3 +170,39 @@ def test_offload_remat_moves_activations_to_host_memory(tmp_path):
       for remat in ("none", "offload")}
   assert stats["offload"]["need"] < stats["none"]["need"]
   assert stats["offload"]["host"] > 0 and stats["none"]["host"] == 0
+
+
+HLO = """HloModule step
+
+%cond (p: (s32[], bf16[8,16])) -> pred[] {
+  %p = (s32[], bf16[8,16]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (p: (s32[], bf16[8,16])) -> (s32[], bf16[8,16]) {
+  %p = (s32[], bf16[8,16]) parameter(0)
+  %x = bf16[2,16]{1,0} get-tuple-element(%p), index=1
+  %g = bf16[8,16]{1,0} all-gather(%x), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}
+  ROOT %t = (s32[], bf16[8,16]) tuple(%i, %g)
+}
+
+ENTRY %main (a: f32[10]) -> f32[10] {
+  %a = f32[10]{0} parameter(0)
+  %r = f32[10]{0} all-reduce(%a), channel_id=2, replica_groups=[1,8]<=[8], to_apply=%add
+  %w = (s32[], bf16[8,16]) while(%init), condition=%cond, body=%body
+  ROOT %s = f32[10]{0} reduce-scatter(%r), channel_id=3, replica_groups={{0,1}}, dimensions={0}
+}
+"""
+
+
+def test_collective_bytes_are_read_from_the_hlo_with_loop_trip_counts():
+  """Per device, a ring over a group of n: the all-gather of bf16[8, 16] (256 bytes) in
+  groups of 4 inside a 3-trip loop sends 3 x 256 x 3/4; the all-reduce of f32[10] over 8
+  sends 2 x 40 x 7/8; the reduce-scatter to f32[10] over 2 sends 40 x 1."""
+  got = comms.collectives(HLO, 8)
+  assert got == {4: 3 * 256 * 3 / 4, 8: 2 * 40 * 7 / 8, 2: 40.0}
+  roof = comms.share(2e9, 197e12, 0.0, "v5e")  # 1 s of compute, 2 GB at 200 GB/s
+  assert roof["compute_s"] == pytest.approx(1.0) and roof["comm_s"] == pytest.approx(0.01)
+  assert roof["share"] == pytest.approx(0.01 / 1.01)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from kernels import tpu
 from tunix_core import model as model_lib
+from tunix_core.aot import comms
 from tunix_core.data import packing
 from tunix_core.run import source
 from tunix_core.training import plan as plan_lib
@@ -117,6 +118,7 @@ def compile_stats(plan: plan_lib.StepPlan, chip, devices) -> dict:
       return out
     hbm = _allocated_in_hbm(dump_dir) if chip is not None else None
   stats = tpu.compiled_stats(compiled)
+  stats["collectives"] = comms.collectives(compiled.as_text(), len(devices))
   total = stats["argument"] + stats["output"] - stats["alias"] + stats["temp"]
   held = stats["argument"] + stats["output"] - stats["alias"]
   out.update(stats, total=total, hbm=hbm, need=max(hbm or stats["peak"] or total, held))
@@ -167,6 +169,16 @@ def compile_only(cfg, target: str, log=print) -> int:
       + f": {'fits' if fits else 'does not fit'} ({'; '.join([basis] + others)})")
   log(f"cost analysis per device: {stats['flops']:.4g} flops, "
       f"{stats['bytes_accessed']:.4g} bytes accessed")
+  sent = sum(stats["collectives"].values())
+  groups = ", ".join(f"{_gib(b)} in groups of {n}"
+                     for n, b in sorted(stats["collectives"].items()))
+  if chip is not None:
+    roof = comms.share(sent, stats["flops"], stats["bytes_accessed"], chip.name)
+    log(f"communication share: {roof['share']:.1%} (per device {_gib(sent)} sent: "
+        f"{groups or 'none'}; {roof['comm_s'] * 1e3:.3g} ms at the chip's collective "
+        f"bandwidth against {roof['compute_s'] * 1e3:.3g} ms of compute, not overlapped)")
+  else:
+    log(f"communication per device: {_gib(sent)} sent ({groups or 'none'})")
   if not fits:
     log(f"does not fit: {_gib(need)} per device exceeds the {_gib(chip.hbm_bytes)} of a "
         f"{chip.name} chip")
