@@ -10,9 +10,10 @@ Orbax writes a step into a temporary directory and renames it when complete (on 
 storage, where nothing renames, it writes a commit marker last), so a process killed
 mid-save leaves the previous steps intact; the leftover temporary directory is removed
 on the next start. The directory may be local or `gs://` (Orbax's own support; the
-probe and the quarantine go through `tunix_core.storage.paths`). Restore takes explicit target shardings, so a
-checkpoint written on N devices restores on any other count (the ZeRO optimizer state,
-which is laid out per device, is re-cut for the new count by `tunix_core.parallel.zero`).
+probe and the quarantine go through `tunix_core.storage.paths`). Restore takes explicit
+target shardings, so a checkpoint written on N devices restores on any other count (the
+ZeRO optimizer state, which is laid out per device, is re-cut for the new count by
+`tunix_core.parallel.zero`).
 
 `save_state` is what the training loop calls to save: the state plus the metadata a
 step carries. Finding, checking and restoring the step to resume from is

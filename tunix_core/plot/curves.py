@@ -7,8 +7,8 @@ out (e.g. `mfu` on a run without a known peak).
 """
 
 import io
-import json
 
+from tunix_core.run import metrics
 from tunix_core.storage import paths
 
 # File name -> (title, y label, metrics keys).
@@ -25,15 +25,8 @@ FIGURES = {
 
 def read_rows(run_dir: str) -> list[dict]:
   """The rows of `{run_dir}/metrics.jsonl` (torn or foreign lines skipped)."""
-  rows = []
-  for line in paths.read_text(paths.join(run_dir, "metrics.jsonl")).splitlines():
-    try:
-      row = json.loads(line)
-    except ValueError:
-      continue
-    if isinstance(row, dict) and isinstance(row.get("step"), int):
-      rows.append(row)
-  return rows
+  lines = paths.read_text(paths.join(run_dir, "metrics.jsonl")).splitlines()
+  return [row for row in map(metrics.parse_row, lines) if row is not None]
 
 
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:

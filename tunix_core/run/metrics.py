@@ -28,7 +28,7 @@ class MetricsWriter:
     kept, dropped = [], 0
     if resume_step and paths.exists(self.path):
       for line in paths.read_text(self.path).splitlines(keepends=True):
-        row = _parse_row(line)
+        row = parse_row(line)
         if row is None:
           dropped += bool(line.strip())
         elif row["step"] <= resume_step:
@@ -67,7 +67,7 @@ class MetricsWriter:
       sink.close()
 
 
-def _parse_row(line: str) -> dict | None:
+def parse_row(line: str) -> dict | None:
   """A metrics row (a JSON object with an integer `step`), or None for anything else."""
   try:
     row = json.loads(line)
