@@ -171,7 +171,7 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
       profiler.stop()  # a range past the last step ends with the run
   except BaseException:
     profiler.stop()
-    progress.close()
+    progress.close(upload=False)  # the error may be the storage's: no more uploads
     ckpt.close(quiet=True)  # an error is on its way already; let pending saves finish
     raise
   progress.close()

@@ -60,11 +60,13 @@ class MetricsWriter:
     for sink in self.sinks:
       sink.note(key, text)
 
-  def close(self) -> None:
+  def close(self, upload: bool = True) -> None:
+    """Closes the file and the sinks; `upload=False` (a run ending in an error, maybe of
+    the storage itself) skips the sinks' last upload to object storage."""
     if self._lines is None:
       self._file.close()
     for sink in self.sinks:
-      sink.close()
+      sink.close(upload)
 
 
 def parse_row(line: str) -> dict | None:
@@ -151,6 +153,6 @@ class Progress:
     if self.writer is not None:
       self.writer.write(row)
 
-  def close(self) -> None:
+  def close(self, upload: bool = True) -> None:
     if self.writer is not None:
-      self.writer.close()
+      self.writer.close(upload)

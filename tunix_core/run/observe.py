@@ -42,9 +42,9 @@ class TensorBoard:
   def note(self, key: str, text: str) -> None:
     del key, text  # scalars only: digests go to W&B and the log
 
-  def close(self) -> None:
+  def close(self, upload: bool = True) -> None:
     self._writer.close()
-    self.dir.close()
+    self.dir.close(upload)
 
 
 class Wandb:
@@ -65,9 +65,9 @@ class Wandb:
   def note(self, key: str, text: str) -> None:
     self.run.summary[key] = text
 
-  def close(self) -> None:
+  def close(self, upload: bool = True) -> None:
     self.run.finish()
-    self.dir.close()
+    self.dir.close(upload)
 
 
 def open_sinks(cfg, source: dict, log) -> list:
