@@ -3,6 +3,7 @@
 
 import dataclasses
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -82,10 +83,14 @@ def test_tpu_slice_from_an_hf_config_alone_validated_for_the_target(tmp_path):
   # Checked against the slice's 8 devices, not this host's.
   with pytest.raises(config_lib.ConfigError, match="not divisible by the 4 devices"):
     aot.compile_only(_config(tmp_path, batch_size=6), "v4-8", log=lines.append)
-  # Any slice name the compiler knows, several slices included (one data axis over both).
+  # Any slice name the compiler knows, several slices included: a "slice" axis in front
+  # of "data", whose cross-slice all-reduce the communication line reads from the HLO.
   lines.clear()
   assert aot.compile_only(cfg, "2xv5e-4", log=lines.append) == 0
   assert "8 x TPU v5 lite" in lines[0] and "fits" in lines[3]
+  assert "FSDP, data across 2 slices" in lines[1] or "ZeRO-1, data across 2 slices" in lines[1]
+  share = next(l for l in lines if l.startswith("communication share: "))
+  assert re.search(r"communication share: \d+\.\d%", share) and " over slice" in share
 
 
 @pytest.mark.slow
@@ -192,17 +197,25 @@ ENTRY %main (a: f32[10]) -> f32[10] {
   %a = f32[10]{0} parameter(0)
   %r = f32[10]{0} all-reduce(%a), channel_id=2, replica_groups=[1,8]<=[8], to_apply=%add
   %w = (s32[], bf16[8,16]) while(%init), condition=%cond, body=%body
-  ROOT %s = f32[10]{0} reduce-scatter(%r), channel_id=3, replica_groups={{0,1}}, dimensions={0}
+  ROOT %s = f32[10]{0} reduce-scatter(%r), channel_id=3, replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}
 }
 """
 
 
 def test_collective_bytes_are_read_from_the_hlo_with_loop_trip_counts():
   """Per device, a ring over a group of n: the all-gather of bf16[8, 16] (256 bytes) in
-  groups of 4 inside a 3-trip loop sends 3 x 256 x 3/4; the all-reduce of f32[10] over 8
-  sends 2 x 40 x 7/8; the reduce-scatter to f32[10] over 2 sends 40 x 1."""
-  got = comms.collectives(HLO, 8)
-  assert got == {4: 3 * 256 * 3 / 4, 8: 2 * 40 * 7 / 8, 2: 40.0}
-  roof = comms.share(2e9, 197e12, 0.0, "v5e")  # 1 s of compute, 2 GB at 200 GB/s
-  assert roof["compute_s"] == pytest.approx(1.0) and roof["comm_s"] == pytest.approx(0.01)
-  assert roof["share"] == pytest.approx(0.01 / 1.01)
+  groups of 4 inside a 3-trip loop sends 3 x 256 x 3/4 over "data" of a (slice 2, data 4)
+  mesh; the all-reduce of f32[10] over all 8 sends 2 x 40 x 7/8 over both axes; the
+  reduce-scatter to f32[10] over {0, 4}, {1, 5}, ... (an iota
+  list, transposed) sends 40 x 1 across slices."""
+  mesh = {"slice": 2, "data": 4}
+  got = comms.collectives(HLO, mesh)
+  assert got == {("data",): 3 * 256 * 3 / 4, ("slice", "data"): 2 * 40 * 7 / 8,
+                 ("slice",): 40.0}
+  assert [(o["op"], o["in_loop"], o["times"]) for o in comms.ops(HLO, mesh)] == [
+      ("all-reduce", False, 1), ("all-gather", True, 3), ("reduce-scatter", False, 1)]
+  # 1 s of compute; 2 GB at 200 GB/s of ICI, 25 MB at 3.125 GB/s across slices.
+  roof = comms.share({("data",): 2e9, ("slice",): 25e6}, 197e12, "v5e")
+  assert roof["compute_s"] == pytest.approx(1.0) and roof["ici_s"] == pytest.approx(0.01)
+  assert roof["dcn_s"] == pytest.approx(0.008)
+  assert roof["share"] == pytest.approx(0.018 / 1.018)

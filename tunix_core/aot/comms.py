@@ -1,33 +1,55 @@
 """The communication of a compiled step, read from its HLO, and a roofline estimate of
 its share of the step time.
 
-`collectives(hlo_text)` walks the compiled module from its entry computation: each
+`ops(hlo_text, mesh_shape)` walks the compiled module from its entry computation: each
 all-gather, reduce-scatter, all-reduce, all-to-all and collective-permute (or its async
 `-start`) counts the bytes one device sends over a ring of its replica group,
-multiplied by the trip count of every `while` it sits in (read from the loop's
-condition: `counter < constant`). Per device, for a group of n and a result of S bytes:
-all-gather S(n-1)/n, reduce-scatter S(n-1), all-reduce 2S(n-1)/n, all-to-all S(n-1)/n,
-collective-permute S.
+multiplied by the trip count of every `while` it sits in (the compiler's
+`known_trip_count`, else the loop's condition: `counter < constant`), and names the mesh
+axes its groups span. On a multi-slice TPU target the compiler hands what crosses slices
+to its DCN runtime as `send`s marked `_xla_megascale_transfer_type` (ALL_REDUCE, ...):
+those count as that collective over "slice". On TPU a reduce-scatter may be compiled as
+an all-reduce (seen: every FSDP gradient reduce-scatter of libtpu 0.0.42.1's step),
+and is then counted as one. Per device,
+for a group of n and a result of S bytes: all-gather S(n-1)/n, reduce-scatter S(n-1),
+all-reduce 2S(n-1)/n, all-to-all S(n-1)/n, collective-permute S. `collectives` sums
+them by axes.
 
-`share(...)`: the time of those bytes at the chip's collective bandwidth against the
-compiled flops at its peak (or its HBM traffic at its bandwidth, whichever is longer),
-assuming no overlap: an upper bound of the share. Chip figures from the Cloud TPU
-documentation (docs.cloud.google.com/tpu/docs/v4, v5e, v5p-training, v6e): bf16 peak,
-HBM bandwidth, and the collective bandwidth taken as half the bidirectional ICI
-bandwidth per chip (v4: its pod's all-reduce bandwidth per chip).
+`share(...)`: the time of those bytes (over ICI within a slice, over the data-centre
+network where they cross "slice") against the step's FLOPs at the chip's peak, assuming
+no overlap: an upper bound of the share. The FLOPs are the planned step's model FLOPs
+(`training.flops.step_flops`, as MFU counts them), not the compiled cost analysis:
+XLA's counts each loop body once (checked: a 16-trip scan of a matmul reports one
+matmul), so for a layer scan it is about 1/num_layers of the work. Chip figures from the Cloud TPU documentation
+(docs.cloud.google.com/tpu/docs/v4, v5e, v5p, v6e): bf16 peak, HBM bandwidth; ICI: half
+the bidirectional ICI bandwidth per chip (v4: its pod's all-reduce bandwidth per chip);
+DCN per chip: v5p's table (50 Gbps), v5e's and v6e's per-pod data-centre network
+bandwidth over 256 chips (6.4 and 25.6 Tbps: 25 and 100 Gbps); v4 has no documented
+figure and is taken as v5e's.
 """
 
 import re
 
-# chip -> (bf16 flop/s, HBM bytes/s, collective bytes/s per chip)
-CHIP_RATES = {"v4": (275e12, 1200e9, 1.1e15 / 4096), "v5e": (197e12, 819e9, 400e9 / 2),
-              "v5p": (459e12, 2765e9, 1200e9 / 2), "v6e": (918e12, 1638e9, 800e9 / 2)}
+import numpy as np
+
+# chip -> (bf16 flop/s, HBM bytes/s, ICI collective bytes/s, DCN bytes/s per chip)
+CHIP_RATES = {"v4": (275e12, 1200e9, 1.1e15 / 4096, 25e9 / 8),
+              "v5e": (197e12, 819e9, 400e9 / 2, 25e9 / 8),
+              "v5p": (459e12, 2765e9, 1200e9 / 2, 50e9 / 8),
+              "v6e": (918e12, 1638e9, 800e9 / 2, 100e9 / 8)}
+
+# The share of a step its collectives may take before `--compile_only` warns.
+SHARE_LIMIT = 0.10
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{\s*$")
 _OP = re.compile(r"=\s*(\(.*?\)|[\w\[\],{}:()\-. ]+?)\s+([a-z\-]+)\(")
 _SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|bf16|f16|s32|u32|f32|s64|u64|f64)\[([\d,]*)\]")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4,
           "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+# TPU's async collective fusion starts a collective before a loop and advances it in
+# fusions of this name inside the loop body, each holding the whole collective: it runs
+# once, counted at its start.
+_CONTINUATION = "async_collective_fusion"
 _FACTOR = {"all-gather": lambda n: (n - 1) / n, "reduce-scatter": lambda n: n - 1,
            "all-reduce": lambda n: 2 * (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
            "collective-permute": lambda n: 1.0}
@@ -50,7 +72,7 @@ def _computations(hlo: str) -> tuple[dict, str]:
 
 
 def _bytes(shape_text: str, op: str) -> int:
-  """Bytes of a result shape (an async start's tuple: its largest member)."""
+  """Bytes of a result shape (an async start's or a send's tuple: its largest member)."""
   sizes = []
   for dtype, dims in _SHAPE.findall(shape_text):
     count = 1
@@ -62,30 +84,55 @@ def _bytes(shape_text: str, op: str) -> int:
   return sum(sizes)
 
 
-def _group_size(line: str, num_devices: int) -> int:
-  m = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
+def _groups(line: str) -> list[list[int]] | None:
+  """The device groups of a collective (flat indices into the mesh's devices, as the
+  SPMD partitioner numbers them): explicit `{{0,1},{2,3}}`, iota `[G,S]<=[dims]T(perm)`,
+  or a permute's `source_target_pairs`; None: one group of every device."""
+  m = re.search(r"(?:replica_groups|source_target_pairs)=\{((?:\{[\d,]*\},?)+)\}", line)
   if m:
-    return len(m.group(1).split(","))
-  m = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
+    return [[int(i) for i in g.split(",") if i] for g in re.findall(r"\{([\d,]*)\}",
+                                                                    m.group(1))]
+  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
   if m:
-    return int(m.group(2))
-  return num_devices
+    dims = [int(d) for d in m.group(3).split(",")]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if m.group(4):
+      ids = ids.transpose([int(p) for p in m.group(4).split(",")])
+    return ids.reshape(int(m.group(1)), int(m.group(2))).tolist()
+  return None
+
+
+def _axes(groups, mesh_shape: dict) -> tuple:
+  """The mesh axes a collective's groups span (those along which a group's members
+  differ)."""
+  names, sizes = tuple(mesh_shape), tuple(mesh_shape.values())
+  if groups is None:
+    return tuple(n for n, s in zip(names, sizes) if s > 1)
+  spanned = set()
+  for group in groups:
+    coords = np.array(np.unravel_index(group, sizes)).reshape(len(sizes), -1)
+    spanned |= {names[a] for a in range(len(sizes)) if len(set(coords[a])) > 1}
+  return tuple(n for n in names if n in spanned)
 
 
 def _trip_count(condition: list[str]) -> int:
   """`N` of a loop condition `counter < N` (1 when it is not that simple)."""
   constants = [int(c) for line in condition
-               for c in re.findall(r"s32\[\][^=]*?constant\((\d+)\)", line)]
+               for c in re.findall(r"[su]32\[\][^=]*?constant\((\d+)\)", line)]
   return constants[0] if len(constants) == 1 and any("direction=LT" in l
                                                      for l in condition) else 1
 
 
-def collectives(hlo: str, num_devices: int) -> dict:
-  """`{group size: bytes one device sends per step}` of a compiled module's text."""
+def ops(hlo: str, mesh_shape: dict) -> list[dict]:
+  """Every collective of a compiled module's text reached from its entry: `{"op",
+  "axes" (the mesh axes it spans, `_axes`), "bytes" (one device sends, per execution),
+  "times" (executions per step: the trip counts of the loops around it), "in_loop"}`.
+  `mesh_shape`: the step's mesh, `{axis: size}` in order."""
   comps, entry = _computations(hlo)
-  totals: dict = {}
+  num_devices = int(np.prod(list(mesh_shape.values())))
+  out = []
 
-  def walk(name: str, times: int, seen: tuple):
+  def walk(name: str, times: int, in_loop: bool, seen: tuple):
     if name not in comps or name in seen:
       return
     for line in comps[name]:
@@ -95,29 +142,54 @@ def collectives(hlo: str, num_devices: int) -> dict:
       shape, op = m.groups()
       base = op.removesuffix("-start")
       if base in _FACTOR and not op.endswith("-done"):
-        n = _group_size(line, num_devices)
+        groups = _groups(line)
+        n = num_devices if groups is None else max(len(g) for g in groups)
         if n > 1:
-          totals[n] = totals.get(n, 0) + times * _bytes(shape, op) * _FACTOR[base](n)
+          out.append({"op": base, "axes": _axes(groups, mesh_shape), "times": times,
+                      "bytes": _bytes(shape, op) * _FACTOR[base](n), "in_loop": in_loop})
+      across = re.search(r'_xla_megascale_transfer_type="(\w+)"', line)
+      if op == "send" and across:  # a TPU multi-slice collective over the DCN
+        kind = across.group(1).lower().replace("_", "-")
+        n = mesh_shape.get("slice", 1)
+        if kind in _FACTOR and n > 1:
+          out.append({"op": kind, "axes": ("slice",), "times": times, "in_loop": in_loop,
+                      "bytes": _bytes(shape, "send-start") * _FACTOR[kind](n)})
       if op == "while":
         body = re.search(r"body=%([\w.\-]+)", line)
         cond = re.search(r"condition=%([\w.\-]+)", line)
-        trips = _trip_count(comps.get(cond.group(1), [])) if cond else 1
+        known = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+        trips = (int(known.group(1)) if known else
+                 _trip_count(comps.get(cond.group(1), [])) if cond else 1)
         if body:
-          walk(body.group(1), times * trips, seen + (name,))
+          walk(body.group(1), times * trips, True, seen + (name,))
       else:
         for callee in re.findall(r"(?:calls|to_apply|branch_computations)=\{?%([\w.\-]+)",
                                  line):
-          walk(callee, times, seen + (name,))
+          if not callee.startswith(_CONTINUATION):
+            walk(callee, times, in_loop, seen + (name,))
 
-  walk(entry, 1, ())
+  walk(entry, 1, False, ())
+  return out
+
+
+def collectives(hlo: str, mesh_shape: dict) -> dict:
+  """`{mesh axes spanned: bytes one device sends per step}` of a compiled module's text
+  (`ops`, summed)."""
+  totals: dict = {}
+  for o in ops(hlo, mesh_shape):
+    totals[o["axes"]] = totals.get(o["axes"], 0) + o["times"] * o["bytes"]
   return totals
 
 
-def share(comm_bytes: float, flops: float, hbm_bytes: float, chip: str) -> dict:
-  """`{"compute_s", "comm_s", "step_s", "share"}`: the roofline of one step per chip,
-  communication not overlapped (`share` is then an upper bound)."""
-  peak, hbm, link = CHIP_RATES[chip]
-  compute = max(flops / peak, hbm_bytes / hbm)
-  comm = comm_bytes / link
-  return {"compute_s": compute, "comm_s": comm, "step_s": compute + comm,
-          "share": comm / (compute + comm) if compute + comm else 0.0}
+def share(by_axes: dict, flops: float, chip: str) -> dict:
+  """`{"compute_s", "ici_s", "dcn_s", "comm_s", "step_s", "share"}`: the roofline of one
+  step per chip: `flops` (per chip) at the chip's bf16 peak against `collectives`' bytes
+  by axes (those spanning "slice" at its data-centre network rate, the rest at its ICI
+  rate), communication not overlapped (`share` is then an upper bound)."""
+  peak, _, ici, dcn = CHIP_RATES[chip]
+  compute = flops / peak
+  dcn_s = sum(b for axes, b in by_axes.items() if "slice" in axes) / dcn
+  ici_s = sum(b for axes, b in by_axes.items() if "slice" not in axes) / ici
+  comm = ici_s + dcn_s
+  return {"compute_s": compute, "ici_s": ici_s, "dcn_s": dcn_s, "comm_s": comm,
+          "step_s": compute + comm, "share": comm / (compute + comm) if compute + comm else 0.0}

@@ -28,6 +28,7 @@ from tunix_core import model as model_lib
 from tunix_core.aot import comms
 from tunix_core.data import packing
 from tunix_core.run import source
+from tunix_core.training import flops
 from tunix_core.training import plan as plan_lib
 from tunix_core.training import step as step_lib
 
@@ -98,7 +99,9 @@ def compile_stats(plan: plan_lib.StepPlan, chip, devices) -> dict:
   allocates in HBM, read from an XLA dump into a temporary directory; None where the
   dump lacks it) and `"need"`, what the fit is judged on: `hbm`, else the compiler's
   `peak`, else `total`, but never less than the arguments and outputs the caller holds
-  through the step; `"error"` is the compiler's refusal or None.
+  through the step; `"collectives"`, `comms.collectives` of the compiled HLO (bytes a
+  device sends per step, by the mesh axes they cross); `"model_flops"`, the plan's
+  model FLOPs per device; `"error"` is the compiler's refusal or None.
 
   Why not `total`: on TPU `temp_size_in_bytes` can exceed the temporaries the buffer
   assignment allocates (for the 7B FSDP step of the README: 7.25 GiB, against one
@@ -118,7 +121,8 @@ def compile_stats(plan: plan_lib.StepPlan, chip, devices) -> dict:
       return out
     hbm = _allocated_in_hbm(dump_dir) if chip is not None else None
   stats = tpu.compiled_stats(compiled)
-  stats["collectives"] = comms.collectives(compiled.as_text(), len(devices))
+  stats["collectives"] = comms.collectives(compiled.as_text(), dict(steps.mesh.shape))
+  stats["model_flops"] = flops.step_flops(plan) / len(devices)
   total = stats["argument"] + stats["output"] - stats["alias"] + stats["temp"]
   held = stats["argument"] + stats["output"] - stats["alias"]
   out.update(stats, total=total, hbm=hbm, need=max(hbm or stats["peak"] or total, held))
@@ -167,18 +171,24 @@ def compile_only(cfg, target: str, log=print) -> int:
   fits = chip is None or need <= chip.hbm_bytes
   log(f"total {_gib(need)} per device" + (f" of {_gib(chip.hbm_bytes)} HBM" if chip else "")
       + f": {'fits' if fits else 'does not fit'} ({'; '.join([basis] + others)})")
-  log(f"cost analysis per device: {stats['flops']:.4g} flops, "
-      f"{stats['bytes_accessed']:.4g} bytes accessed")
+  log(f"per device: {stats['model_flops']:.4g} model flops per step (the plan's matmuls); "
+      f"the compiler's cost analysis, which counts each loop body once: "
+      f"{stats['flops']:.4g} flops, {stats['bytes_accessed']:.4g} bytes accessed")
   sent = sum(stats["collectives"].values())
-  groups = ", ".join(f"{_gib(b)} in groups of {n}"
-                     for n, b in sorted(stats["collectives"].items()))
+  axes = ", ".join(f"{_gib(b)} over {' x '.join(a)}"
+                   for a, b in sorted(stats["collectives"].items()))
   if chip is not None:
-    roof = comms.share(sent, stats["flops"], stats["bytes_accessed"], chip.name)
+    roof = comms.share(stats["collectives"], stats["model_flops"], chip.name)
     log(f"communication share: {roof['share']:.1%} (per device {_gib(sent)} sent: "
-        f"{groups or 'none'}; {roof['comm_s'] * 1e3:.3g} ms at the chip's collective "
-        f"bandwidth against {roof['compute_s'] * 1e3:.3g} ms of compute, not overlapped)")
+        f"{axes or 'none'}; {roof['ici_s'] * 1e3:.3g} ms over ICI and "
+        f"{roof['dcn_s'] * 1e3:.3g} ms across slices against {roof['compute_s'] * 1e3:.3g}"
+        f" ms of compute, not overlapped)")
+    if roof["share"] > comms.SHARE_LIMIT:
+      log(f"communication share over {comms.SHARE_LIMIT:.0%}: this step is bound by its "
+          f"collectives (FSDP moves the whole model every step whatever the batch; more "
+          f"pairs per device, --batch_size, amortise it)")
   else:
-    log(f"communication per device: {_gib(sent)} sent ({groups or 'none'})")
+    log(f"communication per device: {_gib(sent)} sent ({axes or 'none'})")
   if not fits:
     log(f"does not fit: {_gib(need)} per device exceeds the {_gib(chip.hbm_bytes)} of a "
         f"{chip.name} chip")

@@ -49,9 +49,9 @@ def export_step(output_dir: str, out_dir: str, step: int | None = None,
     # data-free run on the local devices (ZeRO-1 without TP holds logical arrays).
     devices = jax.devices()
     plan_cfg = dataclasses.replace(
-        cfg, model_parallel=1, fsdp=False, compile_only=True, train_data="", eval_data="",
-        eval_every=0, check_replicas_every=0, batch_size=len(devices), grad_accum_steps=1,
-        hf_model_dir="", chat_template="auto")  # the model config is the saved one
+        cfg, model_parallel=1, num_slices=1, fsdp=False, compile_only=True, train_data="",
+        eval_data="", eval_every=0, check_replicas_every=0, batch_size=len(devices),
+        grad_accum_steps=1, hf_model_dir="", chat_template="auto")  # the model config is the saved one
     steps = step_lib.make_steps(plan_lib.make_plan(plan_cfg, devices, model_config=mcfg),
                                 devices)
     state = resume.restore_state(steps, ckpt, step, meta)

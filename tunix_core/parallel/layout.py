@@ -279,10 +279,12 @@ class TensorParallel:
 def build(param_shapes: dict, local_shapes: dict, specs: dict, tx, *, data_shards: int,
           model_parallel: int = 1, fsdp: bool = False, compute_dtype=None,
           bucket_bytes: int = 25 << 20, sync_impl: str = "xla", comm_dtype=None,
-          max_grad_norm: float | None = None) -> Layout:
+          max_grad_norm: float | None = None, slice_axis: str | None = None) -> Layout:
   """The layout of any params tree (`param_shapes`, logical) on `data_shards` x
-  `model_parallel` devices: `local_shapes` are one model slice's, `specs` the logical
-  params' PartitionSpecs over "model" (unused without TP)."""
+  `model_parallel` devices of one slice: `local_shapes` are one model slice's, `specs`
+  the logical params' PartitionSpecs over "model" (unused without TP). With
+  `slice_axis` the layout is the same in every slice (replicated across it) and the
+  gradients are averaged across slices in the update (`zero.ShardedOptimizer`)."""
   k = model_parallel
   split = None
   if k > 1:
@@ -291,7 +293,7 @@ def build(param_shapes: dict, local_shapes: dict, specs: dict, tx, *, data_shard
   plan = collectives.BucketPlan.create(local_shapes, data_shards, bucket_bytes)
   opt = zero.ShardedOptimizer(tx, plan, DATA, max_grad_norm=max_grad_norm, impl=sync_impl,
                               comm_dtype=comm_dtype, model_axis=MODEL if k > 1 else None,
-                              split=split)
+                              split=split, slice_axis=slice_axis)
   inner = (FSDP(local_shapes, opt, compute_dtype, comm_dtype) if fsdp
            else Zero1(local_shapes, opt))
   return TensorParallel(inner, specs, k, param_shapes) if k > 1 else inner

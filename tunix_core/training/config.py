@@ -167,6 +167,12 @@ class TrainConfig:
                               "axis (consecutive devices); heads, MLP columns and the "
                               "vocabulary are split over them Megatron-style. 1: none.",
                               group="parallel")
+  num_slices: int = _flag(0, "TPU slices the run spans: a 'slice' mesh axis in front of "
+                          "'data' (and 'model'); gradients are reduce-scattered within a "
+                          "slice and all-reduced across slices once per step, no per-layer "
+                          "collective crosses the slow data-centre network. 0: the slices "
+                          "the devices are in (1 on CPU/GPU); on CPU devices N > 1 "
+                          "simulates N slices of consecutive devices.", group="parallel")
   grad_accum_steps: int = _flag(1, "Micro-batches per step; gradients are synced once per "
                                 "step (under --fsdp: per micro-batch).", group="parallel")
   bucket_mb: float = _flag(25.0, "Gradient bucket size in MiB for the bucketed "

@@ -21,7 +21,8 @@ from tunix_core import data as data_lib
 from tunix_core import model as model_lib
 from tunix_core.data import packing
 from tunix_core.model import lora as lora_lib
-from tunix_core.training.config import TrainConfig
+from tunix_core.parallel import mesh as mesh_lib
+from tunix_core.training.config import ConfigError, TrainConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,8 +32,10 @@ class StepPlan:
   cfg: TrainConfig                  # loss, optimizer, impls, sync settings
   model: model_lib.ModelConfig      # with compute dtype and remat resolved
   rows: packing.Spec                # one device's micro-batch of model rows
-  data_shards: int                  # devices of the "data" axis
+  data_shards: int                  # data-parallel devices, of all slices
   model_parallel: int               # devices of the "model" axis (1: no TP)
+  num_slices: int = 1               # the "slice" axis (1: none); "data" is
+                                    # data_shards / num_slices devices
   lora: lora_lib.LoraConfig | None = None  # adapters train, the base is frozen
 
   @property
@@ -54,7 +57,8 @@ class StepPlan:
     lora = (f"LoRA r={self.lora.rank} on {len(self.lora.targets)} projection(s), base "
             if self.lora else "")
     return lora + ("FSDP" if self.cfg.fsdp else "ZeRO-1") + (
-        f" x TP {self.model_parallel}" if self.model_parallel > 1 else "")
+        f" x TP {self.model_parallel}" if self.model_parallel > 1 else "") + (
+        f", data across {self.num_slices} slices" if self.num_slices > 1 else "")
 
   def describe(self) -> str:
     """The plan in one line."""
@@ -107,9 +111,13 @@ def make_plan(cfg: TrainConfig, devices, sizes: packing.Sizes | None = None,
   sizes = worst_case_sizes(cfg) if sizes is None else sizes
   rows = packing.make_spec(sizes, pairs_per_group(cfg, len(devices)), cfg.prefix_sharing,
                            cfg.packing, cfg.max_length)
+  try:
+    slices = mesh_lib.resolve_slices(devices, cfg.num_slices)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
   lora = cfg.lora_config()
   if lora is not None:
     mcfg = dataclasses.replace(mcfg, lora_scale=lora.scale)
   return StepPlan(cfg=cfg, model=mcfg, rows=rows,
                   data_shards=len(devices) // cfg.model_parallel,
-                  model_parallel=cfg.model_parallel, lora=lora)
+                  model_parallel=cfg.model_parallel, num_slices=slices, lora=lora)

@@ -1,7 +1,8 @@
 """The jitted `shard_map` step functions of a step plan, and how batches reach the devices.
 
 `StepFunctions(plan, mesh)` compiles, for a `plan.StepPlan` on a mesh `("data",)` or
-`("data", "model")` (`parallel.mesh.make_mesh`): the train step, the eval step, the
+`("data", "model")`, with a `"slice"` axis in front on several TPU slices
+(`parallel.mesh.make_mesh`): the train step, the eval step, the
 frozen reference's log-probs and the replica checksum. Where params and optimizer
 state live and how they are gathered, synced and updated is the plan's parameter
 layout (`parallel.layout`: ZeRO-1, FSDP, either under tensor parallelism); the step
@@ -13,8 +14,10 @@ whose loss, metrics or gradient norm is not finite leaves params and optimizer s
 they were; the loop decides whether to stop.
 
 Pair batches are `[B, 2, T]` (chosen, rejected) everywhere; on device they are split over
-"data" on the pair axis (replicated over "model"), each device holding whole groups of
-the plan's model rows (`data.packing`).
+"data" (`("slice", "data")` on several slices: every data-parallel device of every slice)
+on the pair axis (replicated over "model"), each device holding whole groups of the
+plan's model rows (`data.packing`). The layout runs within a slice and is replicated
+across slices; its update averages the gradients across them once per step.
 """
 
 import functools
@@ -53,14 +56,15 @@ class StepFunctions:
   def __init__(self, plan: StepPlan, mesh: Mesh):
     self.plan, self.mesh = plan, mesh
     self.cfg, self.mcfg = cfg, mcfg = plan.cfg, plan.model
-    self.num_devices = mesh.shape["data"]  # data-parallel shards
+    self.num_devices = mesh.shape["data"]  # data-parallel shards of one slice
     self.model_parallel = dict(mesh.shape).get("model", 1)
     self.tx, self.schedule = optim.make_optimizer(cfg)
     layout_kw = dict(data_shards=self.num_devices, model_parallel=self.model_parallel,
                      fsdp=cfg.fsdp,
                      bucket_bytes=int(cfg.bucket_mb * 2**20), sync_impl=cfg.sync_impl,
                      comm_dtype=collectives.COMM_DTYPES[cfg.grad_sync_dtype],
-                     max_grad_norm=cfg.max_grad_norm or None)
+                     max_grad_norm=cfg.max_grad_norm or None,
+                     slice_axis=mesh_lib.slice_axis(mesh))
     if plan.lora is None:
       self.layout = layout_lib.make(mcfg, self.tx, **layout_kw)
     else:  # the adapters train over a frozen base in the base's own layout
@@ -68,7 +72,8 @@ class StepFunctions:
     self.base_layout = getattr(self.layout, "base", self.layout)
     self.param_shapes = self.layout.param_shapes  # logical
     self.replicated = NamedSharding(mesh, P())
-    self.pairs = NamedSharding(mesh, P("data"))
+    self.batch_axes = mesh_lib.batch_axes(mesh)
+    self.pairs = NamedSharding(mesh, P(self.batch_axes))
     self.rows = NamedSharding(mesh, self.layout.row_spec)
     pspec = self.layout.param_specs
     self.param_sharding = self._shardings(pspec)
@@ -85,17 +90,18 @@ class StepFunctions:
                    "nonfinite": P()}
     smap = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
     self.train_step = jax.jit(
-        smap(self._train_step, in_specs=(state_specs, frozen_spec, P("data")),
+        smap(self._train_step, in_specs=(state_specs, frozen_spec, self.pairs.spec),
              out_specs=(state_specs, P())), donate_argnums=(0,))
-    self.eval_step = jax.jit(smap(self._eval_step, in_specs=(pspec, frozen_spec, P("data")),
+    self.eval_step = jax.jit(smap(self._eval_step,
+                                  in_specs=(pspec, frozen_spec, self.pairs.spec),
                                   out_specs=P()))
-    self.ref_logps = jax.jit(smap(self._ref_logps, in_specs=(ref_spec, P("data")),
-                                  out_specs=P("data")))
+    self.ref_logps = jax.jit(smap(self._ref_logps, in_specs=(ref_spec, self.pairs.spec),
+                                  out_specs=self.pairs.spec))
     self._init_opt = jax.jit(smap(
         lambda params: jax.tree.map(lambda x: x[None], self.layout.init_opt(params)),
         in_specs=(pspec,), out_specs=self.layout.row_spec))
     self._checksums = jax.jit(smap(self._checksum, in_specs=(pspec,),
-                                   out_specs=self.layout.row_spec))
+                                   out_specs=P(tuple(mesh.axis_names))))
 
   def _shardings(self, specs) -> dict:
     """A tree of PartitionSpecs as NamedShardings on this mesh."""
@@ -213,7 +219,7 @@ class StepFunctions:
       grads, metrics = jax.tree.map(lambda x: x / k, (grads, metrics))
     opt_state = jax.tree.map(lambda x: x[0], state["opt_state"])
     update = self.layout.update(grads, opt_state, params)
-    metrics = jax.lax.pmean(metrics, "data")
+    metrics = jax.lax.pmean(metrics, self.batch_axes)
     metrics = dict(metrics, grad_norm=update.grad_norm,
                    learning_rate=self.schedule(state["step"]))
     ok, health = health_lib.update(state["nonfinite"], metrics, state["step"] + 1)
@@ -227,7 +233,7 @@ class StepFunctions:
 
   def _eval_step(self, params, frozen, batch):
     loss, metrics = self._objective(params, frozen, self._resolve_ref(frozen, batch), batch)
-    return jax.lax.pmean(dict(metrics, loss=loss), "data")
+    return jax.lax.pmean(dict(metrics, loss=loss), self.batch_axes)
 
   @staticmethod
   def _checksum(params):
@@ -240,19 +246,19 @@ class StepFunctions:
 
   def check_replicas(self, params) -> None:
     """Raises if any device's copy of params replicated over the layout's
-    `replica_axis` differs from the others holding the same model slice (a layout with
-    no replicas, FSDP, has nothing to check)."""
+    `replica_axis` (and across slices) differs from the others holding the same model
+    slice (a layout with no replicas, FSDP, has nothing to check)."""
     if self.layout.replica_axis is None:
       return
-    sums = mesh_lib.to_host(self._checksums(params)).reshape(self.num_devices,
-                                                             self.model_parallel)
+    sums = mesh_lib.to_host(self._checksums(params)).reshape(-1, self.model_parallel)
     if (sums != sums[0]).any():
       raise RuntimeError(f"replicas diverged: per-device param checksums {sums.tolist()}")
 
   def put_batch(self, batch: dict) -> dict:
     """Host arrays `[B, 2, T]` of the global batch, with the plan's model rows and head
     slots added (`packing.pack`; a batch that does not fit the plan is a ValueError) ->
-    device arrays split over "data" on the pair axis. Each process hands over only the
+    device arrays split over the data-parallel devices of every slice on the pair axis.
+    Each process hands over only the
     pairs of its own devices."""
     batch = packing.pack(batch, self.plan.rows)
     n, p = jax.process_count(), jax.process_index()
@@ -266,4 +272,5 @@ class StepFunctions:
 
 def make_steps(plan: StepPlan, devices) -> StepFunctions:
   """`StepFunctions` of `plan` on a mesh of `devices` (`parallel.mesh.make_mesh`)."""
-  return StepFunctions(plan, mesh_lib.make_mesh(devices, plan.model_parallel))
+  return StepFunctions(plan, mesh_lib.make_mesh(devices, plan.model_parallel,
+                                                plan.num_slices))

@@ -38,6 +38,8 @@ def check(cfg, num_devices: int, choices: dict) -> None:
           if k > 1 else f"{num_devices} devices")
   need(cfg.batch_size % shards == 0,
        f"--batch_size={cfg.batch_size} is not divisible by the {what}")
+  need(cfg.num_slices >= 0 and (cfg.num_slices == 0 or shards % cfg.num_slices == 0),
+       f"--num_slices={cfg.num_slices} does not divide the {what}")
   need(cfg.grad_accum_steps > 0, f"--grad_accum_steps must be positive, got "
        f"{cfg.grad_accum_steps}")
   need(cfg.batch_size % (shards * cfg.grad_accum_steps) == 0,
