@@ -23,7 +23,8 @@ def one_device(tmp_path_factory):
   return runs.step_run(runs.steps(cfg, jax.devices()[:1]), cfg, 5)
 
 
-@pytest.mark.parametrize("kw", [dict(), pytest.param(dict(fsdp=True), marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [dict(), dict(fsdp=True)])
 def test_two_slices_of_four_equal_one_device_over_five_steps(tmp_path, one_device, kw):
   cfg = runs.config(tmp_path, steps=5, num_slices=2, **kw)
   steps = runs.steps(cfg, jax.devices())
