@@ -22,6 +22,7 @@ import argparse
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -91,7 +92,11 @@ def table(results: list[dict]) -> list[str]:
     head = (f"| {name} | {r['topology']} | {r['L']:,} | "
             f"{r['layout'].replace('LoRA r=16 on 7 projection(s), base ', '')}, remat {remat} | ")
     if r.get("error") is not None or "need" not in r:
-      reason = (r.get("error") or "no result")[:90].replace("|", "/")
+      reason = r.get("error") or "no result"
+      used = re.search(r"temporaries \(([\d.]+[KMG])\) exceeds available HBM \(([\d.]+[KMG])\)",
+                       reason)
+      reason = (f"temporaries {used.group(1)} of {used.group(2)} free" if used
+                else reason[:90].replace("|", "/"))
       lines.append(head + f"refused: {reason} | | no | {r.get('compile_s', 0):.0f} s |"
                    + " |" * 6)
       continue
