@@ -12,6 +12,8 @@ import numpy as np
 
 from tunix_core import data as data_lib
 from tunix_core.checkpoints import resume
+from tunix_core.checkpoints import store as checkpoint
+from tunix_core.run import loop as train
 from tunix_core.storage import paths
 from tunix_core.training import config as config_lib
 from tunix_core.training import plan as plan_lib
@@ -113,6 +115,18 @@ def assert_agree(a, b, tol=1e-5):
     for k in ra:
       assert abs(ra[k] - rb[k]) <= tol * max(1.0, abs(ra[k])), (k, ra[k], rb[k])
   assert norm_rel_error(params_a, params_b) <= tol
+
+
+def train_and_save(cfg) -> tuple:
+  """Trains `cfg` on all devices (its last step saved) and returns `(checkpointer, that
+  step's metadata, the saved logical params, Adam's saved logical mu)` for
+  `restore_and_compare`; the caller closes the checkpointer."""
+  saved = train.train(cfg, **QUIET)["state"]
+  steps_all = steps(cfg, jax.devices())
+  want_params = jax.device_get(steps_all.logical_params(saved["params"]))
+  want_mu = jax.device_get(steps_all.layout.cut.to_logical(saved["opt_state"][0].mu))
+  ckpt = checkpoint.Checkpointer(os.path.join(str(cfg.output_dir), "checkpoints"))
+  return ckpt, ckpt.read_meta(cfg.steps), want_params, want_mu
 
 
 def restore_and_compare(steps, ckpt, step, meta, want_params, want_mu) -> dict:

@@ -17,7 +17,6 @@ import runs
 from oracles import rel_error
 from tunix_core import model as model_lib
 from tunix_core.aot import compile as aot
-from tunix_core.checkpoints import store as checkpoint
 from tunix_core.parallel import collectives
 from tunix_core.parallel import fsdp
 from tunix_core.parallel import zero
@@ -169,12 +168,7 @@ def test_one_gather_per_layer_forward_and_one_gather_and_scatter_backward(tmp_pa
 @pytest.mark.slow
 def test_restores_across_counts_and_layouts(tmp_path):
   cfg = _config(tmp_path, fsdp=True, steps=2, save_every=2)
-  saved = train.train(cfg, **QUIET)["state"]
-  big = runs.steps(cfg, jax.devices())
-  want_params = jax.device_get(big.logical_params(saved["params"]))
-  want_mu = jax.device_get(big.layout.cut.to_logical(saved["opt_state"][0].mu))
-  ckpt = checkpoint.Checkpointer(str(tmp_path / "checkpoints"))
-  meta = ckpt.read_meta(2)
+  ckpt, meta, want_params, want_mu = runs.train_and_save(cfg)
   assert meta["layout"] == "fsdp" and meta["num_shards"] == 8
   for n, use_fsdp in ((4, True), (1, True), (8, False), (1, False)):
     steps = runs.steps(_config(tmp_path, fsdp=use_fsdp), jax.devices()[:n])

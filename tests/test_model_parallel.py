@@ -11,7 +11,6 @@ import pytest
 
 import runs
 from tunix_core import model as model_lib
-from tunix_core.checkpoints import store as checkpoint
 from tunix_core.parallel import collectives
 from tunix_core.parallel import fsdp
 from tunix_core.parallel import mesh as mesh_lib
@@ -83,12 +82,7 @@ def test_restore_tp2_on_other_layouts(tmp_path, use_fsdp):
   on 4) and with TP in the other layout, and verifies: the same logical params and Adam
   moments."""
   cfg = _tp_config(tmp_path, fsdp=use_fsdp, model_parallel=2, steps=2, save_every=2)
-  saved = train.train(cfg, **runs.QUIET)["state"]
-  big = runs.steps(cfg, jax.devices())
-  want_params = jax.device_get(big.logical_params(saved["params"]))
-  want_mu = jax.device_get(big.layout.cut.to_logical(saved["opt_state"][0].mu))
-  ckpt = checkpoint.Checkpointer(str(tmp_path / "checkpoints"))
-  meta = ckpt.read_meta(2)
+  ckpt, meta, want_params, want_mu = runs.train_and_save(cfg)
   assert meta["model_parallel"] == 2 and meta["num_shards"] == 4
   for n, k, to_fsdp in ((1, 1, False), (4, 1, True), (8, 2, not use_fsdp)):
     steps = runs.steps(_tp_config(tmp_path, fsdp=to_fsdp, model_parallel=k),

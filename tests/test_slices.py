@@ -11,9 +11,7 @@ import pytest
 import runs
 from tunix_core.aot import comms
 from tunix_core.aot import compile as aot
-from tunix_core.checkpoints import store as checkpoint
 from tunix_core.parallel import mesh as mesh_lib
-from tunix_core.run import loop as train
 from tunix_core.training import config as config_lib
 
 
@@ -54,12 +52,7 @@ def test_multi_slice_step_has_no_per_layer_collective_on_the_slice_axis(tmp_path
 @pytest.mark.slow
 def test_checkpoints_move_between_slice_counts(tmp_path):
   cfg = runs.config(tmp_path, fsdp=True, steps=2, save_every=2, num_slices=2)
-  saved = train.train(cfg, **runs.QUIET)["state"]
-  two = runs.steps(cfg, jax.devices())
-  want_params = jax.device_get(two.logical_params(saved["params"]))
-  want_mu = jax.device_get(two.layout.cut.to_logical(saved["opt_state"][0].mu))
-  ckpt = checkpoint.Checkpointer(str(tmp_path / "checkpoints"))
-  meta = ckpt.read_meta(2)
+  ckpt, meta, want_params, want_mu = runs.train_and_save(cfg)
   assert meta["num_shards"] == 4  # the rows of one slice; the other slice holds a copy
   for n, kw in ((4, dict(num_slices=1)), (1, dict(num_slices=1, fsdp=False)),
                 (8, dict(num_slices=2, fsdp=False))):
