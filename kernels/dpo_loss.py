@@ -1,4 +1,4 @@
-"""The DPO family of preference losses on policy and reference log-probs.
+"""The preference-loss op: TRL's DPO loss family on policy and reference log-probs.
 
 `dpo_loss` takes per-sequence log-probs `[B]`, or per-token log-probs `[B, T]` with 0/1
 masks that select the scored (response) tokens. It is differentiable in the policy
@@ -7,36 +7,41 @@ constants by the loss formulas but are not wrapped in `stop_gradient` (the calle
 decides what is frozen). The implementation is picked through `kernels.dispatch`.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from kernels import common
 from kernels import dispatch
 from kernels import dpo_loss_pallas
+from kernels import dpo_losses
 from kernels import naive
 from kernels.dispatch import LANES
 
-LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
+LOSS_TYPES = dpo_losses.LOSS_TYPES
+REFERENCE_FREE_TYPES = dpo_losses.REFERENCE_FREE_TYPES
+# The loss lists the Pallas kernel computes: its types, with DPO's reverse-KL scores.
+PALLAS_LOSS_TYPES = dpo_loss_pallas.LOSS_TYPES
 
 
-def _check_args(args, chosen_mask, rejected_mask, beta, loss_type, label_smoothing,
-                reference_free, impl) -> str:
-  """Raises ValueError on a bad argument; returns `impl` resolved by `kernels.dispatch`."""
-  if loss_type not in LOSS_TYPES:
-    raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {LOSS_TYPES}")
+def _check_args(args, chosen_mask, rejected_mask, spec, reference_free, impl) -> str:
+  """Raises ValueError on a bad argument; returns the implementation to run."""
+  requested = impl
   impl = dispatch.resolve_impl("dpo_loss", impl)
-  if not beta > 0:
-    raise ValueError(f"beta must be positive, got {beta}")
-  if loss_type == "robust" and not 0 <= label_smoothing < 0.5:
-    raise ValueError(f"robust DPO needs 0 <= label_smoothing < 0.5, got {label_smoothing}")
-  if not 0 <= label_smoothing <= 1:
-    raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+  if impl in ("pallas", "interpret"):
+    why = _kernel_cannot(spec)
+    if why and requested == "auto":
+      impl = "xla"  # a loss is O(B * T) elementwise work: XLA loses nothing here
+    elif why:
+      raise ValueError(f"dpo_loss impl={impl!r}: {why}; use impl='xla' or 'auto'")
   names = ("policy_chosen_logps", "policy_rejected_logps", "ref_chosen_logps",
            "ref_rejected_logps")
+  no_ref = reference_free or spec.reference_free
   for name, x in zip(names, args):
-    if x is None and not (reference_free and name.startswith("ref")):
+    if x is None and not (no_ref and name.startswith("ref")):
       raise ValueError(f"{name} is None; only the reference log-probs may be None, "
-                       "and only with reference_free=True")
+                       "and only with reference_free=True or reference-free loss types")
   shape = jnp.shape(args[0])
   for name, x in zip(names, args):
     if x is not None and jnp.shape(x) != shape:
@@ -55,105 +60,92 @@ def _check_args(args, chosen_mask, rejected_mask, beta, loss_type, label_smoothi
   return impl
 
 
+def _kernel_cannot(spec) -> str:
+  """Why the Pallas kernel cannot compute `spec`, or "" when it can."""
+  other = [t for t in spec.loss_types if t not in PALLAS_LOSS_TYPES]
+  if other:
+    return (f"the Pallas kernel computes loss types {', '.join(PALLAS_LOSS_TYPES)}, "
+            f"not {', '.join(other)}")
+  if spec.f_divergence_type != "reverse_kl":
+    return f"the Pallas kernel has reverse_kl scores only, not {spec.f_divergence_type}"
+  return ""
+
+
 def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps,
              ref_rejected_logps, *, chosen_mask=None, rejected_mask=None, beta=0.1,
-             loss_type="sigmoid", label_smoothing=0.0, reference_free=False, impl="auto"):
-  """Mean preference loss over the batch, and batch-mean metrics.
+             loss_type="sigmoid", label_smoothing=0.0, reference_free=False, impl="auto",
+             loss_weights=None, discopop_tau=0.05, f_divergence_type="reverse_kl",
+             f_alpha_divergence_coef=0.5, simpo_gamma=0.5, cpo_alpha=1.0):
+  """Weighted preference loss over the batch, and TRL's batch-mean metrics.
 
   Args:
     policy_chosen_logps, policy_rejected_logps: `[B]` sequence log-probs, or `[B, T]`
       token log-probs; any float dtype, computed in float32.
     ref_chosen_logps, ref_rejected_logps: same shape, from the frozen reference; may be
-      None when `reference_free=True` (they are then zero).
-    chosen_mask, rejected_mask: `[B, T]` 0/1 masks for per-token inputs, else None.
-    beta: the KL-penalty temperature.
-    loss_type: "sigmoid" (DPO; conservative DPO with `label_smoothing`), "ipo" (on
-      length-averaged log-probs), "hinge" (SLiC), "robust" (rDPO, unbiased under
-      `label_smoothing` = label-flip rate).
+      None when `reference_free=True` or every loss type is reference-free (then zero).
+    chosen_mask, rejected_mask: `[B, T]` 0/1 masks for per-token inputs, else None
+      (per-sequence inputs count as length-1 responses for the length-normalised terms).
+    beta: the KL-penalty temperature (IPO's tau, ORPO's lambda).
+    loss_type: one name of `LOSS_TYPES`, a comma-separated list or a sequence of them:
+      TRL 1.16's DPO loss types ("sigmoid" is DPO, cDPO with `label_smoothing`) and the
+      reference-free "simpo", "cpo", "orpo"; formulas in `kernels.dpo_losses`.
+    loss_weights: one weight per loss type (default 1.0 each); the loss is the weighted
+      sum of each term's batch mean, as TRL combines them.
+    label_smoothing, discopop_tau, f_divergence_type, f_alpha_divergence_coef,
+      simpo_gamma (SimPO's margin), cpo_alpha (CPO's NLL weight): TRL's parameters and
+      defaults.
     impl: one of `kernels.IMPLS`: "xla" (fused jnp), "pallas" (one-pass Mosaic TPU
-      kernel), "interpret" (that kernel in TPU interpret mode), "naive" (one formula per
-      loss; the oracle), "auto" (pallas when the devices it is compiled for are TPUs,
-      else xla; see `dispatch.target_platform`). With the kernels the metrics carry no
-      gradient.
+      kernel, for the lists of `PALLAS_LOSS_TYPES` with reverse_kl scores; other
+      losses raise), "interpret" (that kernel in TPU interpret mode), "naive" (unfused
+      reductions; the oracle), "auto" (pallas when compiled for TPUs and the kernel
+      computes the loss, else xla; see `dispatch.target_platform`). With the kernels
+      the metrics carry no gradient.
 
   Returns:
-    `(loss, metrics)`: a float32 scalar and the batch means `rewards/chosen`,
-    `rewards/rejected`, `rewards/accuracies` (chosen reward strictly greater),
-    `rewards/margins`, `logps/chosen`, `logps/rejected`. Rewards are
-    `beta * (policy - reference)` on the same (for ipo, length-averaged) log-probs the
-    loss sees.
+    `(loss, metrics)`: a float32 scalar, differentiable in the policy log-probs, and the
+    batch means `rewards/chosen`, `rewards/rejected`, `rewards/accuracies` (chosen reward
+    strictly greater), `rewards/margins`, `logps/chosen`, `logps/rejected`, as TRL logs
+    them for every loss type: `logps/*` are summed over the response and rewards are
+    `beta * (policy - reference)` of those sums.
   """
+  spec = dpo_losses.make_spec(
+      loss_type, loss_weights, beta=beta, label_smoothing=label_smoothing,
+      discopop_tau=discopop_tau, f_divergence_type=f_divergence_type,
+      f_alpha_divergence_coef=f_alpha_divergence_coef, simpo_gamma=simpo_gamma,
+      cpo_alpha=cpo_alpha)
   args = (policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps)
-  impl = _check_args(args, chosen_mask, rejected_mask, beta, loss_type, label_smoothing,
-                     reference_free, impl)
+  impl = _check_args(args, chosen_mask, rejected_mask, spec, reference_free, impl)
+  if reference_free or spec.reference_free:
+    zero = jnp.zeros(jnp.shape(policy_chosen_logps), jnp.float32)
+    args = (args[0], args[1], zero, zero)
   if impl == "naive":
-    return naive.dpo_loss_naive(
-        *args, chosen_mask=chosen_mask, rejected_mask=rejected_mask, beta=beta,
-        loss_type=loss_type, label_smoothing=label_smoothing, reference_free=reference_free)
-  if impl == "pallas":
-    return _pallas_loss(args, chosen_mask, rejected_mask, beta, loss_type, label_smoothing,
-                        reference_free, interpret=False)
-  if impl == "interpret":
-    return common.call_interpret(lambda params: _pallas_loss(
-        args, chosen_mask, rejected_mask, beta, loss_type, label_smoothing, reference_free,
-        interpret=params))
-
-  average = loss_type == "ipo"
-
-  def reduce(logps, mask):
-    logps = logps.astype(jnp.float32)
-    if mask is None:
-      return logps
-    mask = mask.astype(jnp.float32)
-    total = jnp.sum(logps * mask, axis=-1)
-    # A row with an empty mask would divide by zero; the data pipeline drops such
-    # pairs, and the max keeps a stray one finite instead of NaN.
-    return total / jnp.maximum(jnp.sum(mask, axis=-1), 1.0) if average else total
-
-  policy_c = reduce(policy_chosen_logps, chosen_mask)
-  policy_r = reduce(policy_rejected_logps, rejected_mask)
-  if reference_free:
-    ref_c = ref_r = jnp.zeros_like(policy_c)
+    sums = naive.dpo_sums_naive(*args, chosen_mask, rejected_mask)
+  elif impl in ("pallas", "interpret"):
+    return _pallas_loss(args, chosen_mask, rejected_mask, spec, interpret=impl == "interpret")
   else:
-    ref_c = reduce(ref_chosen_logps, chosen_mask)
-    ref_r = reduce(ref_rejected_logps, rejected_mask)
-
-  chosen_rewards = beta * (policy_c - ref_c)
-  rejected_rewards = beta * (policy_r - ref_r)
-  logits = chosen_rewards - rejected_rewards  # beta * h
-  eps = label_smoothing
-  if loss_type == "sigmoid":
-    losses = -(1 - eps) * jax.nn.log_sigmoid(logits) - eps * jax.nn.log_sigmoid(-logits)
-  elif loss_type == "robust":
-    losses = ((1 - eps) * -jax.nn.log_sigmoid(logits)
-              + eps * jax.nn.log_sigmoid(-logits)) / (1 - 2 * eps)
-  elif loss_type == "hinge":
-    losses = jax.nn.relu(1.0 - logits)
-  else:  # ipo: (h - 1/(2 beta))^2 with h the unscaled log-ratio difference.
-    losses = (logits / beta - 1.0 / (2.0 * beta)) ** 2
-
-  return losses.mean(), _metrics(chosen_rewards, rejected_rewards, policy_c, policy_r)
+    sums = _sums(args, chosen_mask, rejected_mask)
+  return dpo_losses.loss(sums, spec), dpo_losses.metrics(sums, spec.beta)
 
 
-def _metrics(chosen_rewards, rejected_rewards, policy_chosen, policy_rejected) -> dict:
-  """Batch means of per-sequence `[B]` rewards and policy log-probs."""
-  return {
-      "rewards/chosen": chosen_rewards.mean(),
-      "rewards/rejected": rejected_rewards.mean(),
-      "rewards/accuracies": (chosen_rewards > rejected_rewards).astype(jnp.float32).mean(),
-      "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
-      "logps/chosen": policy_chosen.mean(),
-      "logps/rejected": policy_rejected.mean(),
-  }
+def _sums(args, chosen_mask, rejected_mask) -> dpo_losses.Sums:
+  """Masked float32 sums `[B]` of the four log-prob inputs and the two lengths."""
+  def total(logps, mask):
+    logps = logps.astype(jnp.float32)
+    return logps if mask is None else jnp.sum(logps * mask.astype(jnp.float32), axis=-1)
+
+  def length(mask):
+    ones = jnp.ones(jnp.shape(args[0])[:1], jnp.float32)
+    return ones if mask is None else jnp.sum(mask.astype(jnp.float32), axis=-1)
+
+  masks = (chosen_mask, rejected_mask, chosen_mask, rejected_mask)
+  return dpo_losses.Sums(*(total(x, m) for x, m in zip(args, masks)),
+                         length(chosen_mask), length(rejected_mask))
 
 
-def _pallas_loss(args, chosen_mask, rejected_mask, beta, loss_type, label_smoothing,
-                 reference_free, interpret):
-  """`dpo_loss` through `dpo_loss_pallas`: pads to TPU tiles, then batch means."""
-  pc = args[0]
-  if reference_free:
-    args = (args[0], args[1], jnp.zeros_like(pc), jnp.zeros_like(pc))
-  if pc.ndim == 1:  # per-sequence values are one-token sequences with a full mask
+def _pallas_loss(args, chosen_mask, rejected_mask, spec, interpret):
+  """`dpo_loss` through `dpo_loss_pallas` (one kernel call per loss type): pads to TPU
+  tiles, then the weighted batch means."""
+  if args[0].ndim == 1:  # per-sequence values are one-token sequences with a full mask
     args = tuple(x[:, None] for x in args)
     chosen_mask = rejected_mask = jnp.ones(args[0].shape, jnp.float32)
   B, T = args[0].shape
@@ -162,9 +154,19 @@ def _pallas_loss(args, chosen_mask, rejected_mask, beta, loss_type, label_smooth
   bs = dpo_loss_pallas.BlockSizes(block_t=block_t)
   pad = ((0, -B % 8), (0, -T % block_t))
   padded = [jnp.pad(x.astype(jnp.float32), pad) for x in (*args, chosen_mask, rejected_mask)]
-  rows, table = dpo_loss_pallas.dpo_rows(*padded, float(beta), loss_type,
-                                         float(label_smoothing), B, bs, interpret)
+
+  def rows(loss_type, params):
+    return dpo_loss_pallas.dpo_rows(*padded, float(spec.beta), loss_type,
+                                    float(spec.label_smoothing), B, bs, params)
+
+  total, table = 0.0, None
+  for loss_type, weight in zip(spec.loss_types, spec.loss_weights):
+    if interpret:
+      per_row, table = common.call_interpret(functools.partial(rows, loss_type))
+    else:
+      per_row, table = rows(loss_type, False)
+    total = total + weight * per_row[:B].sum() / B
   t = jax.lax.stop_gradient(table[:B])
-  return rows[:B].sum() / B, _metrics(
+  return total, dpo_losses.metrics_of(
       t[:, dpo_loss_pallas.CHOSEN_REWARD], t[:, dpo_loss_pallas.REJECTED_REWARD],
       t[:, dpo_loss_pallas.POLICY_CHOSEN], t[:, dpo_loss_pallas.POLICY_REJECTED])

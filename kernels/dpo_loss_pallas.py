@@ -24,6 +24,8 @@ from kernels.common import cotangent_for
 from kernels.common import out_struct
 from kernels.dispatch import LANES
 
+# The loss types these kernels compute (`kernels.dpo_loss` takes the others through XLA).
+LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
 # Lanes of the per-row output table.
 LOSS, CHOSEN_REWARD, REJECTED_REWARD, POLICY_CHOSEN, POLICY_REJECTED, D_CHOSEN, D_REJECTED = \
     range(7)
@@ -86,13 +88,13 @@ def _fwd_kernel(pc_ref, pr_ref, rc_ref, rr_ref, cm_ref, rm_ref, out_ref, *sums, 
   @pl.when(t == pl.num_programs(0) - 1)
   def _finalize():
     pc, pr, rc, rr, len_c, len_r = (s[...] for s in sums)  # each [B, 128], lane-replicated
-    if loss_type == "ipo":  # length-averaged log-probs
+    # The table holds sums (TRL's metrics); ipo's loss reads length-averaged log-ratios.
+    if loss_type == "ipo":
       len_c, len_r = jnp.maximum(len_c, 1.0), jnp.maximum(len_r, 1.0)
-      pc, rc, pr, rr = pc / len_c, rc / len_c, pr / len_r, rr / len_r
     else:
       len_c = len_r = 1.0
     chosen_reward, rejected_reward = beta * (pc - rc), beta * (pr - rr)
-    loss, dh = _row_loss(chosen_reward - rejected_reward, beta, loss_type, eps)
+    loss, dh = _row_loss(chosen_reward / len_c - rejected_reward / len_r, beta, loss_type, eps)
     rows = jax.lax.broadcasted_iota(jnp.int32, out_ref.shape, 0)
     valid = rows < num_rows
     lanes = jax.lax.broadcasted_iota(jnp.int32, out_ref.shape, 1)

@@ -1,14 +1,16 @@
 """Naive implementations (`impl="naive"`), the oracles: short, obviously correct, and
 memory-hungry.
 
-`logprobs_naive` materialises the `[N, V]` logits; `dpo_loss_naive` spells out each
-loss formula once, the way the papers write it. Tests compare the fast paths against
-these (and against float64 NumPy); production code never calls them.
+`logprobs_naive` materialises the `[N, V]` logits; `dpo_sums_naive` reduces the loss
+inputs by plain masked sums for the formulas of `kernels.dpo_losses` (whose float64
+NumPy oracle, written from TRL's code, lives in the tests). Tests compare the fast paths
+against these; production code never calls them.
 """
 
 import jax
 import jax.numpy as jnp
 
+from kernels import dpo_losses
 from kernels.dispatch import IGNORE_INDEX
 
 
@@ -30,50 +32,15 @@ def logprobs_naive(hidden, weight, targets, *, ignore_index=IGNORE_INDEX, logit_
   return jnp.where(ignored, 0.0, picked)
 
 
-def dpo_loss_naive(policy_chosen_logps, policy_rejected_logps,
-                   ref_chosen_logps, ref_rejected_logps, *,
-                   chosen_mask=None, rejected_mask=None, beta=0.1,
-                   loss_type="sigmoid", label_smoothing=0.0, reference_free=False):
-  """The DPO family of losses, one formula per branch; same contract as `kernels.dpo_loss`."""
-  def per_sequence(x, mask, average):
-    if x is None:
-      return None
-    if mask is None:
-      return x.astype(jnp.float32)
-    total = jnp.sum(x * mask, axis=-1)
-    return total / jnp.sum(mask, axis=-1) if average else total
-
-  avg = loss_type == "ipo"
-  pc = per_sequence(policy_chosen_logps, chosen_mask, avg)
-  pr = per_sequence(policy_rejected_logps, rejected_mask, avg)
-  if reference_free:
-    rc, rr = jnp.zeros_like(pc), jnp.zeros_like(pr)
-  else:
-    rc = per_sequence(ref_chosen_logps, chosen_mask, avg)
-    rr = per_sequence(ref_rejected_logps, rejected_mask, avg)
-
-  h = (pc - rc) - (pr - rr)
-  eps = label_smoothing
-  if loss_type == "sigmoid":
-    losses = -(1 - eps) * jnp.log(jax.nn.sigmoid(beta * h)) - eps * jnp.log(jax.nn.sigmoid(-beta * h))
-  elif loss_type == "robust":
-    losses = (-(1 - eps) * jnp.log(jax.nn.sigmoid(beta * h))
-              + eps * jnp.log(jax.nn.sigmoid(-beta * h))) / (1 - 2 * eps)
-  elif loss_type == "hinge":
-    losses = jnp.maximum(0.0, 1 - beta * h)
-  elif loss_type == "ipo":
-    losses = (h - 1 / (2 * beta)) ** 2
-  else:
-    raise ValueError(f"unknown loss_type {loss_type!r}")
-
-  chosen_rewards = beta * (pc - rc)
-  rejected_rewards = beta * (pr - rr)
-  metrics = {
-      "rewards/chosen": jnp.mean(chosen_rewards),
-      "rewards/rejected": jnp.mean(rejected_rewards),
-      "rewards/accuracies": jnp.mean((chosen_rewards > rejected_rewards).astype(jnp.float32)),
-      "rewards/margins": jnp.mean(chosen_rewards - rejected_rewards),
-      "logps/chosen": jnp.mean(pc),
-      "logps/rejected": jnp.mean(pr),
-  }
-  return jnp.mean(losses), metrics
+def dpo_sums_naive(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps,
+                   ref_rejected_logps, chosen_mask, rejected_mask) -> dpo_losses.Sums:
+  """The per-pair sums the loss family reads, by plain masked sums (no guards, no
+  fusion); per-sequence `[B]` inputs (masks None) are length-1 responses."""
+  args = (policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps)
+  if chosen_mask is None:
+    ones = jnp.ones(jnp.shape(policy_chosen_logps), jnp.float32)
+    return dpo_losses.Sums(*(jnp.asarray(x, jnp.float32) for x in args), ones, ones)
+  masks = (chosen_mask, rejected_mask) * 2
+  sums = [jnp.sum(jnp.asarray(x, jnp.float32) * m, axis=-1) for x, m in zip(args, masks)]
+  return dpo_losses.Sums(*sums, jnp.sum(chosen_mask, -1).astype(jnp.float32),
+                         jnp.sum(rejected_mask, -1).astype(jnp.float32))

@@ -38,31 +38,92 @@ def numpy_logprob_grads(h, w, t, g, ignore_index=IGNORE_INDEX, softcap=None):
   return dh, dw
 
 
-def numpy_dpo_loss(pc, pr, rc, rr, cm, rm, *, beta, loss_type, label_smoothing=0.0):
-  """Float64 `(loss, metrics)` of the DPO family on per-token `[B, T]` log-probs with
-  0/1 masks; ipo scores length-averaged log-probs, the others masked sums."""
+def numpy_dpo_loss(pc, pr, rc, rr, cm, rm, *, beta, loss_type, label_smoothing=0.0,
+                   loss_weights=None, discopop_tau=0.05, f_divergence_type="reverse_kl",
+                   f_alpha_divergence_coef=0.5, simpo_gamma=0.5, cpo_alpha=1.0):
+  """Float64 `(loss, metrics)` of TRL 1.16's DPO loss types (`_compute_loss` of its
+  DPOTrainer), SimPO / CPO (its CPOTrainer) and ORPO (its ORPOTrainer) on per-token
+  `[B, T]` log-probs with 0/1 masks, written from TRL's code; `loss_type` a comma list."""
   pc, pr, rc, rr, cm, rm = (np.asarray(x, np.float64) for x in (pc, pr, rc, rr, cm, rm))
-  len_c, len_r = cm.sum(-1), rm.sum(-1)
-  if loss_type != "ipo":
-    len_c = len_r = 1.0
-  pc, rc = (pc * cm).sum(-1) / len_c, (rc * cm).sum(-1) / len_c
-  pr, rr = (pr * rm).sum(-1) / len_r, (rr * rm).sum(-1) / len_r
-  chosen, rejected = beta * (pc - rc), beta * (pr - rr)
-  z, eps = chosen - rejected, label_smoothing
-  nll = lambda x: np.logaddexp(0.0, -x)  # -log(sigmoid(x))
-  if loss_type == "sigmoid":
-    losses = (1 - eps) * nll(z) + eps * nll(-z)
-  elif loss_type == "robust":
-    losses = ((1 - eps) * nll(z) - eps * nll(-z)) / (1 - 2 * eps)
-  elif loss_type == "hinge":
-    losses = np.maximum(0.0, 1.0 - z)
+  types = loss_type.split(",")
+  if set(types) <= {"simpo", "cpo", "orpo"}:  # TRL's CPO/ORPO trainers have no reference
+    rc, rr = np.zeros_like(rc), np.zeros_like(rr)
+  chosen_logps, rejected_logps = (pc * cm).sum(-1), (pr * rm).sum(-1)
+  ref_chosen, ref_rejected = (rc * cm).sum(-1), (rr * rm).sum(-1)
+  len_c, len_r = np.maximum(cm.sum(-1), 1.0), np.maximum(rm.sum(-1), 1.0)
+  cr, rj = chosen_logps - ref_chosen, rejected_logps - ref_rejected
+  logsig = lambda x: -np.logaddexp(0.0, -x)
+  sigmoid = lambda x: 1.0 / (1.0 + np.exp(-x))
+  if f_divergence_type == "forward_kl":
+    cs, rs = -np.exp(-cr), -np.exp(-rj)
+  elif f_divergence_type == "js_divergence":
+    cs, rs = logsig(cr), logsig(rj)
+  elif f_divergence_type == "alpha_divergence" and abs(f_alpha_divergence_coef - 1) >= 1e-6:
+    a = f_alpha_divergence_coef
+    cs = np.exp(np.minimum((a - 1) * cr, 80.0)) / (a - 1)
+    rs = np.exp(np.minimum((a - 1) * rj, 80.0)) / (a - 1)
   else:
-    losses = (z / beta - 1 / (2 * beta)) ** 2
+    cs, rs = cr, rj
+  d, eps = cs - rs, label_smoothing
+  # TRL's SFT / CPO / ORPO NLL: cross-entropy averaged over all chosen completion tokens.
+  nll = -(pc * cm).sum() / cm.sum()
+  weights = loss_weights or [1.0] * len(types)
+  total = 0.0
+  for t, w in zip(types, weights):
+    if t == "sigmoid":
+      per = -(1 - eps) * logsig(beta * d) - eps * logsig(-beta * d)
+    elif t == "hinge":
+      per = np.maximum(0.0, 1 - beta * d)
+    elif t == "ipo":
+      per = (cs / len_c - rs / len_r - 1 / (2 * beta)) ** 2
+    elif t == "exo_pair":
+      per = (sigmoid(beta * d) * (logsig(beta * d) - np.log1p(-eps))
+             + sigmoid(-beta * d) * (logsig(-beta * d) - np.log(eps)))
+    elif t == "nca_pair":
+      per = -logsig(beta * cs) - 0.5 * logsig(-beta * cs) - 0.5 * logsig(-beta * rs)
+    elif t == "robust":
+      per = (-(1 - eps) * logsig(beta * d) + eps * logsig(-beta * d)) / (1 - 2 * eps)
+    elif t == "bco_pair":
+      per = -logsig(beta * cs) - logsig(-beta * rs)
+    elif t == "sppo_hard":
+      per = (cs - 0.5 / beta) ** 2 + (rs + 0.5 / beta) ** 2
+    elif t == "aot":
+      delta = np.sort(chosen_logps - rejected_logps) - np.sort(ref_chosen - ref_rejected)
+      per = -logsig(beta * delta) * (1 - eps) - logsig(-beta * delta) * eps
+    elif t == "aot_unpaired":
+      delta = np.sort(cr) - np.sort(rj)
+      per = -logsig(beta * delta) * (1 - eps) - logsig(-beta * delta) * eps
+    elif t == "apo_zero":
+      per = (1 - sigmoid(beta * cr)) + sigmoid(beta * rj)
+    elif t == "apo_down":
+      per = sigmoid(beta * cr) + (1 - sigmoid(beta * d))
+    elif t == "discopop":
+      logits = beta * d
+      mod = sigmoid(logits / discopop_tau)
+      per = -logsig(logits) * (1 - mod) + np.exp(-logits) * mod
+    elif t == "sft":
+      per = np.full_like(d, nll)
+    elif t == "sigmoid_norm":
+      per = -logsig(beta * (cs / len_c - rs / len_r))
+    elif t == "simpo":  # CPOTrainer, loss_type="simpo", cpo_alpha=0: average log-probs
+      logits = (chosen_logps / len_c - rejected_logps / len_r) - simpo_gamma / beta
+      per = -logsig(beta * logits) * (1 - eps) - logsig(-beta * logits) * eps
+    elif t == "cpo":  # CPOTrainer, loss_type="sigmoid": summed log-probs, + alpha * NLL
+      logits = chosen_logps - rejected_logps
+      per = -logsig(beta * logits) * (1 - eps) - logsig(-beta * logits) * eps + cpo_alpha * nll
+    elif t == "orpo":  # ORPOTrainer: average log-probs; loss = NLL - beta * logsig(odds)
+      ac, ar = chosen_logps / len_c, rejected_logps / len_r
+      log_odds = (ac - ar) - (np.log1p(-np.exp(ac)) - np.log1p(-np.exp(ar)))
+      per = nll - beta * logsig(log_odds)
+    else:
+      raise ValueError(t)
+    total += per.mean() * w
+  chosen, rejected = beta * cr, beta * rj
   metrics = {"rewards/chosen": chosen.mean(), "rewards/rejected": rejected.mean(),
              "rewards/accuracies": (chosen > rejected).mean(),
-             "rewards/margins": z.mean(), "logps/chosen": pc.mean(),
-             "logps/rejected": pr.mean()}
-  return losses.mean(), metrics
+             "rewards/margins": (chosen - rejected).mean(),
+             "logps/chosen": chosen_logps.mean(), "logps/rejected": rejected_logps.mean()}
+  return total, metrics
 
 
 def make_inputs(N, D, V, dtype, scale=1.0, seed=0):

@@ -82,7 +82,7 @@ def test_metrics_on_hand_made_batch():
   np.testing.assert_allclose(float(loss), np.mean([softplus(-x) for x in margins]), rtol=1e-6)
 
 
-def test_ipo_uses_length_averages():
+def test_ipo_loss_averages_over_the_response_and_its_metrics_sum():
   pc = jnp.array([[-1.0, -3.0, 0.0]]); cm = jnp.array([[1, 1, 0]])  # mean -2
   pr = jnp.array([[-6.0, -6.0, -6.0]]); rm = jnp.array([[1, 1, 1]])  # mean -6
   zeros = jnp.zeros((1, 3))
@@ -90,7 +90,9 @@ def test_ipo_uses_length_averages():
   loss, m = kernels.dpo_loss(pc, pr, zeros, zeros, chosen_mask=cm, rejected_mask=rm,
                              beta=beta, loss_type="ipo")
   np.testing.assert_allclose(float(loss), (4.0 - 1 / (2 * beta)) ** 2, rtol=1e-6)
-  np.testing.assert_allclose(float(m["logps/chosen"]), -2.0, rtol=1e-6)
+  # TRL's metrics are sums over the response even when the loss averages.
+  np.testing.assert_allclose(float(m["logps/chosen"]), -4.0, rtol=1e-6)
+  np.testing.assert_allclose(float(m["rewards/margins"]), beta * (-4.0 + 18.0), rtol=1e-6)
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge", "robust"])

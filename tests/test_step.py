@@ -130,3 +130,18 @@ def test_offload_remat_equals_full_remat_on_cpu(tmp_path):
   full = runs.step_run(runs.steps(cfg, jax.devices()), cfg)
   cfg = dataclasses.replace(cfg, remat="offload")
   runs.assert_agree(runs.step_run(runs.steps(cfg, jax.devices()), cfg), full, tol=1e-6)
+
+
+def test_drift_metrics_are_per_token_log_ratios_and_log_probs():
+  """`objective.drift_metrics` against float64 NumPy on ragged masks."""
+  from tunix_core.training import objective  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  logps, ref = rng.uniform(-4, 0, (2, 3, 2, 5))
+  mask = (np.arange(5) < rng.integers(1, 6, (3, 2, 1))).astype(np.float64)
+  got = objective.drift_metrics(*(jax.numpy.asarray(x, jax.numpy.float32)
+                                  for x in (logps, ref, mask)))
+  per_token = lambda x: ((x * mask).sum(-1) / mask.sum(-1)).mean(0)
+  kl = per_token(logps - ref)
+  np.testing.assert_allclose([got["kl/chosen"], got["kl/rejected"]], kl, rtol=1e-5)
+  np.testing.assert_allclose(got["logps/chosen_per_token"], per_token(logps)[0], rtol=1e-5)
+  assert set(objective.drift_metrics(logps, None, mask)) == {"logps/chosen_per_token"}

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import kernels
 import runs
 from tunix_core import data as data_lib
 from tunix_core.run import loop as train
@@ -65,6 +66,10 @@ def test_flagfile_run_on_8_devices_loss_falls_from_ln2(tmp_path):
     assert key in train_rows[-1]
   assert len(eval_rows) == 1 and eval_rows[0]["step"] == 10
   assert "eval/rewards/accuracies" in eval_rows[0]
+  # Drift (values: test_step): the policy moved off the reference; log-probs are negative.
+  assert eval_rows[0]["eval/kl/chosen"] != 0 and eval_rows[0]["eval/kl/rejected"] != 0
+  assert eval_rows[0]["eval/logps/chosen_per_token"] < 0
+  assert "kl/chosen" not in train_rows[-1]  # evaluation only
 
 
 @pytest.mark.slow
@@ -111,7 +116,7 @@ def test_every_config_field_is_a_flag_with_its_help_and_the_old_reference_flags_
 
 
 @pytest.mark.parametrize("override,message", [
-    (dict(loss_type="kto"), "--loss_type='kto' is unknown"),
+    (dict(loss_type="sigmoid,kto"), "--loss_type='sigmoid,kto': unknown loss_type 'kto'"),
     (dict(batch_size=12), "--batch_size=12 is not divisible by the 8 devices"),
     (dict(train_data="/nonexistent.jsonl"), "--train_data='/nonexistent.jsonl': no such file"),
     (dict(max_prompt_length=40), "--max_prompt_length=40 must be positive and less than "
@@ -132,8 +137,8 @@ def test_bad_flag_prints_one_error_line(tmp_path):
                         timeout=300)
   assert proc.returncode == 1
   errors = [l for l in proc.stderr.splitlines() if "error" in l.lower()]
-  assert errors == ["trainer.py: error: --loss_type='kto' is unknown; choose one of "
-                    "('sigmoid', 'ipo', 'hinge', 'robust')"]
+  assert errors == ["trainer.py: error: --loss_type='kto': unknown loss_type 'kto'; choose "
+                    "from " + ", ".join(kernels.LOSS_TYPES)]
 
 
 def _losses(rows):

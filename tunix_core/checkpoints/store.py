@@ -123,8 +123,7 @@ class Checkpointer:
                async_save: bool = True):
     self.directory = directory
     self._writing = None  # the step whose save was started and not yet committed
-    self._committed = None  # the newest step known complete (for errors when the
-                            # directory itself cannot be listed)
+    self._committed = None  # the newest step this process saw complete (named in errors)
     if paths.is_remote(directory):
       _bound_gcs_retries()
     try:
@@ -149,11 +148,10 @@ class Checkpointer:
     return steps
 
   def _write_failed(self, step, e: BaseException) -> CheckpointWriteError:
-    try:
-      complete = [s for s in self.steps() if s != step]
-    except Exception:  # noqa: BLE001 - the directory itself may be what failed
-      complete = [self._committed] if self._committed is not None else []
-    newest = f"step {complete[-1]}" if complete else "none"
+    # The newest committed step as this process last saw it, not a fresh listing: the
+    # storage that failed the write would fail (and retry) the listing too, delaying
+    # the error line by the client's whole retry budget.
+    newest = f"step {self._committed}" if self._committed is not None else "none"
     return CheckpointWriteError(
         f"writing checkpoint step {step} to {self.directory} failed: {_os_error(e)}; "
         f"newest complete checkpoint: {newest}")

@@ -18,6 +18,8 @@ FIGURES = {
     "margin": ("Reward margin", "beta x log-ratio margin", ("rewards/margins",)),
     "logps": ("Log-probs of the responses", "summed log-prob",
               ("logps/chosen", "logps/rejected")),
+    "drift": ("Drift from the reference (eval)", "per-token log-ratio / log-prob",
+              ("kl/chosen", "kl/rejected", "logps/chosen_per_token")),
     "grad_norm": ("Gradient norm (before clipping)", "global norm", ("grad_norm",)),
     "tokens_per_sec": ("Throughput", "tokens / s", ("tokens_per_sec",)),
 }

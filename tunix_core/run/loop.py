@@ -31,9 +31,9 @@ from tunix_core.training.config import TrainConfig
 
 
 def _precompute_refs(cfg, steps, ref_params, train_set, eval_set, log):
-  """Reference log-prob tables `(train, eval)` under `--reference=precomputed`, else
-  Nones."""
-  if cfg.reference != "precomputed":
+  """Reference log-prob tables `(train, eval)` when the plan's reference is
+  precomputed, else Nones."""
+  if steps.plan.reference != "precomputed":
     return None, None
   cache_dir = paths.join(cfg.output_dir, "ref_cache")
   train_ref = ref_cache.precompute_ref_logps(steps, ref_params, train_set, cache_dir, log)

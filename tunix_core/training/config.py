@@ -8,6 +8,7 @@ import dataclasses
 
 import kernels
 from kernels import attention as attention_lib
+from kernels import dpo_losses
 from tunix_core import model as model_lib
 from tunix_core.model import lora as lora_lib
 from tunix_core.parallel import collectives
@@ -149,10 +150,29 @@ class TrainConfig:
                                "clipping.", group="optimizer")
   # Loss.
   beta: float = _flag(0.1, "DPO temperature (KL penalty strength).", group="loss")
-  loss_type: str = _flag("sigmoid", "DPO loss: sigmoid (DPO), ipo, hinge or robust.",
-                         group="loss")
+  loss_type: str = _flag("sigmoid", "Preference loss, or a comma-separated list of them "
+                         "summed with --loss_weights: TRL 1.16's DPO loss types (sigmoid = "
+                         "DPO, hinge, ipo, exo_pair, nca_pair, robust, bco_pair, sppo_hard, "
+                         "aot, aot_unpaired, apo_zero, apo_down, discopop, sft = NLL of the "
+                         "chosen response, sigmoid_norm) and the reference-free simpo, cpo, "
+                         "orpo (a list of only those runs without a reference).", group="loss")
+  loss_weights: str = _flag("", "Comma-separated weight of each --loss_type entry, e.g. "
+                            "1.0,0.2; empty: 1.0 each.", group="loss")
   label_smoothing: float = _flag(0.0, "Assumed label-flip rate for sigmoid (conservative "
-                                 "DPO) and robust.", group="loss")
+                                 "DPO), robust, aot and simpo/cpo; EXO's epsilon for "
+                                 "exo_pair (which needs it in (0, 1); 1e-3 in its paper).",
+                                 group="loss")
+  f_divergence_type: str = _flag("reverse_kl", "f-DPO's divergence mapping the log-ratios "
+                                 "before the loss: reverse_kl (DPO), forward_kl, "
+                                 "js_divergence or alpha_divergence.", group="loss")
+  f_alpha_divergence_coef: float = _flag(0.5, "alpha of --f_divergence_type="
+                                         "alpha_divergence.", group="loss")
+  discopop_tau: float = _flag(0.05, "DiscoPOP's temperature (--loss_type=discopop).",
+                              group="loss")
+  simpo_gamma: float = _flag(0.5, "SimPO's target reward margin (--loss_type=simpo).",
+                             group="loss")
+  cpo_alpha: float = _flag(1.0, "Weight of CPO's NLL term on the chosen response "
+                           "(--loss_type=cpo).", group="loss")
   reference: str = _flag("step", "The frozen reference: step (its forward in every step), "
                          "precomputed (run once over the data before training, cached on "
                          "disk) or none (reference-free: its log-probs are taken as zero). "
@@ -209,6 +229,20 @@ class TrainConfig:
     """Raises ConfigError with one line naming the offending setting."""
     validation.check(self, num_devices, CHOICES)
 
+  def loss_kwargs(self) -> dict:
+    """The keyword arguments of `kernels.dpo_loss` this config sets (but the impl)."""
+    weights = [float(w) for w in self.loss_weights.split(",")] if self.loss_weights else None
+    return dict(loss_type=self.loss_type, loss_weights=weights, beta=self.beta,
+                label_smoothing=self.label_smoothing, discopop_tau=self.discopop_tau,
+                f_divergence_type=self.f_divergence_type,
+                f_alpha_divergence_coef=self.f_alpha_divergence_coef,
+                simpo_gamma=self.simpo_gamma, cpo_alpha=self.cpo_alpha)
+
+  def loss_spec(self) -> dpo_losses.LossSpec:
+    """The checked loss terms (ValueError naming the bad argument)."""
+    kw = self.loss_kwargs()
+    return dpo_losses.make_spec(kw.pop("loss_type"), kw.pop("loss_weights"), **kw)
+
   def lora_config(self) -> lora_lib.LoraConfig | None:
     """The run's adapters (None: full fine-tuning): from `--lora_init`'s adapter config
     when given, else from the --lora_* flags."""
@@ -262,7 +296,7 @@ CHOICES = {
     "reference": REFERENCE_MODES,
     "remat": tuple(model_lib.REMAT_POLICIES),
     "optimizer": optim.OPTIMIZERS,
-    "loss_type": kernels.LOSS_TYPES,
+    "f_divergence_type": dpo_losses.F_DIVERGENCES,
     "logprob_impl": kernels.LOGPROB_IMPLS,
     "attention_impl": attention_lib.ATTENTION_IMPLS,
     "loss_impl": kernels.DPO_LOSS_IMPLS,

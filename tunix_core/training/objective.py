@@ -42,20 +42,40 @@ def sequence_logps(params, batch: dict, mcfg: model_lib.ModelConfig, impl: str,
   return packing.unpack(logps_NxS, batch, rows)
 
 
+def drift_metrics(logps_Bx2xT, ref_logps_Bx2xT, mask_Bx2xT) -> dict:
+  """How far the policy has moved, batch means of per-token averages over each response:
+  `kl/chosen`, `kl/rejected` (log pi - log ref on the response's tokens: the KL estimate
+  on the data's responses; absent without a reference) and `logps/chosen_per_token`
+  (the chosen responses' own log-prob, whose fall is likelihood displacement)."""
+  mask = mask_Bx2xT.astype(jnp.float32)
+  per_token = lambda x_Bx2xT: (jnp.sum(x_Bx2xT * mask, -1)
+                               / jnp.maximum(jnp.sum(mask, -1), 1.0)).mean(0)  # [2]
+  out = {"logps/chosen_per_token": per_token(logps_Bx2xT)[0]}
+  if ref_logps_Bx2xT is not None:
+    kl = per_token(logps_Bx2xT - ref_logps_Bx2xT)
+    out.update({"kl/chosen": kl[0], "kl/rejected": kl[1]})
+  return jax.lax.stop_gradient(out)
+
+
 def dpo_objective(params, ref_logps_Bx2xT, batch: dict, cfg, mcfg: model_lib.ModelConfig,
-                  rows: packing.Spec, layout: layout_lib.Layout = layout_lib.WHOLE):
+                  rows: packing.Spec, layout: layout_lib.Layout = layout_lib.WHOLE,
+                  drift: bool = False):
   """`(loss, metrics)` of `kernels.dpo_loss` for `params` on a `[B, 2, T]` pair batch.
 
   `ref_logps_Bx2xT` are the frozen reference's per-token log-probs (None when the run is
-  reference-free, `cfg.reference == "none"`); `cfg` is a `TrainConfig` (beta, loss
-  type, impls); `layout` and `rows` as in `sequence_logps`. Differentiable in `params`.
+  reference-free: `--reference=none`, or only reference-free loss types); `cfg` is a
+  `TrainConfig` (its loss terms and impls); `layout` and `rows` as in `sequence_logps`.
+  Differentiable in `params`. With `drift` (evaluation), the metrics also carry
+  `drift_metrics`.
   """
   logps_Bx2xT = sequence_logps(params, batch, mcfg, cfg.logprob_impl, rows, layout)
   mask_Bx2xT = batch["loss_mask"]
   ref = (None, None) if ref_logps_Bx2xT is None else (ref_logps_Bx2xT[:, 0],
                                                       ref_logps_Bx2xT[:, 1])
-  return kernels.dpo_loss(
+  loss, metrics = kernels.dpo_loss(
       logps_Bx2xT[:, 0], logps_Bx2xT[:, 1], *ref,
-      chosen_mask=mask_Bx2xT[:, 0], rejected_mask=mask_Bx2xT[:, 1], beta=cfg.beta,
-      loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing,
-      reference_free=cfg.reference == "none", impl=cfg.loss_impl)
+      chosen_mask=mask_Bx2xT[:, 0], rejected_mask=mask_Bx2xT[:, 1],
+      reference_free=ref_logps_Bx2xT is None, impl=cfg.loss_impl, **cfg.loss_kwargs())
+  if drift:
+    metrics = dict(metrics, **drift_metrics(logps_Bx2xT, ref_logps_Bx2xT, mask_Bx2xT))
+  return loss, metrics

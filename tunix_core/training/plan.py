@@ -41,8 +41,9 @@ class StepPlan:
   @property
   def reference(self) -> str:
     """"step" (the frozen reference's forward in every step), "precomputed" (its
-    log-probs ride with the batch) or "none" (reference-free)."""
-    return self.cfg.reference
+    log-probs ride with the batch) or "none" (reference-free, also when every loss
+    type is: SimPO, CPO, ORPO never read it)."""
+    return "none" if self.cfg.loss_spec().reference_free else self.cfg.reference
 
   @property
   def pairs_per_device(self) -> int:

@@ -178,9 +178,9 @@ class StepFunctions:
     """`[count, first step, bits]` (host ints) as the state's replicated int32 `[3]`."""
     return jax.device_put(jnp.asarray(health, jnp.int32), self.replicated)
 
-  def _objective(self, params, frozen, ref_logps, batch):
+  def _objective(self, params, frozen, ref_logps, batch, drift=False):
     return objective.dpo_objective(self.layout.policy(params, frozen), ref_logps, batch,
-                                   self.cfg, self.mcfg, self.plan.rows, self.layout)
+                                   self.cfg, self.mcfg, self.plan.rows, self.layout, drift)
 
   def _ref_logps(self, frozen, batch):
     return jax.lax.stop_gradient(objective.sequence_logps(
@@ -232,7 +232,8 @@ class StepFunctions:
     return new_state, dict(metrics, nonfinite=health)
 
   def _eval_step(self, params, frozen, batch):
-    loss, metrics = self._objective(params, frozen, self._resolve_ref(frozen, batch), batch)
+    loss, metrics = self._objective(params, frozen, self._resolve_ref(frozen, batch), batch,
+                                    drift=True)
     return jax.lax.pmean(dict(metrics, loss=loss), self.batch_axes)
 
   @staticmethod

@@ -54,6 +54,15 @@ def check(cfg, num_devices: int, choices: dict) -> None:
        f"--max_prompt_length={cfg.max_prompt_length} must be positive and less than "
        f"--max_length={cfg.max_length}")
   need(cfg.beta > 0, f"--beta must be positive, got {cfg.beta}")
+  try:
+    [float(w) for w in cfg.loss_weights.split(",")] if cfg.loss_weights else None
+  except ValueError:
+    need(False, f"--loss_weights={cfg.loss_weights!r} is not a comma-separated list of "
+         "numbers")
+  try:
+    cfg.loss_spec()
+  except ValueError as e:
+    need(False, f"--loss_type={cfg.loss_type!r}: {e}")
   need(cfg.learning_rate > 0, f"--learning_rate must be positive, got {cfg.learning_rate}")
   need(cfg.log_every > 0, f"--log_every must be positive, got {cfg.log_every}")
   need(cfg.eval_every >= 0, f"--eval_every must be >= 0, got {cfg.eval_every}")
