@@ -1,6 +1,7 @@
 """The step functions: pinned golden metrics and no retracing in the training loop."""
 
 import dataclasses
+import json
 import os
 
 import chex
@@ -117,9 +118,17 @@ def test_training_loop_never_retraces_a_step(tmp_path, monkeypatch):
   with open(EVAL, encoding="utf-8") as f:
     eval_data.write_text("".join(f.readlines()[:16]))
   cfg = _config(tmp_path, steps=4, eval_data=str(eval_data), eval_every=2, save_every=2,
-                max_length=24, max_prompt_length=12)
+                max_length=24, max_prompt_length=12, sample_every=2,
+                sample_max_new_tokens=4)
   result = train.train(cfg, log=lambda *_: None, devices=jax.devices()[:2])
   assert int(result["state"]["step"]) == 4 and "eval/loss" in result["eval"]
+  # --sample_every wrote the first eval prompts' completions at steps 2 and 4.
+  with open(tmp_path / "samples.jsonl", encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f]
+  with open(EVAL, encoding="utf-8") as f:
+    prompts = [json.loads(line)["prompt"] for line in f.readlines()[:4]]
+  assert [(r["step"], r["prompt"]) for r in rows] == [(s, p) for s in (2, 4) for p in prompts]
+  assert all(isinstance(r["completion"], str) for r in rows)
 
 
 @pytest.mark.slow

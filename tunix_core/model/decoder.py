@@ -171,6 +171,24 @@ def attention(x_BxTxD, layer, setting, positions_BxT, mask_BxT, cfg: ModelConfig
   keys `setting["window"]` or more positions back (when it is not 0), nor keys of another
   segment or response branch (`kernels.attention.Visibility`). On TPU the Pallas kernels
   run it (`cfg.attention_impl`, `kernels.attention.attention`)."""
+  B, T, _ = x_BxTxD.shape
+  q_BxTxHxK, k_BxTxVxK, v_BxTxVxK = qkv(x_BxTxD, layer, setting, positions_BxT, cfg)
+  vis = attention_lib.Visibility(positions_BxT, mask_BxT, segments_BxT, branches_BxT, band)
+  out_BxTxHxK = attention_lib.attention(
+      q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis, scale=attention_scale(cfg),
+      softcap=cfg.attn_softcap, window=setting["window"] if cfg.sliding_window else 0,
+      impl=cfg.attention_impl)
+  return project(out_BxTxHxK.reshape(B * T, -1), layer, "wo", cfg).reshape(B, T, -1)
+
+
+def attention_scale(cfg: ModelConfig) -> float:
+  return (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+
+
+def qkv(x_BxTxD, layer, setting, positions_BxT, cfg: ModelConfig):
+  """The attention inputs of `x`: queries `[B, T, H, K]`, keys and values `[B, T, KV, K]`,
+  with biases, QK norms and rotary embedding applied (shared with the KV cache of
+  `tunix_core.model.generate`)."""
   B, T, D = x_BxTxD.shape
   H, KV, K = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   # Matmuls on `[B * T, D]`: XLA:CPU runs the weight gradients of 3-D dots (two
@@ -186,12 +204,7 @@ def attention(x_BxTxD, layer, setting, positions_BxT, mask_BxT, cfg: ModelConfig
     k_BxTxVxK = rms_norm(k_BxTxVxK, layer["k_norm"], cfg.norm_eps, cfg.norm_offset)
   q_BxTxHxK = apply_rope(q_BxTxHxK, positions_BxT, setting["freqs"])
   k_BxTxVxK = apply_rope(k_BxTxVxK, positions_BxT, setting["freqs"])
-  scale = (cfg.query_pre_attn_scalar or K) ** -0.5
-  vis = attention_lib.Visibility(positions_BxT, mask_BxT, segments_BxT, branches_BxT, band)
-  out_BxTxHxK = attention_lib.attention(
-      q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis, scale=scale, softcap=cfg.attn_softcap,
-      window=setting["window"] if cfg.sliding_window else 0, impl=cfg.attention_impl)
-  return project(out_BxTxHxK.reshape(B * T, H * K), layer, "wo", cfg).reshape(B, T, -1)
+  return q_BxTxHxK, k_BxTxVxK, v_BxTxVxK
 
 
 def mlp(x_BxTxD, layer, cfg: ModelConfig):
@@ -244,6 +257,23 @@ def forward(params: dict, tokens_BxT: jax.Array, mask_BxT: jax.Array | None,
                  branches_BxT=branches_BxT, band=band)
 
 
+def block(x_BxTxD, layer, attend, cfg: ModelConfig, layer_cfg: ModelConfig | None = None,
+          enter=lambda h: h, leave=lambda h: h):
+  """One decoder layer around `attend(h) -> (attention output, aux)`: the norms, the
+  residuals and the MLP; returns `(x, aux)` (the KV cache's `aux` is its new keys)."""
+  eps, offset = cfg.norm_eps, cfg.norm_offset
+  h, aux = attend(enter(rms_norm(x_BxTxD, layer["attn_norm"], eps, offset)))
+  h = leave(h)
+  if cfg.post_norms:
+    h = rms_norm(h, layer["post_attn_norm"], eps, offset)
+  x_BxTxD = x_BxTxD + h
+  h = leave(mlp(enter(rms_norm(x_BxTxD, layer["mlp_norm"], eps, offset)), layer,
+                layer_cfg or cfg))
+  if cfg.post_norms:
+    h = rms_norm(h, layer["post_mlp_norm"], eps, offset)
+  return x_BxTxD + h, aux
+
+
 def decoder(params: dict, x_BxTxD: jax.Array, mask_BxT: jax.Array | None, cfg: ModelConfig,
             gather_layer=None, *, positions_BxT=None, segments_BxT=None, branches_BxT=None,
             band: int | None = None, layer_cfg: ModelConfig | None = None,
@@ -265,15 +295,9 @@ def decoder(params: dict, x_BxTxD: jax.Array, mask_BxT: jax.Array | None, cfg: M
     if gather_layer is not None:
       layer = gather_layer(layer)
     layer = jax.tree.map(lambda w: w.astype(compute), layer)
-    h = enter(rms_norm(x_BxTxD, layer["attn_norm"], eps, offset))
-    h = leave(attention(h, layer, setting, positions_BxT, mask_BxT, lcfg, **visibility))
-    if cfg.post_norms:
-      h = rms_norm(h, layer["post_attn_norm"], eps, offset)
-    x_BxTxD = x_BxTxD + h
-    h = leave(mlp(enter(rms_norm(x_BxTxD, layer["mlp_norm"], eps, offset)), layer, lcfg))
-    if cfg.post_norms:
-      h = rms_norm(h, layer["post_mlp_norm"], eps, offset)
-    return x_BxTxD + h, None
+    attend = lambda h: (attention(h, layer, setting, positions_BxT, mask_BxT, lcfg,
+                                  **visibility), None)
+    return block(x_BxTxD, layer, attend, cfg, lcfg, enter, leave)
 
   policy = REMAT_POLICIES[cfg.remat]
   if gather_layer is not None and policy is None:

@@ -20,6 +20,7 @@ from tunix_core.run import metrics as metrics_lib
 from tunix_core.run import observe
 from tunix_core.run import preemption
 from tunix_core.run import ref_cache
+from tunix_core.run import samples as samples_lib
 from tunix_core.run import source as source_lib
 from tunix_core.storage import paths
 from tunix_core.training import flops
@@ -108,6 +109,9 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
                                       sinks=observe.open_sinks(cfg, source, log))
             if primary else None)
   profiler = observe.Profiler(cfg, log)
+  sampler = (samples_lib.Sampler(cfg, mcfg, source_lib.tokenizer(cfg),
+                                 samples_lib.read_prompts(cfg), log, start)
+             if cfg.sample_every else None)  # every process joins the generation
   peak, peak_source = flops.peak_flops(
       next(d for d in devices if d.process_index == jax.process_index()),
       model_lib.DTYPES[mcfg.compute_dtype])
@@ -157,6 +161,9 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
           flush()
           progress.eval(step, evaluate_lib.evaluate(steps, state["params"], ref_params,
                                                     eval_set, eval_ref))
+        if sampler and _every(cfg.sample_every, step, cfg.steps):
+          flush()
+          sampler(step, steps.logical_params(state["params"]))
         if stop.should_stop(step):
           flush()
           save(step)

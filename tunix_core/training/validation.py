@@ -73,6 +73,15 @@ def check(cfg, num_devices: int, choices: dict) -> None:
     path = getattr(cfg, name)
     need(not path or paths.isfile(path), f"--{name}={path!r}: no such file")
   need(not (cfg.eval_every and not cfg.eval_data), "--eval_every needs --eval_data")
+  need(cfg.sample_every >= 0, f"--sample_every must be >= 0, got {cfg.sample_every}")
+  need(not cfg.sample_every or cfg.sample_prompts or cfg.eval_data,
+       "--sample_every needs --sample_prompts or --eval_data (where its prompts come from)")
+  need(not cfg.sample_prompts or paths.isfile(cfg.sample_prompts),
+       f"--sample_prompts={cfg.sample_prompts!r}: no such file")
+  need(cfg.sample_max_new_tokens > 0, "--sample_max_new_tokens must be positive")
+  need(not (cfg.sample_every and cfg.lora_rank), "--sample_every samples full params; "
+       "with --lora_rank, sample the exported merged model with python -m "
+       "tunix_core.generate")
   need(not cfg.hf_model_dir or paths.isfile(paths.join(cfg.hf_model_dir, "config.json")),
        f"--hf_model_dir={cfg.hf_model_dir!r} is not a Hugging Face model directory "
        "(no config.json)")

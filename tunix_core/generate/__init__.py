@@ -1,0 +1,52 @@
+"""Text in, text out: prompts encoded as training encodes them (chat template or BOS +
+text), left-padded, completed by `tunix_core.model.generate`, decoded. `python -m
+tunix_core.generate` is the command line (`generate/__main__.py`)."""
+
+import json
+
+import jax
+import numpy as np
+
+from tunix_core.model import generate as generate_lib
+from tunix_core.storage import paths
+
+
+def eos_ids(model_dir: str, tok) -> tuple:
+  """The ids that end a completion: `eos_token_id` of `generation_config.json`, else of
+  `config.json` (an int or a list), else the tokenizer's EOS."""
+  for name in ("generation_config.json", "config.json"):
+    path = paths.join(model_dir, name)
+    if paths.isfile(path):
+      value = json.loads(paths.read_text(path)).get("eos_token_id")
+      if value is not None:
+        return tuple(value) if isinstance(value, list) else (int(value),)
+  return (tok.eos_id,)
+
+
+def prompt_ids(tok, prompt, chat: bool) -> list[int]:
+  """`prompt` (a string, or a list of `{"role", "content"}` messages) as the model sees
+  it before its answer: through the chat template with the generation prompt (`chat`; a
+  string is one user turn), else BOS (when the tokenizer has one) and the text."""
+  if chat:
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+  return ([] if tok.bos_id is None else [tok.bos_id]) + tok.encode(prompt)
+
+
+def complete(params, cfg, tok, prompts: list, sampling: generate_lib.Sampling, *,
+             chat: bool, seed: int = 0) -> list[dict]:
+  """One `{"prompt_ids", "completion_ids", "text"}` per prompt, generated in one batch."""
+  ids = [prompt_ids(tok, p, chat) for p in prompts]
+  P = max(map(len, ids))
+  batch = np.full((len(ids), P), tok.pad_id, np.int32)
+  mask = np.zeros((len(ids), P), np.int32)
+  for row, x in enumerate(ids):
+    batch[row, P - len(x):], mask[row, P - len(x):] = x, 1
+  tokens, lengths = jax.device_get(generate_lib.generate(
+      params, batch, mask, jax.random.PRNGKey(seed), cfg=cfg, sampling=sampling))
+  out = []
+  for x, row, n in zip(ids, tokens, lengths):
+    completion = [int(t) for t in row[:n]]
+    text_ids = [t for t in completion if t not in sampling.eos_ids]
+    out.append({"prompt_ids": x, "completion_ids": completion, "text": tok.decode(text_ids)})
+  return out

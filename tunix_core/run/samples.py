@@ -1,0 +1,52 @@
+"""Samples during training (`--sample_every`): completions of a fixed set of prompts,
+appended to `{output_dir}/samples.jsonl` as `{"step", "prompt", "completion"}` rows.
+
+The prompts are the lines of `--sample_prompts` (one prompt per line), else the first
+`MAX_PROMPTS` prompts of `--eval_data` (a conversational prompt is sampled through the
+run's chat template as it is). Generation (`tunix_core.model.generate`, greedy) is its
+own jitted function on the run's params as they are placed, so the train step is never
+retraced.
+"""
+
+import json
+
+import jax
+
+from tunix_core import generate
+from tunix_core.model import generate as generate_lib
+from tunix_core.storage import paths
+
+MAX_PROMPTS = 4
+
+
+def read_prompts(cfg) -> list:
+  """The prompts to sample: strings, or message lists of conversational data."""
+  if cfg.sample_prompts:
+    return [l for l in paths.read_text(cfg.sample_prompts).splitlines() if l.strip()]
+  rows = (json.loads(l) for l in paths.read_text(cfg.eval_data).splitlines() if l.strip())
+  return [r["prompt"] for r, _ in zip(rows, range(MAX_PROMPTS))]
+
+
+class Sampler:
+  """Writes the completions of `prompts` under `params` at a step. Every process calls
+  it (the params may span them); the first process writes."""
+
+  def __init__(self, cfg, mcfg, tok, prompts: list, log, start: int = 0):
+    self.path = paths.join(cfg.output_dir, "samples.jsonl")
+    self.cfg, self.mcfg, self.tok, self.prompts, self.log = cfg, mcfg, tok, prompts, log
+    self.sampling = generate_lib.Sampling(cfg.sample_max_new_tokens,
+                                          eos_ids=(tok.eos_id,))
+    rows = paths.read_text(self.path).splitlines() if paths.isfile(self.path) else []
+    # On a resume, rows past the restored step came from the run it replaces.
+    self.rows = [r for r in rows if r.strip() and json.loads(r)["step"] <= start]
+
+  def __call__(self, step: int, params) -> None:
+    chat = getattr(self.tok, "chat_template", None) is not None
+    # Without a chat template only plain-text prompts can be sampled.
+    texts = self.prompts if chat else [p for p in self.prompts if isinstance(p, str)]
+    done = generate.complete(params, self.mcfg, self.tok, texts, self.sampling, chat=chat)
+    self.rows += [json.dumps({"step": step, "prompt": p, "completion": d["text"]})
+                  for p, d in zip(texts, done)]
+    if jax.process_index() == 0:
+      paths.write_text(self.path, "\n".join(self.rows) + "\n")
+    self.log(f"samples @ {step}: {json.dumps(done[0]['text'])[:100]}")
