@@ -10,6 +10,7 @@ frozen reference model. `IGNORE_INDEX` is the target id of unscored positions.
 from kernels.dispatch import IGNORE_INDEX
 from kernels.dispatch import IMPLS
 from kernels.dpo_loss import LOSS_TYPES
+from kernels.dpo_loss import REFERENCE_FREE_TYPES
 from kernels.dpo_loss import dpo_loss
 from kernels.dpo_loss_pallas import BlockSizes as DPOLossBlockSizes
 from kernels.logprobs import fused_logprobs
@@ -20,4 +21,5 @@ LOGPROB_IMPLS = IMPLS
 DPO_LOSS_IMPLS = IMPLS
 
 __all__ = ["DPOLossBlockSizes", "DPO_LOSS_IMPLS", "IGNORE_INDEX", "IMPLS", "LOGPROB_IMPLS",
-           "LOSS_TYPES", "LogprobsBlockSizes", "dpo_loss", "fused_logprobs"]
+           "LOSS_TYPES", "LogprobsBlockSizes", "REFERENCE_FREE_TYPES", "dpo_loss",
+           "fused_logprobs"]

@@ -99,7 +99,7 @@ def test_golden_step_metrics(tmp_path):
 
 
 @pytest.mark.slow  # a whole (short) training run
-def test_training_loop_never_retraces_a_step(tmp_path, monkeypatch):
+def test_training_loop_never_retraces_a_step(tmp_path, monkeypatch, capsys):
   """Train and eval steps trace once per run: a retrace would be a silent recompile on
   every step on a TPU."""
 
@@ -129,6 +129,12 @@ def test_training_loop_never_retraces_a_step(tmp_path, monkeypatch):
     prompts = [json.loads(line)["prompt"] for line in f.readlines()[:4]]
   assert [(r["step"], r["prompt"]) for r in rows] == [(s, p) for s in (2, 4) for p in prompts]
   assert all(isinstance(r["completion"], str) for r in rows)
+  # The saved step 4, through `python -m tunix_core.generate --output_dir`, says the same.
+  from tunix_core.generate import __main__ as cli  # pylint: disable=g-import-not-at-top
+  assert cli.main([f"--output_dir={tmp_path}", f"--prompt={prompts[0]}",
+                   "--max_new_tokens=4"]) == 0
+  line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert line["text"] == rows[4]["completion"]
 
 
 @pytest.mark.slow

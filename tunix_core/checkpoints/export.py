@@ -8,6 +8,7 @@ checkpoint's metadata and the tokenizer and config files from the run's
 """
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 
@@ -29,10 +30,25 @@ def _known(cls, values: dict) -> dict:
   return {k: v for k, v in values.items() if k in names}
 
 
-def export_step(output_dir: str, out_dir: str, step: int | None = None,
-                dtype: str = "bfloat16", src_dir: str | None = None, log=print) -> int:
-  """Writes step `step` (default: the newest) of the run in `output_dir` to `out_dir`;
-  returns the step. Raises `checkpoint.CheckpointError` for a missing or damaged step."""
+class SavedStep(NamedTuple):
+  """A restored, verified step: its number, metadata, run and model configs, and the
+  step functions it was restored with (their plan: one-step, data-free, local devices)."""
+  step: int
+  meta: dict
+  cfg: config_lib.TrainConfig
+  model: model_lib.ModelConfig
+  steps: step_lib.StepFunctions
+  state: dict
+
+  def params(self) -> dict:
+    """The params as logical arrays (a LoRA run's: its adapters)."""
+    return self.steps.logical_params(self.state["params"])
+
+
+def restore_step(output_dir: str, step: int | None = None) -> SavedStep:
+  """Step `step` (default: the newest) of the run in `output_dir`, restored on the local
+  devices and verified. Raises `checkpoint.CheckpointError` for a missing or damaged
+  step."""
   ckpt = checkpoint.Checkpointer(paths.join(output_dir, "checkpoints"), async_save=False)
   try:
     available = ckpt.steps()
@@ -51,7 +67,8 @@ def export_step(output_dir: str, out_dir: str, step: int | None = None,
     plan_cfg = dataclasses.replace(
         cfg, model_parallel=1, num_slices=1, fsdp=False, compile_only=True, train_data="",
         eval_data="", eval_every=0, check_replicas_every=0, batch_size=len(devices),
-        grad_accum_steps=1, hf_model_dir="", chat_template="auto")  # the model config is the saved one
+        grad_accum_steps=1, hf_model_dir="", chat_template="auto", sample_every=0,
+        sample_prompts="")  # the model config is the saved one
     steps = step_lib.make_steps(plan_lib.make_plan(plan_cfg, devices, model_config=mcfg),
                                 devices)
     state = resume.restore_state(steps, ckpt, step, meta)
@@ -61,11 +78,20 @@ def export_step(output_dir: str, out_dir: str, step: int | None = None,
                                        f"differ, e.g. {bad[0]}")
   finally:
     ckpt.close(quiet=True)
+  return SavedStep(step, meta, cfg, mcfg, steps, state)
+
+
+def export_step(output_dir: str, out_dir: str, step: int | None = None,
+                dtype: str = "bfloat16", src_dir: str | None = None, log=print) -> int:
+  """Writes step `step` (default: the newest) of the run in `output_dir` to `out_dir`;
+  returns the step. Raises `checkpoint.CheckpointError` for a missing or damaged step."""
+  saved = restore_step(output_dir, step)
+  step, meta, cfg, mcfg, steps = saved.step, saved.meta, saved.cfg, saved.model, saved.steps
   src_dir = src_dir or meta.get("source", {}).get("hf_model_dir")
   if src_dir and not paths.isdir(src_dir):
     log(f"warning: {src_dir} is gone; exporting without its tokenizer files")
     src_dir = None
-  params = steps.logical_params(state["params"])
+  params = saved.params()
   if steps.plan.lora is not None:  # a LoRA run's state is its adapters: a PEFT directory
     peft.write_adapter(out_dir, jax.device_get(params), mcfg, steps.plan.lora,
                        base_model=src_dir or cfg.model)
