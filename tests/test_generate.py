@@ -34,7 +34,8 @@ def _prompts():
   return jnp.asarray(ids), jnp.asarray(mask)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [pytest.param(f, marks=() if f == "gemma2" else
+                                                  pytest.mark.slow) for f in FAMILIES])
 def test_greedy_tokens_are_the_no_cache_forwards_argmax_at_every_step(family):
   cfg = FAMILIES[family]
   params = model_lib.init_params(jax.random.PRNGKey(1), cfg)
@@ -97,6 +98,7 @@ def test_bad_sampling_settings_are_one_clear_error():
     gen.Sampling(top_p=0.0)
 
 
+@pytest.mark.slow
 def test_command_line_completes_from_an_hf_directory_and_stops_at_its_eos(tmp_path, capsys):
   """`python -m tunix_core.generate` (in process): its JSON line is `generate`'s greedy
   completion of the chat-templated prompt; an `eos_token_id` of generation_config.json
@@ -139,9 +141,11 @@ def test_command_line_completes_from_an_hf_directory_and_stops_at_its_eos(tmp_pa
 HF_FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf")
 
 
-@pytest.mark.parametrize("family", sorted(
-    d for d in os.listdir(HF_FIXTURES)
-    if os.path.isfile(os.path.join(HF_FIXTURES, d, "generate.npz"))))
+# The fast tier keeps the sliding-window, soft-capped family; the slow one has them all.
+@pytest.mark.parametrize("family", [
+    pytest.param(d, marks=() if d == "gemma2" else pytest.mark.slow)
+    for d in sorted(os.listdir(HF_FIXTURES))
+    if os.path.isfile(os.path.join(HF_FIXTURES, d, "generate.npz"))])
 def test_greedy_generation_equals_transformers_on_the_fixtures(family):
   """Token for token `transformers`' greedy `generate` (recorded by
   `tests/make_generate_fixtures.py`), a left-padded row included."""

@@ -119,7 +119,8 @@ def _batch(n=8, length=48):
   return data_lib.take_pairs(ds, np.arange(n))
 
 
-@pytest.mark.parametrize("family", [pytest.param(f, marks=() if f == "gemma2" else
+# The fast tier keeps the plainest family (Gemma 2's took 20 s of it).
+@pytest.mark.parametrize("family", [pytest.param(f, marks=() if f == "llama" else
                                                   pytest.mark.slow) for f in FAMILIES])
 def test_logprobs_and_gradients_of_every_layout_equal_the_naive_oracle(family):
   mcfg = FAMILIES[family]
