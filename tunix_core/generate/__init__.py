@@ -12,9 +12,10 @@ from tunix_core.storage import paths
 
 
 def eos_ids(model_dir: str, tok) -> tuple:
-  """The ids that end a completion: `eos_token_id` of `generation_config.json`, else of
-  `config.json` (an int or a list), else the tokenizer's EOS."""
-  for name in ("generation_config.json", "config.json"):
+  """The ids that end a completion: `eos_token_id` of `model_dir`'s
+  `generation_config.json`, else of its `config.json` (an int or a list), else (and
+  without a `model_dir`: a preset) the tokenizer's EOS."""
+  for name in ("generation_config.json", "config.json") if model_dir else ():
     path = paths.join(model_dir, name)
     if paths.isfile(path):
       value = json.loads(paths.read_text(path)).get("eos_token_id")

@@ -44,8 +44,7 @@ def main(argv=None) -> int:
         raise ValueError(f"step {saved.step} of {a.output_dir} holds LoRA adapters: export "
                          "it merged (--export_merged) and generate from that directory")
       cfg, tok, params = saved.model, source_lib.tokenizer(saved.cfg), saved.params()
-      hf_dir = saved.cfg.hf_model_dir
-      eos = generate.eos_ids(hf_dir, tok) if hf_dir else (tok.eos_id,)
+      eos = generate.eos_ids(saved.cfg.hf_model_dir, tok)
     sampling = generate_lib.Sampling(a.max_new_tokens, a.temperature, a.top_k, a.top_p, eos)
     chat = a.chat_template == "auto" and getattr(tok, "chat_template", None) is not None
     (result,) = generate.complete(params, cfg, tok, [a.prompt], sampling, chat=chat,

@@ -33,20 +33,21 @@ class Sampler:
 
   def __init__(self, cfg, mcfg, tok, prompts: list, log, start: int = 0):
     self.path = paths.join(cfg.output_dir, "samples.jsonl")
-    self.cfg, self.mcfg, self.tok, self.prompts, self.log = cfg, mcfg, tok, prompts, log
+    self.mcfg, self.tok, self.log = mcfg, tok, log
+    self.chat = getattr(tok, "chat_template", None) is not None
+    # Without a chat template only plain-text prompts can be sampled.
+    self.prompts = prompts if self.chat else [p for p in prompts if isinstance(p, str)]
     self.sampling = generate_lib.Sampling(cfg.sample_max_new_tokens,
-                                          eos_ids=(tok.eos_id,))
+                                          eos_ids=generate.eos_ids(cfg.hf_model_dir, tok))
     rows = paths.read_text(self.path).splitlines() if paths.isfile(self.path) else []
     # On a resume, rows past the restored step came from the run it replaces.
     self.rows = [r for r in rows if r.strip() and json.loads(r)["step"] <= start]
 
   def __call__(self, step: int, params) -> None:
-    chat = getattr(self.tok, "chat_template", None) is not None
-    # Without a chat template only plain-text prompts can be sampled.
-    texts = self.prompts if chat else [p for p in self.prompts if isinstance(p, str)]
-    done = generate.complete(params, self.mcfg, self.tok, texts, self.sampling, chat=chat)
+    done = generate.complete(params, self.mcfg, self.tok, self.prompts, self.sampling,
+                             chat=self.chat)
     self.rows += [json.dumps({"step": step, "prompt": p, "completion": d["text"]})
-                  for p, d in zip(texts, done)]
+                  for p, d in zip(self.prompts, done)]
     if jax.process_index() == 0:
       paths.write_text(self.path, "\n".join(self.rows) + "\n")
     self.log(f"samples @ {step}: {json.dumps(done[0]['text'])[:100]}")
