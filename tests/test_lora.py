@@ -121,7 +121,9 @@ def test_lora_from_a_peft_adapter_trains_resumes_and_exports(tmp_path):
   1 is ln 2 (the reference is the base with that adapter, frozen); a run cut after step
   2 and resumed equals the uninterrupted one; the checkpoint holds no base weights; the
   export is a PEFT adapter of the final adapters and, merged, the base with them folded
-  in."""
+  in; --sample_every's completions under the adapters equal the merged export's."""
+  from tunix_core import generate  # pylint: disable=g-import-not-at-top
+  from tunix_core.model import generate as generate_lib  # pylint: disable=g-import-not-at-top
   from tunix_core.run import loop  # pylint: disable=g-import-not-at-top
   from tunix_core.training import config as config_lib  # pylint: disable=g-import-not-at-top
   pytest.importorskip("tokenizers")
@@ -143,7 +145,10 @@ def test_lora_from_a_peft_adapter_trains_resumes_and_exports(tmp_path):
     return loop.train(c, devices=jax.devices()[:2], log=lambda *_: None)
 
   export_dir = str(tmp_path / "export")
-  full = run(tmp_path / "full", 4, export_hf_dir=export_dir, export_merged=True)
+  prompts = tmp_path / "prompts.txt"
+  prompts.write_text("the quick brown\nhello\n")
+  full = run(tmp_path / "full", 4, export_hf_dir=export_dir, export_merged=True,
+             sample_every=4, sample_prompts=str(prompts), sample_max_new_tokens=6)
   losses = runs.losses(tmp_path / "full")
   assert losses[1] == pytest.approx(np.log(2), abs=1e-6) and losses[4] < losses[1] - 1e-3
   run(tmp_path / "cut", 2, save_every=2)
@@ -166,6 +171,16 @@ def test_lora_from_a_peft_adapter_trains_resumes_and_exports(tmp_path):
   merged = hf.load_params(os.path.join(export_dir, "merged"), cfg)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
                merged, lora.merge(base, final, lcfg))
+  with open(tmp_path / "full" / "samples.jsonl", encoding="utf-8") as f:
+    sampled = [json.loads(line) for line in f]
+  assert [(r["step"], r["prompt"]) for r in sampled] == [
+      (s, p) for s in (0, 4) for p in ("the quick brown", "hello")]
+  tok = hf.HFTokenizer(model_dir)
+  sampling = generate_lib.Sampling(6, eos_ids=generate.eos_ids(model_dir, tok))
+  for rows, params in ((sampled[:2], lora.merge(base, sft, lcfg)), (sampled[2:], merged)):
+    done = generate.complete(params, cfg, tok, ["the quick brown", "hello"], sampling,
+                             chat=tok.chat_template is not None)
+    assert [r["completion"] for r in rows] == [d["text"] for d in done]
 
 
 @pytest.mark.parametrize("name", sorted(os.listdir(LORA)))

@@ -54,7 +54,8 @@ def test_tensorboard_wandb_plots_and_profile_hold_the_metrics(tmp_path, gcs, mon
   monkeypatch.setenv("WANDB_SILENT", "true")
   out = gcs.bucket("observe") + "/run"
   cfg = runs.quickstart_config(out, steps=4, log_every=1, eval_every=2, save_every=0,
-                               batch_size=8, wandb_project="tunix-tests", profile_steps="2:3")
+                               batch_size=8, wandb_project="tunix-tests", profile_steps="2:3",
+                               sample_every=2, sample_max_new_tokens=3)
   lines = []
   train.train(cfg, log=lines.append)
   assert f"TensorBoard: {out}/tensorboard" in lines
@@ -63,6 +64,11 @@ def test_tensorboard_wandb_plots_and_profile_hold_the_metrics(tmp_path, gcs, mon
   for row in rows:
     want.update({(k, row["step"]): v for k, v in row.items() if k != "step"})
   assert ("eval/loss", 4) in want and ("grad_norm", 3) in want
+  samples = [json.loads(l) for l in paths.read_text(paths.join(out, "samples.jsonl")).split("\n")
+             if l]
+  want_samples = {s: [[r["prompt"], r["completion"]] for r in samples if r["step"] == s]
+                  for s in (0, 2, 4)}
+  assert all(want_samples.values())
 
   with paths.local_copy(out) as local:
     acc = event_accumulator.EventAccumulator(os.path.join(local, "tensorboard"),
@@ -71,8 +77,14 @@ def test_tensorboard_wandb_plots_and_profile_hold_the_metrics(tmp_path, gcs, mon
     # tensorboard's writer stores scalars as v2 summaries: scalar tensors of the scalars
     # plugin, which TensorBoard draws as scalars.
     got = {(tag, e.step): float(tensor_util.make_ndarray(e.tensor_proto))
-           for tag in acc.Tags()["tensors"] for e in acc.Tensors(tag)}
+           for tag in acc.Tags()["tensors"] if tag != "samples" for e in acc.Tensors(tag)}
     assert set(got) == set(want)
+    # Samples: a text-plugin table per sampling step, a header row, then prompt/completion.
+    assert acc.SummaryMetadata("samples").plugin_data.plugin_name == "text"
+    tables = {e.step: [[c.decode() for c in row]
+                       for row in tensor_util.make_ndarray(e.tensor_proto)]
+              for e in acc.Tensors("samples")}
+    assert tables == {s: [["prompt", "completion"]] + rows for s, rows in want_samples.items()}
     for key, value in want.items():
       assert got[key] == pytest.approx(value, rel=1e-6), key  # stored as float32
 
@@ -81,7 +93,16 @@ def test_tensorboard_wandb_plots_and_profile_hold_the_metrics(tmp_path, gcs, mon
     history = {}
     for row in _wandb_history(run_file):
       history.update({(k, row["_step"]): v for k, v in row.items() if not k.startswith("_")})
+    tables = {s: {} for s in want_samples}  # W&B's history keys of a table: samples/<field>
+    for key, step in [k for k in history if k[0].startswith("samples/")]:
+      tables[step][key.partition("/")[2]] = history.pop((key, step))
     assert history == want
+    for s, rows in want_samples.items():  # the tables W&B stored, as files of the run
+      assert tables[s]["_type"] == "table-file" and tables[s]["nrows"] == len(rows)
+      stored = json.load(open(os.path.join(os.path.dirname(run_file), "files",
+                                           tables[s]["path"]), encoding="utf-8"))
+      assert stored["columns"] == ["step", "prompt", "completion"]
+      assert stored["data"] == [[s] + r for r in rows]
 
     traces = [f for f in glob.glob(os.path.join(local, "profile", "**", "*"), recursive=True)
               if os.path.isfile(f)]

@@ -122,19 +122,19 @@ def test_training_loop_never_retraces_a_step(tmp_path, monkeypatch, capsys):
                 sample_max_new_tokens=4)
   result = train.train(cfg, log=lambda *_: None, devices=jax.devices()[:2])
   assert int(result["state"]["step"]) == 4 and "eval/loss" in result["eval"]
-  # --sample_every wrote the first eval prompts' completions at steps 2 and 4.
+  # --sample_every wrote the first eval prompts' completions before step 1 and at 2 and 4.
   with open(tmp_path / "samples.jsonl", encoding="utf-8") as f:
     rows = [json.loads(line) for line in f]
   with open(EVAL, encoding="utf-8") as f:
     prompts = [json.loads(line)["prompt"] for line in f.readlines()[:4]]
-  assert [(r["step"], r["prompt"]) for r in rows] == [(s, p) for s in (2, 4) for p in prompts]
+  assert [(r["step"], r["prompt"]) for r in rows] == [(s, p) for s in (0, 2, 4) for p in prompts]
   assert all(isinstance(r["completion"], str) for r in rows)
   # The saved step 4, through `python -m tunix_core.generate --output_dir`, says the same.
   from tunix_core.generate import __main__ as cli  # pylint: disable=g-import-not-at-top
   assert cli.main([f"--output_dir={tmp_path}", f"--prompt={prompts[0]}",
                    "--max_new_tokens=4"]) == 0
   line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-  assert line["text"] == rows[4]["completion"]
+  assert line["text"] == rows[-len(prompts)]["completion"]  # step 4, the first prompt
 
 
 @pytest.mark.slow

@@ -110,7 +110,7 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
             if primary else None)
   profiler = observe.Profiler(cfg, log)
   sampler = (samples_lib.Sampler(cfg, mcfg, source_lib.tokenizer(cfg),
-                                 samples_lib.read_prompts(cfg), log, start)
+                                 samples_lib.read_prompts(cfg), log, start, writer)
              if cfg.sample_every else None)  # every process joins the generation
   peak, peak_source = flops.peak_flops(
       next(d for d in devices if d.process_index == jax.process_index()),
@@ -144,6 +144,8 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
       "for both)")
   try:
     with preemption.StopSignal() as stop:
+      if sampler and start == 0:
+        sampler(0, steps.policy_params(state["params"], ref_params))  # the run's start
       for step in range(start + 1, cfg.steps + 1):
         idx = it.next_indices()
         batch = ref_cache.with_ref(data_lib.take_pairs(train_set, idx), train_ref, idx)
@@ -163,7 +165,7 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
                                                     eval_set, eval_ref))
         if sampler and _every(cfg.sample_every, step, cfg.steps):
           flush()
-          sampler(step, steps.logical_params(state["params"]))
+          sampler(step, steps.policy_params(state["params"], ref_params))
         if stop.should_stop(step):
           flush()
           save(step)

@@ -55,6 +55,12 @@ class MetricsWriter:
     for sink in self.sinks:
       sink.write(row)
 
+  def samples(self, step: int, rows: list) -> None:
+    """`--sample_every`'s completions at `step` (dicts of "prompt", "completion") for
+    the sinks (`samples.jsonl` is the sampler's own file)."""
+    for sink in self.sinks:
+      sink.samples(step, rows)
+
   def note(self, key: str, text: str) -> None:
     """A fact of the run that is not a metric (a checkpoint's digest) for the sinks."""
     for sink in self.sinks:

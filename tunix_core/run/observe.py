@@ -2,11 +2,12 @@
 trace of chosen steps. Each is optional and imported only when used.
 
 - `TensorBoard`: the rows of `metrics.jsonl` as scalars (tags exactly its keys, `eval/...`
-  included, at the row's step), written with `tensorboard`'s own writer (the
-  `tensorboard` extra). Event files cannot be appended to on object storage: for a
+  included, at the row's step) and `--sample_every`'s completions as a text table (tag
+  `samples`, rows prompt and completion), written as `tensorboard`'s own v2 summaries
+  (the `tensorboard` extra). Event files cannot be appended to on object storage: for a
   `gs://` directory they are written in a local temporary directory and uploaded whole
   after every row.
-- `Wandb`: the same rows to a W&B run (`--wandb_project`; `WANDB_MODE=offline` works with
+- `Wandb`: the same rows (and the samples as a `wandb.Table` under `samples`) to a W&B run (`--wandb_project`; `WANDB_MODE=offline` works with
   no network), with the run config and the model's fingerprint as its config and every
   checkpoint's content digest in its summary. Its id derives from `--output_dir`, so a
   resumed run continues the same W&B run.
@@ -18,26 +19,48 @@ Only process 0 writes any of them.
 
 import dataclasses
 import hashlib
+import time
 
 import jax
+import numpy as np
 
 from tunix_core.storage import paths
 
 
 class TensorBoard:
-  """Scalars of every metrics row in event files under `log_dir` (local or remote)."""
+  """Scalars of every metrics row, and sample tables, in event files under `log_dir`
+  (local or remote)."""
 
   def __init__(self, log_dir: str):
-    from tensorboard.summary import Writer  # pylint: disable=g-import-not-at-top
+    # pylint: disable=g-import-not-at-top
+    from tensorboard.compat.proto import event_pb2
+    from tensorboard.compat.proto import summary_pb2
+    from tensorboard.plugins.scalar import summary_v2 as scalar
+    from tensorboard.plugins.text import summary_v2 as text
+    from tensorboard.summary.writer import event_file_writer
+    self._event, self._summary = event_pb2.Event, summary_pb2.Summary
+    self._scalar, self._text = scalar.scalar_pb, text.text_pb
     self.dir = paths.Staged(log_dir, "tunix-tensorboard-")
-    self._writer = Writer(self.dir.local)
+    self._writer = event_file_writer.EventFileWriter(self.dir.local)
 
-  def write(self, row: dict) -> None:
-    for key, value in row.items():
-      if key != "step" and isinstance(value, (int, float)):
-        self._writer.add_scalar(key, value, row["step"])
+  def _emit(self, step: int, summary) -> None:
+    self._writer.add_event(self._event(wall_time=time.time(), step=step, summary=summary))
     self._writer.flush()
     self.dir.upload()
+
+  def write(self, row: dict) -> None:
+    summary = self._summary()
+    for key, value in row.items():
+      if key != "step" and isinstance(value, (int, float)):
+        summary.value.extend(self._scalar(key, value).value)
+    self._emit(row["step"], summary)
+
+  def samples(self, step: int, rows: list) -> None:
+    """`rows` of {"prompt", "completion"}: a two-column table (TensorBoard's text plugin
+    draws a 2-D string tensor as a table)."""
+    table = np.array([["prompt", "completion"]] + [[r["prompt"], r["completion"]]
+                                                   for r in rows], dtype=object)
+    self._emit(step, self._text("samples", table))
 
   def note(self, key: str, text: str) -> None:
     del key, text  # scalars only: digests go to W&B and the log
@@ -61,6 +84,12 @@ class Wandb:
 
   def write(self, row: dict) -> None:
     self.run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+
+  def samples(self, step: int, rows: list) -> None:
+    import wandb  # pylint: disable=g-import-not-at-top
+    table = wandb.Table(columns=["step", "prompt", "completion"],
+                        data=[[step, r["prompt"], r["completion"]] for r in rows])
+    self.run.log({"samples": table}, step=step)
 
   def note(self, key: str, text: str) -> None:
     self.run.summary[key] = text

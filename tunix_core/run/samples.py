@@ -5,7 +5,8 @@ The prompts are the lines of `--sample_prompts` (one prompt per line), else the 
 `MAX_PROMPTS` prompts of `--eval_data` (a conversational prompt is sampled through the
 run's chat template as it is). Generation (`tunix_core.model.generate`, greedy) is its
 own jitted function on the run's params as they are placed, so the train step is never
-retraced.
+retraced. A fresh run also samples before its first step (step 0: the model it starts
+from), and every sample goes to the run's TensorBoard and W&B sinks as a table.
 """
 
 import json
@@ -31,9 +32,9 @@ class Sampler:
   """Writes the completions of `prompts` under `params` at a step. Every process calls
   it (the params may span them); the first process writes."""
 
-  def __init__(self, cfg, mcfg, tok, prompts: list, log, start: int = 0):
+  def __init__(self, cfg, mcfg, tok, prompts: list, log, start: int = 0, writer=None):
     self.path = paths.join(cfg.output_dir, "samples.jsonl")
-    self.mcfg, self.tok, self.log = mcfg, tok, log
+    self.mcfg, self.tok, self.log, self.writer = mcfg, tok, log, writer
     self.chat = getattr(tok, "chat_template", None) is not None
     # Without a chat template only plain-text prompts can be sampled.
     self.prompts = prompts if self.chat else [p for p in prompts if isinstance(p, str)]
@@ -46,8 +47,13 @@ class Sampler:
   def __call__(self, step: int, params) -> None:
     done = generate.complete(params, self.mcfg, self.tok, self.prompts, self.sampling,
                              chat=self.chat)
-    self.rows += [json.dumps({"step": step, "prompt": p, "completion": d["text"]})
-                  for p, d in zip(self.prompts, done)]
+    rows = [{"step": step, "prompt": p, "completion": d["text"]}
+            for p, d in zip(self.prompts, done)]
+    self.rows += [json.dumps(r) for r in rows]
     if jax.process_index() == 0:
       paths.write_text(self.path, "\n".join(self.rows) + "\n")
+    if self.writer is not None:
+      # A conversational prompt shows as its last message.
+      self.writer.samples(step, [dict(r, prompt=r["prompt"] if isinstance(r["prompt"], str)
+                                      else r["prompt"][-1]["content"]) for r in rows])
     self.log(f"samples @ {step}: {json.dumps(done[0]['text'])[:100]}")

@@ -52,9 +52,10 @@ class TrainConfig:
                           "responses); must divide by the data-parallel devices.", group="run")
   seed: int = _flag(0, "Seed for params init and data shuffling.", group="run")
   log_every: int = _flag(10, "Log a metrics row every N steps (and the last).", group="run")
-  sample_every: int = _flag(0, "Every N steps (and after the last), write greedy "
-                            "completions of --sample_prompts (else the first eval prompts) "
-                            "to samples.jsonl; 0: never.", group="run")
+  sample_every: int = _flag(0, "Before the first step, every N steps and after the last, "
+                            "write greedy completions of --sample_prompts (else the first "
+                            "eval prompts) to samples.jsonl, TensorBoard and W&B; 0: never.",
+                            group="run")
   sample_prompts: str = _flag("", "A text file of prompts for --sample_every, one per line "
                               "(default: the first 4 prompts of --eval_data).", group="run")
   sample_max_new_tokens: int = _flag(32, "Tokens each --sample_every completion may add.",

@@ -153,6 +153,16 @@ class StepFunctions:
     the step holds logical arrays, ZeRO-1)."""
     return self.layout.logical(params, self.logical_shardings())
 
+  def policy_params(self, params: dict, frozen) -> dict:
+    """The policy as the model runs it outside the step (generation): `params` as
+    logical arrays, under LoRA the adapters attached to the logical frozen base (no
+    merge, no copy where the layouts hold logical arrays)."""
+    logical = self.logical_params(params)
+    if self.plan.lora is None:
+      return logical
+    base = self.base_layout.logical(frozen["base"], self.base_logical_shardings())
+    return lora_lib.attach(base, logical)
+
   def place_params(self, logical: dict) -> dict:
     """Logical params -> this run's layout and shardings (inverse of `logical_params`)."""
     return self.layout.place(logical, self.param_sharding)

@@ -79,9 +79,6 @@ def check(cfg, num_devices: int, choices: dict) -> None:
   need(not cfg.sample_prompts or paths.isfile(cfg.sample_prompts),
        f"--sample_prompts={cfg.sample_prompts!r}: no such file")
   need(cfg.sample_max_new_tokens > 0, "--sample_max_new_tokens must be positive")
-  need(not (cfg.sample_every and cfg.lora_rank), "--sample_every samples full params; "
-       "with --lora_rank, sample the exported merged model with python -m "
-       "tunix_core.generate")
   need(not cfg.hf_model_dir or paths.isfile(paths.join(cfg.hf_model_dir, "config.json")),
        f"--hf_model_dir={cfg.hf_model_dir!r} is not a Hugging Face model directory "
        "(no config.json)")
