@@ -18,10 +18,12 @@ import jax
 import jax.numpy as jnp
 
 from kernels import attention_blocks
+from kernels import attention_gspmd
 from kernels import attention_pallas
 from kernels import attention_tiles
 from kernels import common
 from kernels import dispatch
+from kernels import gspmd
 from kernels import tpu
 from kernels.attention_blocks import BlockSizes
 
@@ -81,6 +83,10 @@ def attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis: Visibility, *, scale: float,
       generation being compiled for (`kernels.tpu.target_chip`), fitting every
       generation's default VMEM when that is unknown. Explicit tiles that cannot fit are
       a ValueError. Ignored by "xla".
+
+  Under plain `jax.jit` (outside any `shard_map`) the kernels partition over the
+  operands' shardings (`kernels.attention_gspmd`): rows and KV heads stay split, the
+  sequence and head dimension are gathered; see docs/embedding.md.
   """
   impl = resolve(impl)
   B, T, H, K = q_BxTxHxK.shape
@@ -124,25 +130,22 @@ def attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis: Visibility, *, scale: float,
   windowed = not (isinstance(window, int) and window == 0)
   window_1 = jnp.reshape(jnp.where(jnp.asarray(window) > 0, window,
                                    attention_blocks.NO_WINDOW).astype(jnp.int32), (1,))
-  k_segments = jnp.where(valid > 0, segments, attention_blocks.NO_KEY)
-  q_vectors = jnp.stack([segments, branches, positions], axis=1)    # [B, 3, T]
-  k_vectors = jnp.stack([k_segments, branches, positions], axis=1)
-  cols = lambda x: jnp.swapaxes(x, 1, 2)
-  rows = attention_pallas.Rows(
-      q_cols=cols(q_vectors), k_rows=k_vectors, q_rows=q_vectors, k_cols=cols(k_vectors),
-      window=window_1,
-      visits=attention_blocks.visits(segments, branches, positions, valid, window_1[0],
-                                     bq, bk))
+  vectors = (segments, branches, positions, valid, window_1)
   heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # [B, T, H, K] <-> [B, H, T, K]
+  q, k, v = map(heads_first, (q_BxTxHxK, k_BxTxVxK, v_BxTxVxK))
 
   def run(interpret):
     d = attention_tiles.Dims(t=T, bq=bq, bk=bk, nq=nq, nk=nk,
                              groups=H // KV, scale=float(scale), softcap=float(softcap),
                              windowed=windowed, vmem_limit_bytes=bs.vmem_limit_bytes,
                              interpret=interpret)
-    return attention_pallas.flash_attention(d, heads_first(q_BxTxHxK),
-                                            heads_first(k_BxTxVxK), heads_first(v_BxTxVxK),
-                                            rows)
+    if gspmd.in_manual_context():
+      return attention_pallas.flash_attention(
+          d, q, k, v, attention_pallas.rows(*vectors, bq, bk))
+    # Partitioned over the operands' shardings; interpret mode here is Pallas' generic
+    # interpreter (custom partitioning cannot carry the TPU interpreter's callbacks).
+    return attention_gspmd.flash_attention(d._replace(interpret=bool(interpret)), q, k, v,
+                                           vectors)
 
   out = run(False) if impl == "pallas" else common.call_interpret(run)
   return heads_first(out)

@@ -147,6 +147,19 @@ def _dkv_kernel(q_index, q_count, window, q_ref, k_ref, v_ref, qv_ref, kv_ref, d
     dv_ref[0, 0] = dv_sc[...].astype(dv_ref.dtype)
 
 
+def rows(segments, branches, positions, valid, window_1, bq: int, bk: int) -> Rows:
+  """The kernels' `Rows` from the `[B, T]` int32 segment, branch, rope-position and
+  validity vectors and the effective window `[1]` (`attention_blocks.NO_WINDOW`: none)."""
+  k_segments = jnp.where(valid > 0, segments, attention_blocks.NO_KEY)
+  q_vectors = jnp.stack([segments, branches, positions], axis=1)    # [B, 3, T]
+  k_vectors = jnp.stack([k_segments, branches, positions], axis=1)
+  cols = lambda x: jnp.swapaxes(x, 1, 2)
+  return Rows(q_cols=cols(q_vectors), k_rows=k_vectors, q_rows=q_vectors,
+              k_cols=cols(k_vectors), window=window_1,
+              visits=attention_blocks.visits(segments, branches, positions, valid,
+                                             window_1[0], bq, bk))
+
+
 def _params(d: Dims, semantics):
   return pltpu.CompilerParams(dimension_semantics=semantics,
                               vmem_limit_bytes=d.vmem_limit_bytes)
@@ -157,7 +170,8 @@ def _cost(kernel, q, d: Dims):
   return attention_blocks.cost_estimate(kernel, B, H, T, K, q.dtype, d.bq, d.bk, d.softcap)
 
 
-def _forward(d: Dims, q, k, v, rows: Rows):
+def forward(d: Dims, q, k, v, rows: Rows):
+  """`(out [B, H, T, K] in q's dtype, lse [B, H, 1, T] float32)`."""
   B, H, T, K = q.shape
   vis = rows.visits
   kv_block = lambda b, h, qi, j, idx, cnt, win: idx[(b * d.nq + qi) * d.nk + j]
@@ -183,7 +197,8 @@ def _forward(d: Dims, q, k, v, rows: Rows):
   )(vis.kv_index, vis.kv_count, rows.window, q, k, v, rows.q_cols, rows.k_rows)
 
 
-def _backward(d: Dims, q, k, v, rows: Rows, o, lse, do):
+def backward(d: Dims, q, k, v, rows: Rows, o, lse, do):
+  """`(dq, dk, dv)` in their operands' dtypes, from `forward`'s out and lse."""
   B, H, T, K = q.shape
   KV = k.shape[1]
   vis = rows.visits
@@ -251,17 +266,17 @@ def _backward(d: Dims, q, k, v, rows: Rows, o, lse, do):
 def flash_attention(d: Dims, q_BxHxTxK, k_BxVxTxK, v_BxVxTxK, rows: Rows):
   """`[B, H, T, K]` attention out in the dtype of q; differentiable in q, k, v (the
   int32 `rows` get no cotangent)."""
-  return _forward(d, q_BxHxTxK, k_BxVxTxK, v_BxVxTxK, rows)[0]
+  return forward(d, q_BxHxTxK, k_BxVxTxK, v_BxVxTxK, rows)[0]
 
 
 def _fwd(d, q, k, v, rows):
-  o, lse = _forward(d, q, k, v, rows)
+  o, lse = forward(d, q, k, v, rows)
   return o, (q, k, v, rows, o, lse)
 
 
 def _bwd(d, res, do):
   q, k, v, rows, o, lse = res
-  dq, dk, dv = _backward(d, q, k, v, rows, o, lse, do)
+  dq, dk, dv = backward(d, q, k, v, rows, o, lse, do)
   return (cotangent_for(dq, q), cotangent_for(dk, k), cotangent_for(dv, v), None)
 
 

@@ -14,7 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from kernels import common
 from kernels import dispatch
+from kernels import gspmd
 from kernels import logprobs_blocks
+from kernels import logprobs_gspmd
 from kernels import logprobs_pallas
 from kernels import logprobs_vocab
 from kernels import logprobs_xla
@@ -74,6 +76,10 @@ def fused_logprobs(hidden, weight, targets, *, impl="auto", block_sizes=None,
       cotangent, so the weight's gradient comes out divided by K; see
       `kernels.logprobs_vocab`.)
 
+  Under plain `jax.jit` (outside any `shard_map`) the Pallas impls partition over the
+  operands' shardings (`kernels.logprobs_gspmd`): tokens and the weight's vocabulary stay
+  split where they arrive, D is gathered; see docs/embedding.md.
+
   Returns:
     float32 array with the shape of `targets`, differentiable in `hidden` and `weight`
     (custom VJP; gradients in their dtypes). The log-sum-exp is accumulated in float32
@@ -117,11 +123,8 @@ def fused_logprobs(hidden, weight, targets, *, impl="auto", block_sizes=None,
     if impl == "xla":
       chunk = pick_chunk(weight_DxV.shape[1], max_chunk)
       return logprobs_xla.logprobs_xla(hidden_NxD, weight_DxV, safe_N, chunk, logit_softcap)
-    if impl == "pallas":
-      return _pallas(hidden_NxD, weight_DxV, safe_N, block_sizes, logit_softcap,
-                     interpret=False)
-    return common.call_interpret(lambda params: _pallas(
-        hidden_NxD, weight_DxV, safe_N, block_sizes, logit_softcap, interpret=params))
+    return _pallas(hidden_NxD, weight_DxV, safe_N, block_sizes, logit_softcap,
+                   interpret=impl == "interpret")
 
   hidden_NxD = hidden.reshape(-1, hidden.shape[-1])
   targets_N = targets.reshape(-1).astype(jnp.int32)
@@ -166,18 +169,26 @@ def pick_chunk(vocab_size: int, max_chunk: int) -> int:
 
 def _pallas(hidden_NxD, weight_DxV, targets_N, block_sizes, softcap, interpret):
   """Checks (or picks) the tiles for the chip being compiled for and runs the kernels;
-  nothing is padded: ragged N and V are masked inside the kernels."""
+  nothing is padded: ragged N and V are masked inside the kernels. Outside a
+  `shard_map` the kernels run partitioned over the operands' shardings
+  (`kernels.logprobs_gspmd`), with default tiles picked for the local pieces."""
   (n, d), v = hidden_NxD.shape, weight_DxV.shape[1]
   if hidden_NxD.dtype != weight_DxV.dtype:  # the tiles and VMEM budget assume one dtype
     raise ValueError(f"the Pallas kernels take hidden and weight of one dtype, got "
                      f"{hidden_NxD.dtype} and {weight_DxV.dtype}; cast the weight to the "
                      "compute dtype")
   chip = tpu.target_chip()
-  if block_sizes is None:
-    bs = logprobs_blocks.BlockSizes.get_default(d, hidden_NxD.dtype, chip, num_tokens=n,
-                                                vocab_size=v)
-  else:
-    bs = block_sizes
-    bs.check(d, hidden_NxD.dtype, chip)
-  return logprobs_pallas.logprobs_pallas(hidden_NxD, weight_DxV, targets_N, bs, softcap,
-                                         interpret)
+  if block_sizes is not None:
+    block_sizes.check(d, hidden_NxD.dtype, chip)
+  if not gspmd.in_manual_context():
+    # Interpret mode here is Pallas' generic interpreter: custom partitioning cannot
+    # carry the TPU interpreter's host callbacks.
+    cfg = logprobs_gspmd.Config(block_sizes, softcap, interpret, chip)
+    return logprobs_gspmd.logprobs(hidden_NxD, weight_DxV, targets_N, cfg)
+  bs = block_sizes or logprobs_blocks.BlockSizes.get_default(
+      d, hidden_NxD.dtype, chip, num_tokens=n, vocab_size=v)
+  if not interpret:
+    return logprobs_pallas.logprobs_pallas(hidden_NxD, weight_DxV, targets_N, bs, softcap,
+                                           False)
+  return common.call_interpret(lambda params: logprobs_pallas.logprobs_pallas(
+      hidden_NxD, weight_DxV, targets_N, bs, softcap, params))

@@ -216,7 +216,10 @@ def _params(semantics, bs):
                               vmem_limit_bytes=bs.vmem_limit_bytes)
 
 
-def _forward(hidden, weight, targets, bs, softcap, interpret):
+def forward(hidden, weight, targets, bs, softcap, interpret):
+  """`(logp [N], lse [N, LANES])` float32 (the log-sum-exp lane-replicated) of `[N, D]`
+  hidden, `[D, V]` weight and `[N]` targets in `[0, V)`; a target of -1 matches no
+  column: its log-prob is `-lse` (a vocabulary slice that does not own the target)."""
   dims = _dims(hidden, weight, bs, softcap)
   grid = (pl.cdiv(dims.n, dims.bn), pl.cdiv(dims.v, dims.bv), dims.nd)
   row = pl.BlockSpec((dims.bn, LANES), lambda i, j, k: (i, 0))
@@ -238,7 +241,10 @@ def _forward(hidden, weight, targets, bs, softcap, interpret):
   return logp[:, 0], lse
 
 
-def _backward(hidden, weight, targets, lse, g, bs, softcap, interpret):
+def backward(hidden, weight, targets, lse, g, bs, softcap, interpret):
+  """`(d hidden, d weight)` in their dtypes of `sum(g * logp)`, given `forward`'s `lse`
+  (or the log-sum-exp over the whole vocabulary, for a slice); a -1 target adds no
+  one-hot term."""
   dims = _dims(hidden, weight, bs, softcap)
   nb, vb = pl.cdiv(dims.n, dims.bn), pl.cdiv(dims.v, dims.bv)
   g_rows = jnp.broadcast_to(g[:, None], (dims.n, LANES)).astype(F32)
@@ -295,17 +301,17 @@ def logprobs_pallas(hidden_NxD, weight_DxV, targets_N, block_sizes, softcap, int
   `BlockSizes.check`). `interpret` is False (Mosaic) or a `pltpu.InterpretParams`.
   Differentiable in hidden and weight (gradients in their dtypes).
   """
-  return _forward(hidden_NxD, weight_DxV, targets_N, block_sizes, softcap, interpret)[0]
+  return forward(hidden_NxD, weight_DxV, targets_N, block_sizes, softcap, interpret)[0]
 
 
 def _fwd(hidden, weight, targets, block_sizes, softcap, interpret):
-  logp, lse = _forward(hidden, weight, targets, block_sizes, softcap, interpret)
+  logp, lse = forward(hidden, weight, targets, block_sizes, softcap, interpret)
   return logp, (hidden, weight, targets, lse)
 
 
 def _bwd(block_sizes, softcap, interpret, res, g):
   hidden, weight, targets, lse = res
-  dh, dw = _backward(hidden, weight, targets, lse, g, block_sizes, softcap, interpret)
+  dh, dw = backward(hidden, weight, targets, lse, g, block_sizes, softcap, interpret)
   return cotangent_for(dh, hidden), cotangent_for(dw, weight), None
 
 

@@ -112,11 +112,30 @@ def target_chip() -> Chip | None:
   return next((c for c in CHIPS.values() if kind in c.device_kinds), None)
 
 
+def _load_plugin():
+  """Loads libtpu's PJRT plugin with JAX's plugin callbacks run on it, as JAX's plugin
+  discovery does for a TPU backend. A CPU host that only builds TPU topologies skips
+  that discovery, and without the callbacks the TPU compiler has no partitioner for
+  `jax.experimental.custom_partitioning` (the kernels' rules under plain `jax.jit`).
+  Uses JAX internals; does nothing when the plugin is already loaded."""
+  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+  from jax._src.lib import xla_client  # pylint: disable=g-import-not-at-top
+  import jax.experimental.custom_partitioning  # noqa: F401  (registers its callback)
+  if xla_client.pjrt_plugin_loaded("tpu"):
+    return
+  c_api = xla_client.load_pjrt_plugin_dynamically("tpu", xla_bridge.get_tpu_library_path())
+  xla_client.initialize_pjrt_plugin("tpu")
+  with xla_bridge._plugin_callback_lock:  # pylint: disable=protected-access
+    for callback in xla_bridge._plugin_callbacks:  # pylint: disable=protected-access
+      callback(c_api=c_api)
+
+
 def aot_devices(chip) -> list:
   """The devices of a `chip` slice (`Chip.topology`) from `jax.experimental.topologies`,
   for lowering and compiling ahead of time; needs `libtpu`, works with
   `JAX_PLATFORMS=cpu`. Nothing can run on them."""
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  _load_plugin()
   name, config, bounds = get_chip(chip).topology
   return list(topologies.get_topology_desc(
       topology_name=name, platform="tpu", chip_config_name=config,
@@ -155,6 +174,7 @@ def topology_devices(name: str) -> tuple[Chip, list]:
   slice order."""
   chip, topology, config, bounds, slices = parse_topology(name)
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  _load_plugin()
   return CHIPS[chip], list(topologies.get_topology_desc(
       topology_name=topology, platform="tpu", chip_config_name=config,
       chips_per_host_bounds=bounds, num_slices=slices, wrap=(False, False, False)).devices)
