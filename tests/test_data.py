@@ -130,6 +130,19 @@ def test_shipped_data_regenerates_identically(tmp_path):
       assert int(p["chosen"]) == max(digits) > int(p["rejected"])
 
 
+def test_shipped_chat_data_regenerates_and_never_trains_on_a_probe_prompt(tmp_path):
+  subprocess.run([sys.executable, os.path.join(REPO, "data", "make_chat_data.py"),
+                  "--out_dir", str(tmp_path)], check=True, capture_output=True)
+  for name in ("chat_train.jsonl", "chat_eval.jsonl"):
+    assert filecmp.cmp(tmp_path / name, os.path.join(REPO, "data", name), shallow=False)
+  with open(os.path.join(REPO, "data", "probe_prompts.txt"), encoding="utf-8") as f:
+    probes = {line.strip() for line in f if line.strip()}
+  pairs, _ = data.read_jsonl(os.path.join(REPO, "data", "chat_train.jsonl"))
+  prompts = {p["prompt"][0]["content"] for p in pairs}
+  assert len(pairs) == 1536 and not prompts & probes
+  assert all(p["chosen"] != p["rejected"] for p in pairs)
+
+
 # --- Hugging Face tokenizers, TRL's preference formats -----------------------------------
 
 HF_TOKENIZER = os.path.join(REPO, "tests", "fixtures", "hf", "tokenizer")  # ChatML BPE, no BOS
