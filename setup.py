@@ -4,7 +4,10 @@ setup(
     name="tunix-core",
     version="0.1.0",
     description="Pallas TPU kernels, shard_map gradient sync and a compact DPO trainer for JAX",
-    packages=find_packages(include=["kernels", "kernels.*", "tunix_core", "tunix_core.*"]),
+    # The folder kernels/ is the package `tunix_kernels`: Hugging Face's `kernels` (a
+    # dependency of transformers 5) owns the import name `kernels`.
+    packages=["tunix_kernels"] + find_packages(include=["tunix_core", "tunix_core.*"]),
+    package_dir={"tunix_kernels": "kernels"},
     py_modules=["trainer"],
     python_requires=">=3.11",
     install_requires=[
@@ -17,7 +20,8 @@ setup(
         "chex>=0.1.88,<0.2",
     ],
     extras_require={
-        "test": ["pytest>=8,<10"],
+        # setuptools: tests/test_install.py builds the package into a folder, as pip would.
+        "test": ["pytest>=8,<10", "setuptools>=70.1"],
         # The TPU compiler, for ahead-of-time compilation on any host (tests and
         # benchmarks that need it skip without it); jax[tpu] pins the matching libtpu.
         "tpu": ["jax[tpu]>=0.10.2,<0.13"],

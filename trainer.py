@@ -17,7 +17,7 @@ import jax
 from absl import app
 from absl import flags
 
-from kernels import tpu
+from tunix_kernels import tpu
 from tunix_core import data as data_lib
 from tunix_core.aot import compile as aot
 from tunix_core.checkpoints import store as checkpoint

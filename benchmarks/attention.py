@@ -10,7 +10,7 @@ layer and in the whole train step, compiled ahead of time by the real TPU compil
 Per layer: one shared row of T tokens whose prompt is half of each pair's sequence (a
 T/3 prompt, then a T/3 chosen and a T/3 rejected response: the rows
 `--prefix_sharing` builds), Llama-3-8B's heads (32 query heads, 8 key/value heads,
-head dim 128), bf16; forward and backward of `kernels.attention.attention` with
+head dim 128), bf16; forward and backward of `tunix_kernels.attention.attention` with
 impl="pallas" and impl="xla", one chip of `--chip`. Printed: the compiler's flops and
 bytes accessed (cost analysis; for the kernels those are their `cost_estimate`s, which
 count the causal tiles, so skipped tiles are not subtracted) and the temporaries and
@@ -41,8 +41,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kernels import attention  # noqa: E402
-from kernels import tpu  # noqa: E402
+from tunix_kernels import attention  # noqa: E402
+from tunix_kernels import tpu  # noqa: E402
 from tunix_core.aot import compile as aot  # noqa: E402
 from tunix_core.training import config as config_lib  # noqa: E402
 

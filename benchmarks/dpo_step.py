@@ -35,7 +35,7 @@ import time
 import jax
 import numpy as np
 
-import kernels
+import tunix_kernels
 from tunix_core import model as model_lib
 from tunix_core.data import packing
 from tunix_core.training import config as config_lib
@@ -51,7 +51,7 @@ def padded_pairs(rng, pairs, prompt_len, response_len, vocab):
   T = prompt_len + response_len
   batch = {k: np.zeros((pairs, 2, T), np.int32) for k in ("tokens", "attention_mask",
                                                            "loss_mask")}
-  batch["targets"] = np.full((pairs, 2, T), kernels.IGNORE_INDEX, np.int32)
+  batch["targets"] = np.full((pairs, 2, T), tunix_kernels.IGNORE_INDEX, np.int32)
   for b in range(pairs):
     left = prompt_len // 4 if b % 2 == 0 else 0
     prompt = rng.integers(1, vocab, prompt_len - left)
@@ -66,7 +66,7 @@ def padded_pairs(rng, pairs, prompt_len, response_len, vocab):
       batch["targets"][b, r, start:end - 1] = row[1:]
       batch["loss_mask"][b, r, left + prompt.size - 1:end - 1] = 1
       batch["targets"][b, r] = np.where(batch["loss_mask"][b, r] > 0, batch["targets"][b, r],
-                                        kernels.IGNORE_INDEX)
+                                        tunix_kernels.IGNORE_INDEX)
   return batch
 
 

@@ -29,11 +29,10 @@ import time
 
 if __name__ == "__main__":  # before JAX starts
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
-from kernels import tpu  # noqa: E402
+from tunix_kernels import tpu  # noqa: E402
 from tunix_core.aot import comms  # noqa: E402
 from tunix_core.aot import compile as aot  # noqa: E402
 from tunix_core.training import config as config_lib  # noqa: E402

@@ -15,12 +15,12 @@ import time
 import jax
 import jax.numpy as jnp
 
-import kernels
+import tunix_kernels
 
 
 def loss_and_grads(impl):
   def loss(h, w, t, g):
-    return jnp.sum(kernels.fused_logprobs(h, w, t, impl=impl) * g)
+    return jnp.sum(tunix_kernels.fused_logprobs(h, w, t, impl=impl) * g)
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
 

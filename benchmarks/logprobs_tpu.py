@@ -22,18 +22,17 @@ import time
 
 if __name__ == "__main__":  # before JAX starts; imported by tests, it leaves them alone
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-import kernels  # noqa: E402
-from kernels import tpu  # noqa: E402
+import tunix_kernels  # noqa: E402
+from tunix_kernels import tpu  # noqa: E402
 
 
 def _fwd_bwd(impl, logit_softcap=None):
   def f(h, w, t):
-    loss = lambda h, w: jnp.sum(kernels.fused_logprobs(h, w, t, impl=impl,
+    loss = lambda h, w: jnp.sum(tunix_kernels.fused_logprobs(h, w, t, impl=impl,
                                                        logit_softcap=logit_softcap))
     return jax.value_and_grad(loss, argnums=(0, 1))(h, w)
   return f
@@ -96,7 +95,7 @@ def main():
             print(f"{head} - | exceeds HBM ({_mib(io_bytes(args.n, d, v, dtype))} MiB "
                   "of arguments and outputs) | | | | | | | |", flush=True)
             continue
-          bs = kernels.LogprobsBlockSizes.get_default(d, dtype, chip, num_tokens=args.n,
+          bs = tunix_kernels.LogprobsBlockSizes.get_default(d, dtype, chip, num_tokens=args.n,
                                                       vocab_size=v)
           p = compile_case(chip, args.n, d, v, dtype, "auto")
           x = compile_case(chip, args.n, d, v, dtype, "xla")

@@ -23,7 +23,7 @@ import subprocess  # noqa: E402
 
 import jax  # noqa: E402
 
-from kernels import tpu  # noqa: E402
+from tunix_kernels import tpu  # noqa: E402
 from tunix_core.aot import compile as aot  # noqa: E402
 from tunix_core.training import config as config_lib  # noqa: E402
 

@@ -1,20 +1,20 @@
 """Kernels for DPO: fused linear log-probs, the DPO loss family and, in
-`kernels.attention`, attention over the trainer's rows (`attention.attention`).
+`tunix_kernels.attention`, attention over the trainer's rows (`attention.attention`).
 
-`fused_logprobs` and `dpo_loss` share one dispatch layer (`kernels.dispatch`): `impl` is
+`fused_logprobs` and `dpo_loss` share one dispatch layer (`tunix_kernels.dispatch`): `impl` is
 one of `IMPLS`, and "auto" picks the Pallas TPU kernels when the computation is compiled
 for TPUs, else the XLA paths. "naive" is the oracle; "reference" only ever means DPO's
 frozen reference model. `IGNORE_INDEX` is the target id of unscored positions.
 """
 
-from kernels.dispatch import IGNORE_INDEX
-from kernels.dispatch import IMPLS
-from kernels.dpo_loss import LOSS_TYPES
-from kernels.dpo_loss import REFERENCE_FREE_TYPES
-from kernels.dpo_loss import dpo_loss
-from kernels.dpo_loss_pallas import BlockSizes as DPOLossBlockSizes
-from kernels.logprobs import fused_logprobs
-from kernels.logprobs_blocks import BlockSizes as LogprobsBlockSizes
+from tunix_kernels.dispatch import IGNORE_INDEX
+from tunix_kernels.dispatch import IMPLS
+from tunix_kernels.dpo_loss import LOSS_TYPES
+from tunix_kernels.dpo_loss import REFERENCE_FREE_TYPES
+from tunix_kernels.dpo_loss import dpo_loss
+from tunix_kernels.dpo_loss_pallas import BlockSizes as DPOLossBlockSizes
+from tunix_kernels.logprobs import fused_logprobs
+from tunix_kernels.logprobs_blocks import BlockSizes as LogprobsBlockSizes
 
 # Both ops take the same implementations; the two names stay for flag enums.
 LOGPROB_IMPLS = IMPLS

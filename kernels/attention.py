@@ -1,5 +1,5 @@
 """Causal grouped-query attention over the rows the trainer builds: `attention` and its
-two paths, the Pallas TPU kernels (`kernels.attention_pallas`) and an XLA path.
+two paths, the Pallas TPU kernels (`tunix_kernels.attention_pallas`) and an XLA path.
 
 Both take `q [B, T, H, K]`, `k, v [B, T, KV, K]` (H a multiple of KV). Which keys a query
 sees is a `Visibility`: the keys at or before it in the row that are real tokens, of its
@@ -17,15 +17,15 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kernels import attention_blocks
-from kernels import attention_gspmd
-from kernels import attention_pallas
-from kernels import attention_tiles
-from kernels import common
-from kernels import dispatch
-from kernels import gspmd
-from kernels import tpu
-from kernels.attention_blocks import BlockSizes
+from tunix_kernels import attention_blocks
+from tunix_kernels import attention_gspmd
+from tunix_kernels import attention_pallas
+from tunix_kernels import attention_tiles
+from tunix_kernels import common
+from tunix_kernels import dispatch
+from tunix_kernels import gspmd
+from tunix_kernels import tpu
+from tunix_kernels.attention_blocks import BlockSizes
 
 ATTENTION_IMPLS = ("auto", "xla", "pallas", "interpret")
 # Bytes of one call's visit list (int32 per tile and row) in the 1 MiB of scalar memory
@@ -80,12 +80,12 @@ def attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis: Visibility, *, scale: float,
     impl: "pallas" (Mosaic TPU kernels), "interpret" (the same kernels in TPU interpret
       mode, for CPU tests), "xla", or "auto" (pallas when compiled for TPU, else xla).
     block_sizes: tiles of the kernels; None picks `BlockSizes.get_default` for the TPU
-      generation being compiled for (`kernels.tpu.target_chip`), fitting every
+      generation being compiled for (`tunix_kernels.tpu.target_chip`), fitting every
       generation's default VMEM when that is unknown. Explicit tiles that cannot fit are
       a ValueError. Ignored by "xla".
 
   Under plain `jax.jit` (outside any `shard_map`) the kernels partition over the
-  operands' shardings (`kernels.attention_gspmd`): rows and KV heads stay split, the
+  operands' shardings (`tunix_kernels.attention_gspmd`): rows and KV heads stay split, the
   sequence and head dimension are gathered; see docs/embedding.md.
   """
   impl = resolve(impl)
@@ -104,7 +104,7 @@ def attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis: Visibility, *, scale: float,
     raise ValueError(f"the attention kernels take q, k and v of one dtype, got "
                      f"{q_BxTxHxK.dtype}, {k_BxTxVxK.dtype}, {v_BxTxVxK.dtype}")
   if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-    raise TypeError(f"block_sizes must be a kernels.attention.BlockSizes, got {block_sizes!r}")
+    raise TypeError(f"block_sizes must be a tunix_kernels.attention.BlockSizes, got {block_sizes!r}")
   chip = tpu.target_chip()
   bs = block_sizes or BlockSizes.get_default(K, q_BxTxHxK.dtype, chip, seq_len=T)
   if block_sizes is not None:

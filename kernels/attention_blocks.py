@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kernels import tpu
-from kernels.dispatch import LANES
+from tunix_kernels import tpu
+from tunix_kernels.dispatch import LANES
 
 # Preferred (block_q, block_k), largest first. Larger tiles mean fewer grid steps and
 # re-reads; smaller ones skip masked areas at a finer grain.

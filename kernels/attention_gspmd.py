@@ -1,4 +1,4 @@
-"""The attention kernels partitioned under plain `jax.jit` (`kernels.gspmd`).
+"""The attention kernels partitioned under plain `jax.jit` (`tunix_kernels.gspmd`).
 
 The rule: rows (`b`) and key/value heads (`v`, with the query heads `(v g)` that read
 them, `g = H / KV`) stay split over the mesh axes they arrive over; the sequence and the
@@ -12,9 +12,9 @@ import functools
 
 import jax
 
-from kernels import attention_pallas
-from kernels import gspmd
-from kernels.attention_tiles import Dims
+from tunix_kernels import attention_pallas
+from tunix_kernels import gspmd
+from tunix_kernels.attention_tiles import Dims
 
 _SPLIT = {"b": "batch", "v": "heads"}
 

@@ -32,14 +32,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels import attention_blocks
-from kernels import attention_tiles as tiles
-from kernels.attention_tiles import F32
-from kernels.attention_tiles import MASK_VALUE
-from kernels.attention_tiles import Dims
-from kernels.common import cotangent_for
-from kernels.common import out_struct
-from kernels.dispatch import LANES
+from tunix_kernels import attention_blocks
+from tunix_kernels import attention_tiles as tiles
+from tunix_kernels.attention_tiles import F32
+from tunix_kernels.attention_tiles import MASK_VALUE
+from tunix_kernels.attention_tiles import Dims
+from tunix_kernels.common import cotangent_for
+from tunix_kernels.common import out_struct
+from tunix_kernels.dispatch import LANES
 
 
 class Rows(NamedTuple):

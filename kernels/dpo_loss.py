@@ -4,7 +4,7 @@
 masks that select the scored (response) tokens. It is differentiable in the policy
 log-probs; the reference log-probs (of DPO's frozen reference model) are treated as
 constants by the loss formulas but are not wrapped in `stop_gradient` (the caller
-decides what is frozen). The implementation is picked through `kernels.dispatch`.
+decides what is frozen). The implementation is picked through `tunix_kernels.dispatch`.
 """
 
 import functools
@@ -12,12 +12,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels import common
-from kernels import dispatch
-from kernels import dpo_loss_pallas
-from kernels import dpo_losses
-from kernels import naive
-from kernels.dispatch import LANES
+from tunix_kernels import common
+from tunix_kernels import dispatch
+from tunix_kernels import dpo_loss_pallas
+from tunix_kernels import dpo_losses
+from tunix_kernels import naive
+from tunix_kernels.dispatch import LANES
 
 LOSS_TYPES = dpo_losses.LOSS_TYPES
 REFERENCE_FREE_TYPES = dpo_losses.REFERENCE_FREE_TYPES
@@ -88,13 +88,13 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps,
     beta: the KL-penalty temperature (IPO's tau, ORPO's lambda).
     loss_type: one name of `LOSS_TYPES`, a comma-separated list or a sequence of them:
       TRL 1.16's DPO loss types ("sigmoid" is DPO, cDPO with `label_smoothing`) and the
-      reference-free "simpo", "cpo", "orpo"; formulas in `kernels.dpo_losses`.
+      reference-free "simpo", "cpo", "orpo"; formulas in `tunix_kernels.dpo_losses`.
     loss_weights: one weight per loss type (default 1.0 each); the loss is the weighted
       sum of each term's batch mean, as TRL combines them.
     label_smoothing, discopop_tau, f_divergence_type, f_alpha_divergence_coef,
       simpo_gamma (SimPO's margin), cpo_alpha (CPO's NLL weight): TRL's parameters and
       defaults.
-    impl: one of `kernels.IMPLS`: "xla" (fused jnp), "pallas" (one-pass Mosaic TPU
+    impl: one of `tunix_kernels.IMPLS`: "xla" (fused jnp), "pallas" (one-pass Mosaic TPU
       kernel, for the lists of `PALLAS_LOSS_TYPES` with reverse_kl scores; other
       losses raise), "interpret" (that kernel in TPU interpret mode), "naive" (unfused
       reductions; the oracle), "auto" (pallas when compiled for TPUs and the kernel

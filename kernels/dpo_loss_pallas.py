@@ -20,11 +20,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.common import cotangent_for
-from kernels.common import out_struct
-from kernels.dispatch import LANES
+from tunix_kernels.common import cotangent_for
+from tunix_kernels.common import out_struct
+from tunix_kernels.dispatch import LANES
 
-# The loss types these kernels compute (`kernels.dpo_loss` takes the others through XLA).
+# The loss types these kernels compute (`tunix_kernels.dpo_loss` takes the others through XLA).
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
 # Lanes of the per-row output table.
 LOSS, CHOSEN_REWARD, REJECTED_REWARD, POLICY_CHOSEN, POLICY_REJECTED, D_CHOSEN, D_REJECTED = \
@@ -34,7 +34,7 @@ LOSS, CHOSEN_REWARD, REJECTED_REWARD, POLICY_CHOSEN, POLICY_REJECTED, D_CHOSEN, 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
   """`block_t` sequence positions per grid step, a positive multiple of 128 (lanes),
-  checked on construction (`kernels.DPOLossBlockSizes`); rows are not split."""
+  checked on construction (`tunix_kernels.DPOLossBlockSizes`); rows are not split."""
 
   block_t: int
 
@@ -45,7 +45,7 @@ class BlockSizes:
 
   @classmethod
   def get_default(cls) -> "BlockSizes":
-    """512 positions per step; `kernels.dpo_loss` shrinks it to T rounded up to 128."""
+    """512 positions per step; `tunix_kernels.dpo_loss` shrinks it to T rounded up to 128."""
     return cls(block_t=512)
 
 

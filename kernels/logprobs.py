@@ -2,9 +2,9 @@
 
 The public op flattens leading axes, checks its inputs, routes ignored positions
 (`targets == ignore_index`) to a valid id with zero cotangent, and dispatches through
-`kernels.dispatch` to an implementation. The `[N, V]` logits are only ever built by
+`tunix_kernels.dispatch` to an implementation. The `[N, V]` logits are only ever built by
 `impl="naive"`. With `vocab_axis` the weight is one device's vocabulary slice and
-`kernels.logprobs_vocab` combines the slices' results across that `shard_map` axis.
+`tunix_kernels.logprobs_vocab` combines the slices' results across that `shard_map` axis.
 """
 
 import operator
@@ -12,17 +12,17 @@ import operator
 import jax
 import jax.numpy as jnp
 import numpy as np
-from kernels import common
-from kernels import dispatch
-from kernels import gspmd
-from kernels import logprobs_blocks
-from kernels import logprobs_gspmd
-from kernels import logprobs_pallas
-from kernels import logprobs_vocab
-from kernels import logprobs_xla
-from kernels import naive
-from kernels import tpu
-from kernels.dispatch import IGNORE_INDEX
+from tunix_kernels import common
+from tunix_kernels import dispatch
+from tunix_kernels import gspmd
+from tunix_kernels import logprobs_blocks
+from tunix_kernels import logprobs_gspmd
+from tunix_kernels import logprobs_pallas
+from tunix_kernels import logprobs_vocab
+from tunix_kernels import logprobs_xla
+from tunix_kernels import naive
+from tunix_kernels import tpu
+from tunix_kernels.dispatch import IGNORE_INDEX
 
 DEFAULT_XLA_CHUNK = 4096
 
@@ -46,14 +46,14 @@ def fused_logprobs(hidden, weight, targets, *, impl="auto", block_sizes=None,
     hidden: `[..., D]` bf16 or f32; differentiable.
     weight: `[D, V]`; differentiable. With `vocab_axis`, this device's slice `[D, V/K]`.
     targets: `[...]` int32 ids in `[0, V)`, or `ignore_index`; global ids with `vocab_axis`.
-    impl: one of `kernels.IMPLS`: "pallas" (Mosaic TPU kernels), "interpret" (the same
+    impl: one of `tunix_kernels.IMPLS`: "pallas" (Mosaic TPU kernels), "interpret" (the same
       kernels in TPU interpret mode, for CPU tests), "xla" (chunked `lax.scan`), "naive"
       (materialises the logits; the oracle), "auto" (pallas when the devices it is
       compiled for are TPUs, else xla; see `dispatch.target_platform`).
     block_sizes: tiles of the Pallas kernels ("pallas"/"interpret"), a
-      `kernels.LogprobsBlockSizes`; ignored by the other impls, anything else is a
+      `tunix_kernels.LogprobsBlockSizes`; ignored by the other impls, anything else is a
       TypeError. None picks `LogprobsBlockSizes.get_default(D, dtype, chip)` for the
-      TPU generation being compiled for (`kernels.tpu.target_chip`); when that is
+      TPU generation being compiled for (`tunix_kernels.tpu.target_chip`); when that is
       unknown (a CPU host), tiles that fit every generation's default VMEM. Explicit
       tiles that cannot fit are a ValueError before anything is compiled.
     xla_chunk: the largest vocabulary chunk of the "xla" path, an int (default 4096;
@@ -74,10 +74,10 @@ def fused_logprobs(hidden, weight, targets, *, impl="auto", block_sizes=None,
       trainer does), and also from outside under `check_vma=True`. (From outside a
       `check_vma=False` shard_map, JAX hands each device 1/K of the replicated output's
       cotangent, so the weight's gradient comes out divided by K; see
-      `kernels.logprobs_vocab`.)
+      `tunix_kernels.logprobs_vocab`.)
 
   Under plain `jax.jit` (outside any `shard_map`) the Pallas impls partition over the
-  operands' shardings (`kernels.logprobs_gspmd`): tokens and the weight's vocabulary stay
+  operands' shardings (`tunix_kernels.logprobs_gspmd`): tokens and the weight's vocabulary stay
   split where they arrive, D is gathered; see docs/embedding.md.
 
   Returns:
@@ -88,7 +88,7 @@ def fused_logprobs(hidden, weight, targets, *, impl="auto", block_sizes=None,
   impl = dispatch.resolve_impl("fused_logprobs", impl)
   if block_sizes is not None and not isinstance(block_sizes, logprobs_blocks.BlockSizes):
     raise TypeError("block_sizes for the Pallas kernels must be a BlockSizes "
-                    f"(kernels.LogprobsBlockSizes), got {block_sizes!r}; the xla path's "
+                    f"(tunix_kernels.LogprobsBlockSizes), got {block_sizes!r}; the xla path's "
                     "vocabulary chunk is xla_chunk=")
   try:
     max_chunk = DEFAULT_XLA_CHUNK if xla_chunk is None else operator.index(xla_chunk)
@@ -171,7 +171,7 @@ def _pallas(hidden_NxD, weight_DxV, targets_N, block_sizes, softcap, interpret):
   """Checks (or picks) the tiles for the chip being compiled for and runs the kernels;
   nothing is padded: ragged N and V are masked inside the kernels. Outside a
   `shard_map` the kernels run partitioned over the operands' shardings
-  (`kernels.logprobs_gspmd`), with default tiles picked for the local pieces."""
+  (`tunix_kernels.logprobs_gspmd`), with default tiles picked for the local pieces."""
   (n, d), v = hidden_NxD.shape, weight_DxV.shape[1]
   if hidden_NxD.dtype != weight_DxV.dtype:  # the tiles and VMEM budget assume one dtype
     raise ValueError(f"the Pallas kernels take hidden and weight of one dtype, got "

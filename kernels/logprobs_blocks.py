@@ -6,8 +6,8 @@ import dataclasses
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kernels import tpu
-from kernels.dispatch import LANES
+from tunix_kernels import tpu
+from tunix_kernels.dispatch import LANES
 
 SUBLANES = 8
 # Preferred (block_n, block_v), largest first; each is tried with the whole hidden size
@@ -28,7 +28,7 @@ def _sublanes(dtype):
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tiles of the log-prob kernels (`kernels.LogprobsBlockSizes`), checked on construction.
+  """Tiles of the log-prob kernels (`tunix_kernels.LogprobsBlockSizes`), checked on construction.
 
   Attributes:
     block_n: tokens per tile, a multiple of 8 (16 for 2-byte inputs, `check`).
@@ -64,7 +64,7 @@ class BlockSizes:
     Args:
       d_model: hidden size D.
       dtype: dtype of the hidden states and weight.
-      chip: a TPU generation (`kernels.tpu.CHIPS` name or `Chip`), or None when unknown:
+      chip: a TPU generation (`tunix_kernels.tpu.CHIPS` name or `Chip`), or None when unknown:
         then the tiles fit the smallest default scoped VMEM of any generation (16 MiB)
         and `vmem_limit_bytes` stays None, so the kernels compile everywhere. A known
         chip may get larger tiles with the limit raised, never past its VMEM.

@@ -1,4 +1,4 @@
-"""`fused_logprobs`' Pallas kernels partitioned under plain `jax.jit` (`kernels.gspmd`).
+"""`fused_logprobs`' Pallas kernels partitioned under plain `jax.jit` (`tunix_kernels.gspmd`).
 
 The rule: the tokens (`n`) stay split over the mesh axes they arrive over, and so does
 the weight's vocabulary (`v`); the model dimension `d` is gathered (every kernel contracts
@@ -19,9 +19,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kernels import gspmd
-from kernels import logprobs_blocks
-from kernels import logprobs_pallas
+from tunix_kernels import gspmd
+from tunix_kernels import logprobs_blocks
+from tunix_kernels import logprobs_pallas
 
 F32 = jnp.float32
 _INS = ("n d", "d v", "n")

@@ -36,10 +36,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.common import cotangent_for
-from kernels.common import out_struct
-from kernels.dispatch import LANES
-from kernels.logprobs_blocks import cost_estimate
+from tunix_kernels.common import cotangent_for
+from tunix_kernels.common import out_struct
+from tunix_kernels.dispatch import LANES
+from tunix_kernels.logprobs_blocks import cost_estimate
 
 # A large finite negative instead of -inf keeps `m_old - m_new` free of inf - inf.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)

@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels import common
+from tunix_kernels import common
 
 
 def vocab_parallel_logprobs(hidden_NxD, weight_DxVk, targets_N, ignored_N, axis, local_fn,

@@ -15,9 +15,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels import dispatch
-from kernels.common import cotangent_for
-from kernels.common import vary_like
+from tunix_kernels import dispatch
+from tunix_kernels.common import cotangent_for
+from tunix_kernels.common import vary_like
 
 
 def _tile(hidden_NxD, weight_DxV, targets_N, c, chunk, softcap):
@@ -80,7 +80,7 @@ def logprobs_xla(hidden_NxD, weight_DxV, targets_N, chunk, softcap=None):
   logits soft-capped to `softcap * tanh(logits / softcap)` unless `softcap` is None.
 
   Targets must be in range. Rows to ignore are the caller's business: pass any valid
-  id and zero their cotangent (as `kernels.fused_logprobs` does).
+  id and zero their cotangent (as `tunix_kernels.fused_logprobs` does).
   """
   return _forward(hidden_NxD, weight_DxV, targets_N, chunk, softcap)[0]
 

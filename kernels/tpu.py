@@ -13,7 +13,7 @@ import re
 
 import jax
 
-from kernels import dispatch
+from tunix_kernels import dispatch
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -3,7 +3,6 @@
 import atexit
 import os
 import shutil
-import sys
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -22,9 +21,9 @@ import chex  # noqa: E402  (after JAX_PLATFORMS, before any backend starts)
 
 chex.set_n_cpu_devices(8)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-  sys.path.insert(0, REPO)
+# The repository itself is not put on sys.path: the tests import the installed packages
+# (`pip install -e '.[test]'`), `tunix_kernels` among them, so that a folder named
+# `kernels` never shadows Hugging Face's package of that name beside transformers.
 
 
 import pytest  # noqa: E402

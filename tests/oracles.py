@@ -1,12 +1,12 @@
 """Float64 NumPy oracles and inputs shared by the kernel tests.
 
-Written from the formulas, independently of `kernels` (only `IGNORE_INDEX` is shared).
+Written from the formulas, independently of `tunix_kernels` (only `IGNORE_INDEX` is shared).
 """
 
 import jax
 import numpy as np
 
-from kernels import IGNORE_INDEX
+from tunix_kernels import IGNORE_INDEX
 
 
 def numpy_logprobs(h, w, t, ignore_index=IGNORE_INDEX, softcap=None):

@@ -12,7 +12,7 @@ import jax
 import pytest
 
 import runs
-from kernels import tpu
+from tunix_kernels import tpu
 from tunix_core.aot import comms
 from tunix_core.aot import compile as aot
 from tunix_core.run import loop

@@ -1,4 +1,4 @@
-"""`kernels.attention`: the Pallas kernels (interpret mode) against a float64 NumPy oracle
+"""`tunix_kernels.attention`: the Pallas kernels (interpret mode) against a float64 NumPy oracle
 on random row layouts; the tiles they visit; the model's shared and packed rows through
 the kernels for every family of `tests/fixtures/hf`; dispatch and tiles; and, with
 libtpu, the kernels and a shared-prefix train step compiled by the real TPU compiler."""
@@ -14,9 +14,9 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import runs
-from kernels import attention
-from kernels import attention_blocks
-from kernels import tpu
+from tunix_kernels import attention
+from tunix_kernels import attention_blocks
+from tunix_kernels import tpu
 from oracles import numpy_attention
 from oracles import numpy_attention_mask
 from oracles import rel_error

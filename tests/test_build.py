@@ -24,9 +24,42 @@ def _targets():
   return out
 
 
+def _package_dirs() -> dict:
+  """`{import name: folder}` of our packages, as setup.py installs them (its
+  `package_dir`; a package without an entry lives in the folder of its name)."""
+  tree = ast.parse(open(os.path.join(REPO, "setup.py")).read())
+  call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call)
+              and getattr(n.func, "id", None) == "setup")
+  kw = {k.arg: k.value for k in call.keywords}
+  mapped = ast.literal_eval(kw["package_dir"])
+  return {name: mapped.get(name, name) for name in ("tunix_kernels", "tunix_core")}
+
+
+def test_the_kernels_folder_installs_as_tunix_kernels():
+  # Hugging Face's `kernels` (a dependency of transformers 5) owns the name `kernels`.
+  assert _package_dirs() == {"tunix_kernels": "kernels", "tunix_core": "tunix_core"}
+
+
+def test_nothing_of_ours_imports_kernels():
+  files = [os.path.join(REPO, "trainer.py")] + [
+      p for d in ("kernels", "tunix_core", "tests", "benchmarks")
+      for p in glob.glob(os.path.join(REPO, d, "**", "*.py"), recursive=True)]
+  for path in files:
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+      names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+               [node.module] if isinstance(node, ast.ImportFrom) and not node.level else [])
+      for name in names:
+        assert name.split(".")[0] != "kernels", (
+            f"{os.path.relpath(path, REPO)}:{node.lineno} imports `{name}`: our kernels "
+            "are `tunix_kernels`; `kernels` is Hugging Face's package")
+
+
 def test_every_module_is_in_a_library():
-  listed = {s for rule, _, srcs in _targets() if rule == "py_library" for s in srcs}
-  for pkg in ("kernels", "tunix_core"):
+  # tunix_kernels' sources reach its py_library through the genrule that copies them
+  # under the import name.
+  listed = {s for rule, _, srcs in _targets() if rule in ("py_library", "genrule")
+            for s in srcs}
+  for pkg in _package_dirs().values():
     for path in glob.glob(os.path.join(REPO, pkg, "**", "*.py"), recursive=True):
       rel = os.path.relpath(path, REPO)
       assert rel in listed or rel.endswith("__main__.py"), (
@@ -47,24 +80,24 @@ def test_binaries_and_listed_files_exist():
   for path in glob.glob(os.path.join(REPO, "benchmarks", "*.py")):
     assert os.path.relpath(path, REPO) in binaries, f"{path} has no py_binary in BUILD"
   for _, name, srcs in targets:
-    for src in srcs:
+    for src in (s for s in srcs if not s.startswith(":")):   # files, not target labels
       assert os.path.exists(os.path.join(REPO, src)), f"{name} lists missing file {src}"
 
 
 # Floors of the sub-packages: a module imports only from lower floors and its own
 # package. Entry points (`__main__` modules) sit above everything.
-FLOORS = {"kernels": 0, "tunix_core.storage": 0, "tunix_core.model": 1, "tunix_core.data": 1, "tunix_core.hf": 2,
+FLOORS = {"tunix_kernels": 0, "tunix_core.storage": 0, "tunix_core.model": 1, "tunix_core.data": 1, "tunix_core.hf": 2,
           "tunix_core.parallel": 2, "tunix_core.training": 3, "tunix_core.generate": 3,
           "tunix_core.checkpoints": 4,
           "tunix_core.run": 5, "tunix_core.aot": 6, "tunix_core.plot": 6}
 
 
 def _modules() -> dict:
-  """`{dotted module name: path}` of every module of kernels and tunix_core."""
+  """`{dotted import name: path}` of every module of tunix_kernels and tunix_core."""
   out = {}
-  for pkg in ("kernels", "tunix_core"):
-    for path in glob.glob(os.path.join(REPO, pkg, "**", "*.py"), recursive=True):
-      name = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".")
+  for pkg, folder in _package_dirs().items():
+    for path in glob.glob(os.path.join(REPO, folder, "**", "*.py"), recursive=True):
+      name = pkg + "." + os.path.relpath(path, os.path.join(REPO, folder))[:-3].replace(os.sep, ".")
       out[name.removesuffix(".__init__")] = path
   return out
 

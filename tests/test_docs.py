@@ -26,8 +26,8 @@ def _section(text: str, title: str) -> str:
 
 def test_every_module_is_on_the_architecture_page():
   modules = _section(_read("docs", "architecture.md"), "Modules")
-  for pkg in ("kernels", "tunix_core"):
-    for path in sorted(glob.glob(os.path.join(REPO, pkg, "**", "*.py"), recursive=True)):
+  for folder in ("kernels", "tunix_core"):   # the folders of tunix_kernels and tunix_core
+    for path in sorted(glob.glob(os.path.join(REPO, folder, "**", "*.py"), recursive=True)):
       rel = os.path.relpath(path, REPO)
       if not rel.endswith("__init__.py"):
         assert f"`{rel}`" in modules, f"{rel} is missing from docs/architecture.md"

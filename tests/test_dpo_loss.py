@@ -1,4 +1,4 @@
-"""`kernels.dpo_loss` against numbers worked out by hand with the math module."""
+"""`tunix_kernels.dpo_loss` against numbers worked out by hand with the math module."""
 
 import math
 
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kernels
+import tunix_kernels
 
 
 def softplus(x):  # -log(sigmoid(-x)), by hand
@@ -22,7 +22,7 @@ H = (PC - RC) - (PR - RR)
 
 def _one(loss_type, label_smoothing=0.0, impl="auto", **kw):
   a = lambda v: jnp.array([v], jnp.float32)
-  loss, _ = kernels.dpo_loss(a(PC), a(PR), a(RC), a(RR), beta=BETA, loss_type=loss_type,
+  loss, _ = tunix_kernels.dpo_loss(a(PC), a(PR), a(RC), a(RR), beta=BETA, loss_type=loss_type,
                              label_smoothing=label_smoothing, impl=impl, **kw)
   return float(loss)
 
@@ -44,7 +44,7 @@ def test_each_loss_type_by_hand(impl):
 
 def test_hinge_active_region():
   a = lambda v: jnp.array([v], jnp.float32)
-  loss, _ = kernels.dpo_loss(a(-1.0), a(-1.5), a(-1.0), a(-1.0), beta=0.5, loss_type="hinge")
+  loss, _ = tunix_kernels.dpo_loss(a(-1.0), a(-1.5), a(-1.0), a(-1.0), beta=0.5, loss_type="hinge")
   np.testing.assert_allclose(float(loss), 1 - 0.5 * 0.5, rtol=1e-6)
 
 
@@ -53,7 +53,7 @@ def test_policy_equals_reference_gives_ln2(loss_type):
   x = jax.random.normal(jax.random.PRNGKey(0), (4, 6)) - 3
   y = jax.random.normal(jax.random.PRNGKey(1), (4, 6)) - 3
   mask = jnp.ones((4, 6))
-  loss, m = kernels.dpo_loss(x, y, x, y, chosen_mask=mask, rejected_mask=mask,
+  loss, m = tunix_kernels.dpo_loss(x, y, x, y, chosen_mask=mask, rejected_mask=mask,
                              loss_type=loss_type)
   assert float(loss) == pytest.approx(math.log(2), abs=1e-7)
   assert float(m["rewards/accuracies"]) == 0.0  # ties are not "strictly greater"
@@ -68,7 +68,7 @@ def test_metrics_on_hand_made_batch():
   rc = jnp.array([[-2.0, -2.0, 0.0], [-1.0, -1.0, -2.0]])  # sums: -4, -4
   rr = jnp.array([[-4.0, -1.0, -1.0], [-1.0, -1.0, 0.0]])  # sums: -4, -2
   beta = 0.1
-  loss, m = kernels.dpo_loss(pc, pr, rc, rr, chosen_mask=cm, rejected_mask=rm, beta=beta)
+  loss, m = tunix_kernels.dpo_loss(pc, pr, rc, rr, chosen_mask=cm, rejected_mask=rm, beta=beta)
   chosen_r = [beta * (-3 + 4), beta * (-3 + 4)]      # [0.1, 0.1]
   rejected_r = [beta * (-4 + 4), beta * (-1 + 2)]    # [0.0, 0.1]
   want = {
@@ -87,7 +87,7 @@ def test_ipo_loss_averages_over_the_response_and_its_metrics_sum():
   pr = jnp.array([[-6.0, -6.0, -6.0]]); rm = jnp.array([[1, 1, 1]])  # mean -6
   zeros = jnp.zeros((1, 3))
   beta = 0.25
-  loss, m = kernels.dpo_loss(pc, pr, zeros, zeros, chosen_mask=cm, rejected_mask=rm,
+  loss, m = tunix_kernels.dpo_loss(pc, pr, zeros, zeros, chosen_mask=cm, rejected_mask=rm,
                              beta=beta, loss_type="ipo")
   np.testing.assert_allclose(float(loss), (4.0 - 1 / (2 * beta)) ** 2, rtol=1e-6)
   # TRL's metrics are sums over the response even when the loss averages.
@@ -103,7 +103,7 @@ def test_xla_matches_naive_values_and_grads(loss_type):
 
   def f(impl):
     def loss(pc, pr):
-      return kernels.dpo_loss(pc, pr, logps[2], logps[3], chosen_mask=masks[0],
+      return tunix_kernels.dpo_loss(pc, pr, logps[2], logps[3], chosen_mask=masks[0],
                               rejected_mask=masks[1], beta=0.3, loss_type=loss_type,
                               label_smoothing=0.1, impl=impl)
     (l, m), g = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(logps[0], logps[1])
@@ -116,16 +116,16 @@ def test_xla_matches_naive_values_and_grads(loss_type):
 def test_bad_inputs():
   x = jnp.zeros((2,))
   with pytest.raises(ValueError, match="unknown loss_type"):
-    kernels.dpo_loss(x, x, x, x, loss_type="kto")
+    tunix_kernels.dpo_loss(x, x, x, x, loss_type="kto")
   with pytest.raises(ValueError, match="need chosen_mask"):
-    kernels.dpo_loss(jnp.zeros((2, 3)), jnp.zeros((2, 3)), jnp.zeros((2, 3)), jnp.zeros((2, 3)))
+    tunix_kernels.dpo_loss(jnp.zeros((2, 3)), jnp.zeros((2, 3)), jnp.zeros((2, 3)), jnp.zeros((2, 3)))
   with pytest.raises(ValueError, match="shape"):
-    kernels.dpo_loss(x, jnp.zeros((3,)), x, x)
+    tunix_kernels.dpo_loss(x, jnp.zeros((3,)), x, x)
   with pytest.raises(ValueError, match="reference_free"):
-    kernels.dpo_loss(x, x, None, None)
+    tunix_kernels.dpo_loss(x, x, None, None)
   with pytest.raises(ValueError, match="robust"):
-    kernels.dpo_loss(x, x, x, x, loss_type="robust", label_smoothing=0.5)
-  loss, _ = kernels.dpo_loss(x, x, None, None, reference_free=True)
+    tunix_kernels.dpo_loss(x, x, x, x, loss_type="robust", label_smoothing=0.5)
+  loss, _ = tunix_kernels.dpo_loss(x, x, None, None, reference_free=True)
   assert float(loss) == pytest.approx(math.log(2))
 
 
@@ -134,4 +134,4 @@ def test_reference_is_not_an_impl():
   x = jnp.zeros((2,))
   with pytest.raises(ValueError, match=r"unknown dpo_loss impl 'reference'; choose one of "
                      r"\('auto', 'xla', 'naive', 'pallas', 'interpret'\)"):
-    kernels.dpo_loss(x, x, x, x, impl="reference")
+    tunix_kernels.dpo_loss(x, x, x, x, impl="reference")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from absl.testing import parameterized
 
-import kernels
+import tunix_kernels
 from oracles import numpy_dpo_loss
 
 
@@ -22,7 +22,7 @@ def _batch(B, T, seed=3):
 
 def _loss_and_grads(impl, logps, masks, **kw):
   def loss(pc, pr, rc, rr):
-    return kernels.dpo_loss(pc, pr, rc, rr, chosen_mask=masks[0], rejected_mask=masks[1],
+    return tunix_kernels.dpo_loss(pc, pr, rc, rr, chosen_mask=masks[0], rejected_mask=masks[1],
                             impl=impl, **kw)
   (l, m), g = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(*logps)
   return l, m, g
@@ -47,9 +47,9 @@ def test_long_sequence_uses_several_grid_steps_and_jit():
 
 def test_per_sequence_reference_free_and_ln2():
   x = jnp.array([-3.0, -1.0]); y = jnp.array([-2.0, -4.0])
-  l, m = kernels.dpo_loss(x, y, x, y, impl="interpret")
+  l, m = tunix_kernels.dpo_loss(x, y, x, y, impl="interpret")
   assert float(l) == pytest.approx(math.log(2), abs=1e-6)
-  l, m = kernels.dpo_loss(x, y, None, None, reference_free=True, beta=0.5, impl="interpret")
+  l, m = tunix_kernels.dpo_loss(x, y, None, None, reference_free=True, beta=0.5, impl="interpret")
   want = [math.log1p(math.exp(-0.5 * (-3.0 + 2.0))), math.log1p(math.exp(-0.5 * (-1.0 + 4.0)))]
   assert float(l) == pytest.approx(sum(want) / 2, rel=1e-6)
   assert float(m["rewards/accuracies"]) == 0.5
@@ -67,7 +67,7 @@ class SameWithAndWithoutJitTest(chex.TestCase):
 
     @self.variant
     def loss(pc, pr, rc, rr, cm, rm):
-      return kernels.dpo_loss(pc, pr, rc, rr, chosen_mask=cm, rejected_mask=rm, impl=impl,
+      return tunix_kernels.dpo_loss(pc, pr, rc, rr, chosen_mask=cm, rejected_mask=rm, impl=impl,
                               **kw)
 
     got_loss, got_metrics = loss(*logps, *masks)

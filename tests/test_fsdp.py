@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from kernels import tpu
+from tunix_kernels import tpu
 import runs
 from oracles import rel_error
 from tunix_core import model as model_lib

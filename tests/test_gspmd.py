@@ -1,4 +1,4 @@
-"""Both Pallas ops under plain `jax.jit` with sharded inputs (`kernels.gspmd`): on 8 CPU
+"""Both Pallas ops under plain `jax.jit` with sharded inputs (`tunix_kernels.gspmd`): on 8 CPU
 devices in interpret mode, values and gradients against the same op on unsharded inputs
 and the shardings they come back with, for Explicit mesh axes (a derived `shard_map`)
 and Auto axes (`custom_partitioning`); with libtpu, both compiled for a v5e-8 by the
@@ -18,10 +18,10 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import kernels
+import tunix_kernels
 import runs
-from kernels import attention as attn
-from kernels import tpu
+from tunix_kernels import attention as attn
+from tunix_kernels import tpu
 
 B, T, D, V = 8, 8, 128, 512          # log-probs: 64 tokens, 256 ids per vocabulary slice
 AB, AT, H, KV, K = 4, 256, 4, 2, 128  # attention: two query tiles per row, GQA
@@ -33,7 +33,7 @@ def _mesh(devices, axis_type):
 
 def _logprobs_loss(impl):
   def loss(h, w, t):
-    logp = kernels.fused_logprobs(h, w, t, impl=impl, logit_softcap=30.0)
+    logp = tunix_kernels.fused_logprobs(h, w, t, impl=impl, logit_softcap=30.0)
     return (logp * jnp.arange(1.0, T + 1)).sum(), logp
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
 
@@ -47,7 +47,7 @@ def _attention_loss(impl):
 
 def _logprobs_inputs():
   kh, kw, kt = jax.random.split(jax.random.key(0), 3)
-  targets = jax.random.randint(kt, (B, T), 0, V).at[0, :3].set(kernels.IGNORE_INDEX)
+  targets = jax.random.randint(kt, (B, T), 0, V).at[0, :3].set(tunix_kernels.IGNORE_INDEX)
   return (jax.random.normal(kh, (B, T, D)), 0.1 * jax.random.normal(kw, (D, V)), targets)
 
 
@@ -131,7 +131,7 @@ def test_compiled_for_a_v5e_8_without_gathers_and_with_shard_map_temporaries():
   heads = P("data", None, "model")
 
   def lp(h, w, t, vocab_axis=None):
-    return kernels.fused_logprobs(h, w, t, impl="pallas", vocab_axis=vocab_axis)
+    return tunix_kernels.fused_logprobs(h, w, t, impl="pallas", vocab_axis=vocab_axis)
 
   def at(q, k, v, pos, valid):
     return attn.attention(q, k, v, attn.Visibility(pos, valid), scale=qkv["k"] ** -0.5,

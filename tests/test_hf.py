@@ -224,8 +224,8 @@ def test_load_places_leaves_with_the_given_shardings():
 def test_live_transformers_parity_and_export_loads_in_transformers(name, tmp_path):
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
-  import kernels  # noqa: F401  (ours, not PyPI's `kernels`, even with transformers around)
-  assert hasattr(kernels, "fused_logprobs")
+  import tunix_kernels  # noqa: F401  (ours, not PyPI's `kernels`, even with transformers around)
+  assert hasattr(tunix_kernels, "fused_logprobs")
   d = os.path.join(FIXTURES, name)
   cfg = hf.read_config(d)
   params = hf.load_params(d, cfg)

@@ -1,5 +1,5 @@
-"""`kernels.fused_logprobs` against float64 NumPy and the naive implementation, and the
-shared dispatch layer (`kernels.dispatch`) that both ops use."""
+"""`tunix_kernels.fused_logprobs` against float64 NumPy and the naive implementation, and the
+shared dispatch layer (`tunix_kernels.dispatch`) that both ops use."""
 
 import functools
 
@@ -11,9 +11,9 @@ import pytest
 from absl.testing import parameterized
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, Mesh, PartitionSpec as P
 
-import kernels
-from kernels import dispatch
-from kernels import IGNORE_INDEX
+import tunix_kernels
+from tunix_kernels import dispatch
+from tunix_kernels import IGNORE_INDEX
 from oracles import make_inputs, rel_error, numpy_logprob_grads, numpy_logprobs
 
 
@@ -25,7 +25,7 @@ def test_against_float64(impl, dtype, tol, N, D, V, chunk):
   if V == 1:
     t = jnp.where(t == IGNORE_INDEX, IGNORE_INDEX, 0)
   chunk = chunk if impl == "xla" else None
-  f = lambda h, w: kernels.fused_logprobs(h, w, t, impl=impl, xla_chunk=chunk)
+  f = lambda h, w: tunix_kernels.fused_logprobs(h, w, t, impl=impl, xla_chunk=chunk)
   out, vjp = jax.vjp(f, h, w)
   dh, dw = vjp(g)
   want = numpy_logprobs(np.asarray(h, np.float32), np.asarray(w, np.float32), np.asarray(t))[0]
@@ -39,13 +39,13 @@ def test_against_float64(impl, dtype, tol, N, D, V, chunk):
 
 
 @pytest.mark.parametrize("impl,kw", [("xla", dict(xla_chunk=16)), ("naive", {}),
-                                     ("interpret", dict(block_sizes=kernels.LogprobsBlockSizes(
+                                     ("interpret", dict(block_sizes=tunix_kernels.LogprobsBlockSizes(
                                          8, 128, 128)))])
 def test_logit_softcap_against_float64(impl, kw):
   # Logits ~ N(0, 3^2) under a cap of 2: tanh saturates, so the cap moves the log-probs by
   # far more than the tolerance. The interpret case has ragged N and V and 2 hidden blocks.
   h, w, t, g = make_inputs(13, 256, 300, jnp.float32, scale=3.0)
-  f = lambda h, w: kernels.fused_logprobs(h, w, t, impl=impl, logit_softcap=2.0, **kw)
+  f = lambda h, w: tunix_kernels.fused_logprobs(h, w, t, impl=impl, logit_softcap=2.0, **kw)
   out, vjp = jax.vjp(f, h, w)
   dh, dw = vjp(g)
   h64, w64, t64 = np.asarray(h), np.asarray(w), np.asarray(t)
@@ -57,13 +57,13 @@ def test_logit_softcap_against_float64(impl, kw):
   assert rel_error(dw, want_dw) <= 1e-5
   for bad in (0.0, -1.0, "30", True):
     with pytest.raises(ValueError, match="logit_softcap must be a positive float"):
-      kernels.fused_logprobs(h, w, t, impl=impl, logit_softcap=bad, **kw)
+      tunix_kernels.fused_logprobs(h, w, t, impl=impl, logit_softcap=bad, **kw)
 
 
 def test_large_logits_and_all_ignored_rows():
   h, w, t, g = make_inputs(12, 16, 50, jnp.float32, scale=1e3 * 4)  # logits ~ 1e3
   t = t.at[:4].set(IGNORE_INDEX)
-  out, vjp = jax.vjp(lambda h, w: kernels.fused_logprobs(h, w, t, impl="xla", xla_chunk=16),
+  out, vjp = jax.vjp(lambda h, w: tunix_kernels.fused_logprobs(h, w, t, impl="xla", xla_chunk=16),
                      h, w)
   dh, dw = vjp(g)
   want = numpy_logprobs(np.asarray(h), np.asarray(w), np.asarray(t))[0]
@@ -75,15 +75,15 @@ def test_large_logits_and_all_ignored_rows():
 def test_leading_axes_jit_and_errors():
   h, w, t, _ = make_inputs(12, 16, 20, jnp.float32)
   h3, t3 = h.reshape(2, 6, 16), t.reshape(2, 6)
-  out = jax.jit(lambda h, w, t: kernels.fused_logprobs(h, w, t))(h3, w, t3)
-  want = kernels.fused_logprobs(h, w, t, impl="naive").reshape(2, 6)
+  out = jax.jit(lambda h, w, t: tunix_kernels.fused_logprobs(h, w, t))(h3, w, t3)
+  want = tunix_kernels.fused_logprobs(h, w, t, impl="naive").reshape(2, 6)
   np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-6)
   with pytest.raises(ValueError, match="out of range"):
-    kernels.fused_logprobs(h, w, t.at[1].set(20))
+    tunix_kernels.fused_logprobs(h, w, t.at[1].set(20))
   with pytest.raises(ValueError, match="unknown fused_logprobs impl"):
-    kernels.fused_logprobs(h, w, t, impl="cuda")
+    tunix_kernels.fused_logprobs(h, w, t, impl="cuda")
   with pytest.raises(ValueError, match="disagree"):
-    kernels.fused_logprobs(h, w, t3)
+    tunix_kernels.fused_logprobs(h, w, t3)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -94,7 +94,7 @@ def test_xla_path_never_holds_logits_or_a_weight_copy(dtype):
   N, D, V = 1024, 256, 32000
 
   def loss(h, w, t):
-    return jnp.sum(kernels.fused_logprobs(h, w, t, impl="xla"))
+    return jnp.sum(tunix_kernels.fused_logprobs(h, w, t, impl="xla"))
 
   args = (jax.ShapeDtypeStruct((N, D), dtype), jax.ShapeDtypeStruct((D, V), dtype),
           jax.ShapeDtypeStruct((N,), jnp.int32))
@@ -106,27 +106,27 @@ def test_xla_path_never_holds_logits_or_a_weight_copy(dtype):
 
 def test_reference_is_not_an_impl():
   # "reference" only ever means DPO's frozen reference model; the oracle is "naive".
-  assert kernels.IMPLS == ("auto", "xla", "naive", "pallas", "interpret")
-  assert kernels.LOGPROB_IMPLS == kernels.DPO_LOSS_IMPLS == kernels.IMPLS
+  assert tunix_kernels.IMPLS == ("auto", "xla", "naive", "pallas", "interpret")
+  assert tunix_kernels.LOGPROB_IMPLS == tunix_kernels.DPO_LOSS_IMPLS == tunix_kernels.IMPLS
   h, w, t, _ = make_inputs(4, 8, 16, jnp.float32)
   with pytest.raises(ValueError, match=r"unknown fused_logprobs impl 'reference'; choose "
                      r"one of \('auto', 'xla', 'naive', 'pallas', 'interpret'\)"):
-    kernels.fused_logprobs(h, w, t, impl="reference")
+    tunix_kernels.fused_logprobs(h, w, t, impl="reference")
 
 
 def test_block_sizes_and_xla_chunk_are_separate():
   h, w, t, _ = make_inputs(12, 16, 40, jnp.float32)
   want = numpy_logprobs(np.asarray(h), np.asarray(w), np.asarray(t))[0]
   # A BlockSizes is ignored by the xla path, xla_chunk by the others.
-  got = kernels.fused_logprobs(h, w, t, impl="xla", xla_chunk=np.int64(16),
-                               block_sizes=kernels.LogprobsBlockSizes(8, 128))
+  got = tunix_kernels.fused_logprobs(h, w, t, impl="xla", xla_chunk=np.int64(16),
+                               block_sizes=tunix_kernels.LogprobsBlockSizes(8, 128))
   assert rel_error(got, want) <= 1e-5
   with pytest.raises(TypeError, match="must be a BlockSizes.*xla_chunk="):
-    kernels.fused_logprobs(h, w, t, impl="xla", block_sizes=16)
+    tunix_kernels.fused_logprobs(h, w, t, impl="xla", block_sizes=16)
   with pytest.raises(TypeError, match="xla_chunk must be an int"):
-    kernels.fused_logprobs(h, w, t, impl="xla", xla_chunk=16.0)
+    tunix_kernels.fused_logprobs(h, w, t, impl="xla", xla_chunk=16.0)
   with pytest.raises(ValueError, match="xla chunk must be positive"):
-    kernels.fused_logprobs(h, w, t, impl="xla", xla_chunk=0)
+    tunix_kernels.fused_logprobs(h, w, t, impl="xla", xla_chunk=0)
 
 
 TPU_V5E = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
@@ -162,7 +162,7 @@ def test_xla_bf16_workaround_follows_the_compile_target():
   # host and left out when the computation is compiled for TPU.
   shapes = (jax.ShapeDtypeStruct((8, 16), jnp.bfloat16),
             jax.ShapeDtypeStruct((16, 256), jnp.bfloat16), jax.ShapeDtypeStruct((8,), jnp.int32))
-  f = lambda h, w, t: kernels.fused_logprobs(h, w, t, impl="xla", xla_chunk=128)
+  f = lambda h, w, t: tunix_kernels.fused_logprobs(h, w, t, impl="xla", xla_chunk=128)
   assert "cond" in str(jax.make_jaxpr(f)(*shapes))
   tpu = AbstractMesh((1,), ("data",), abstract_device=TPU_V5E)
   on_tpu = jax.shard_map(f, mesh=tpu, in_specs=(P(), P(), P()), out_specs=P())
@@ -179,8 +179,8 @@ class SameWithAndWithoutJitTest(chex.TestCase):
     @self.variant
     def fwd_bwd(h, w, t, g):
       # Each impl ignores the other impls' tiling argument.
-      f = lambda h, w: kernels.fused_logprobs(
-          h, w, t, impl=impl, block_sizes=kernels.LogprobsBlockSizes(8, 128), xla_chunk=64)
+      f = lambda h, w: tunix_kernels.fused_logprobs(
+          h, w, t, impl=impl, block_sizes=tunix_kernels.LogprobsBlockSizes(8, 128), xla_chunk=64)
       out, vjp = jax.vjp(f, h, w)
       return (out, *vjp(g))
 

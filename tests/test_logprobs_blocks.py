@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-from kernels import LogprobsBlockSizes as BlockSizes
-from kernels import tpu
+from tunix_kernels import LogprobsBlockSizes as BlockSizes
+from tunix_kernels import tpu
 
 MiB = 1 << 20
 HIDDEN_SIZES = (2048, 2304, 3072, 4096, 5120, 8192)

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-import kernels
-from kernels import IGNORE_INDEX
-from kernels import LogprobsBlockSizes as BlockSizes
+import tunix_kernels
+from tunix_kernels import IGNORE_INDEX
+from tunix_kernels import LogprobsBlockSizes as BlockSizes
 from oracles import make_inputs, rel_error, numpy_logprob_grads, numpy_logprobs
 
 SMALL_F32 = BlockSizes(block_n=8, block_v=128)
@@ -19,7 +19,7 @@ SMALL_BF16 = BlockSizes(block_n=16, block_v=128)
 
 
 def _check(h, w, t, g, bs, tol):
-  f = lambda h, w: kernels.fused_logprobs(h, w, t, impl="interpret", block_sizes=bs)
+  f = lambda h, w: tunix_kernels.fused_logprobs(h, w, t, impl="interpret", block_sizes=bs)
   out, vjp = jax.vjp(f, h, w)
   dh, dw = vjp(g)
   h32, w32, t_np = np.asarray(h, np.float32), np.asarray(w, np.float32), np.asarray(t)
@@ -57,12 +57,12 @@ def test_hidden_size_split_into_blocks(dtype, block_n, d, block_d, tol):
 def test_explicit_tiles_are_checked_before_compiling():
   h, w, t, _ = make_inputs(8, 256, 128, jnp.float32)
   with pytest.raises(ValueError, match="block_d=384 must divide the hidden size D=256"):
-    kernels.fused_logprobs(h, w, t, impl="interpret", block_sizes=BlockSizes(8, 128, 384))
+    tunix_kernels.fused_logprobs(h, w, t, impl="interpret", block_sizes=BlockSizes(8, 128, 384))
   h, w = jnp.zeros((8, 8192), jnp.float32), jnp.zeros((8192, 128), jnp.float32)
   # [512, 8192] f32 hidden tiles alone are 2 x 16 MiB: far past any default scoped VMEM.
   with pytest.raises(ValueError, match=r"needs about \d+\.\d MiB of VMEM for D=8192 float32, "
                      r"more than 90% of the default scoped VMEM of the smallest TPU"):
-    kernels.fused_logprobs(h, w, t, impl="interpret", block_sizes=BlockSizes(512, 128))
+    tunix_kernels.fused_logprobs(h, w, t, impl="interpret", block_sizes=BlockSizes(512, 128))
 
 
 @pytest.mark.slow  # 8 s of interpret mode; the fast tier keeps the unaligned-size tests
@@ -83,7 +83,7 @@ def test_matches_xla_under_jit_with_leading_axes():
 
   @jax.jit
   def both(h, w):
-    loss = lambda impl, **kw: jnp.sum(kernels.fused_logprobs(h, w, t, impl=impl, **kw))
+    loss = lambda impl, **kw: jnp.sum(tunix_kernels.fused_logprobs(h, w, t, impl=impl, **kw))
     return (jax.value_and_grad(lambda w: loss("interpret", block_sizes=SMALL_F32))(w),
             jax.value_and_grad(lambda w: loss("xla", xla_chunk=128))(w))
 
@@ -103,7 +103,7 @@ def test_per_device_inside_shard_map(impl, kw):
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("data"), P(), P("data"), P("data")),
                      out_specs=(P("data"), P("data"), P()))
   def per_device(h, w, t, g):
-    f = lambda h, w: kernels.fused_logprobs(h, w, t, impl=impl, **kw)
+    f = lambda h, w: tunix_kernels.fused_logprobs(h, w, t, impl=impl, **kw)
     out, vjp = jax.vjp(f, h, w)
     return (out, *vjp(g))
 
@@ -118,18 +118,18 @@ def test_per_device_inside_shard_map(impl, kw):
 def test_bad_block_sizes():
   h, w, t, _ = make_inputs(8, 16, 128, jnp.float32)
   with pytest.raises(ValueError, match="block_v=100 must be a positive multiple of 128"):
-    kernels.fused_logprobs(h, w, t, impl="interpret", block_sizes=BlockSizes(8, 100))
+    tunix_kernels.fused_logprobs(h, w, t, impl="interpret", block_sizes=BlockSizes(8, 100))
   with pytest.raises(ValueError, match="block_n=8 must be a positive multiple of 16"):
-    kernels.fused_logprobs(h.astype(jnp.bfloat16), w.astype(jnp.bfloat16), t,
+    tunix_kernels.fused_logprobs(h.astype(jnp.bfloat16), w.astype(jnp.bfloat16), t,
                            impl="interpret", block_sizes=BlockSizes(8, 128))
   with pytest.raises(ValueError, match="hidden and weight of one dtype, got float32 and"):
-    kernels.fused_logprobs(h, w.astype(jnp.bfloat16), t, impl="interpret")
+    tunix_kernels.fused_logprobs(h, w.astype(jnp.bfloat16), t, impl="interpret")
   with pytest.raises(TypeError, match="must be a BlockSizes"):
-    kernels.fused_logprobs(h, w, t, impl="interpret", block_sizes=128)
+    tunix_kernels.fused_logprobs(h, w, t, impl="interpret", block_sizes=128)
 
 
 def test_block_sizes_check_themselves_on_construction():
-  assert kernels.DPOLossBlockSizes.get_default() == kernels.DPOLossBlockSizes(block_t=512)
+  assert tunix_kernels.DPOLossBlockSizes.get_default() == tunix_kernels.DPOLossBlockSizes(block_t=512)
   for bad, message in (((4, 128), "block_n=4 must be a positive multiple of 8"),
                        ((0, 128), "block_n=0 must be a positive multiple of 8"),
                        ((8, 0), "block_v=0 must be a positive multiple of 128"),
@@ -140,6 +140,6 @@ def test_block_sizes_check_themselves_on_construction():
       BlockSizes(*bad)
   for block_t in (0, 100, -128):
     with pytest.raises(ValueError, match=f"block_t={block_t} must be a positive multiple"):
-      kernels.DPOLossBlockSizes(block_t=block_t)
+      tunix_kernels.DPOLossBlockSizes(block_t=block_t)
   with pytest.raises(dataclasses.FrozenInstanceError):
     BlockSizes.get_default(2048).block_n = 8

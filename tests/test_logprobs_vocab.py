@@ -1,4 +1,4 @@
-"""`kernels.fused_logprobs(..., vocab_axis=...)`: a vocabulary-parallel LM head inside
+"""`tunix_kernels.fused_logprobs(..., vocab_axis=...)`: a vocabulary-parallel LM head inside
 `jax.shard_map`, against float64 NumPy, under `check_vma` True and False."""
 
 import jax
@@ -8,8 +8,8 @@ import pytest
 from jax import export
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, Mesh, PartitionSpec as P
 
-import kernels
-from kernels import IGNORE_INDEX
+import tunix_kernels
+from tunix_kernels import IGNORE_INDEX
 from oracles import make_inputs, numpy_logprob_grads, numpy_logprobs, rel_error
 
 N, D, V = 16, 16, 64
@@ -37,7 +37,7 @@ def _want(h, w, t, g, cap):
 
 def _logp(impl, cap):
   kw = dict(xla_chunk=8) if impl == "xla" else {}
-  return lambda h, w, t: kernels.fused_logprobs(h, w, t, impl=impl, logit_softcap=cap,
+  return lambda h, w, t: tunix_kernels.fused_logprobs(h, w, t, impl=impl, logit_softcap=cap,
                                                 vocab_axis="model", **kw)
 
 
@@ -158,10 +158,10 @@ def test_matches_the_unsharded_op_and_checks_its_arguments():
   K = 4
   h, w, t, _ = _inputs(K)
   mesh = _mesh(K)
-  want = kernels.fused_logprobs(h, w, t, impl="naive")
+  want = tunix_kernels.fused_logprobs(h, w, t, impl="naive")
 
   def run(t_closed, h=h, **kw):  # concrete targets closed over: range check sees K * V/K
-    f = lambda h, w: kernels.fused_logprobs(h, w, t_closed, impl="auto", **kw)
+    f = lambda h, w: tunix_kernels.fused_logprobs(h, w, t_closed, impl="auto", **kw)
     return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=SPECS[:2], out_specs=P()))(h, w)
 
   np.testing.assert_allclose(np.asarray(run(t, vocab_axis="model")), np.asarray(want),
@@ -178,7 +178,7 @@ def test_matches_the_unsharded_op_and_checks_its_arguments():
   with pytest.raises(ValueError, match="not an axis of an enclosing jax.shard_map"):
     run(t, vocab_axis="data")
   with pytest.raises(ValueError, match="not an axis of an enclosing jax.shard_map"):
-    kernels.fused_logprobs(h, w, t, vocab_axis="model")
+    tunix_kernels.fused_logprobs(h, w, t, vocab_axis="model")
 
 
 @pytest.mark.parametrize("check_vma", [False, True])
@@ -190,7 +190,7 @@ def test_lowers_for_tpu_with_the_pallas_kernels(check_vma):
   mesh = AbstractMesh((4,), ("model",), (AxisType.Auto,), abstract_device=tpu)
 
   def body(h, w, t):
-    logp, vjp = jax.vjp(lambda h, w: kernels.fused_logprobs(h, w, t, vocab_axis="model"),
+    logp, vjp = jax.vjp(lambda h, w: tunix_kernels.fused_logprobs(h, w, t, vocab_axis="model"),
                         h, w)
     return (logp,) + vjp(jnp.ones_like(logp))
 

@@ -37,6 +37,7 @@ def _logits(params, cfg, name):
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "llama3" else
                                                pytest.mark.slow) for n in sorted(os.listdir(LORA))])
 def test_adapted_logits_match_peft_on_the_committed_fixtures(name):
+  pytest.importorskip("safetensors", reason="reads PEFT fixtures: needs the hf extra")
   cfg, base, lcfg, adapters = _adapted(name)
   want = np.load(os.path.join(LORA, name, "logits.npy"))
   got = _logits(lora.attach(base, adapters), cfg, name)
@@ -70,6 +71,7 @@ def test_fresh_adapters_are_peft_s_init_and_change_nothing():
 
 
 def test_peft_directories_round_trip_and_unsupported_adapters_are_named(tmp_path):
+  pytest.importorskip("safetensors", reason="writes PEFT adapters: needs the hf extra")
   cfg, _, lcfg, adapters = _adapted("qwen2")
   out = str(tmp_path / "out")
   peft_lib.write_adapter(out, adapters, cfg, lcfg, base_model="tests/fixtures/hf/qwen2")

@@ -1,4 +1,4 @@
-"""The preference-loss family (`kernels.dpo_losses` through `kernels.dpo_loss`) against a
+"""The preference-loss family (`tunix_kernels.dpo_losses` through `tunix_kernels.dpo_loss`) against a
 float64 NumPy implementation written from TRL's code (`oracles.numpy_dpo_loss`)."""
 
 import chex
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kernels
+import tunix_kernels
 from oracles import numpy_dpo_loss
 from tunix_core.training import config as config_lib
 
@@ -37,12 +37,12 @@ def _check(got, want, rtol=2e-5):
     np.testing.assert_allclose(float(metrics[k]), v, rtol=rtol, atol=1e-6, err_msg=k)
 
 
-@pytest.mark.parametrize("loss_type", kernels.LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", tunix_kernels.LOSS_TYPES)
 @pytest.mark.parametrize("impl", ["xla", "naive"])
 def test_each_loss_type_equals_trls_formula_in_float64(loss_type, impl):
   logps, masks = _inputs()
   kw = _params(loss_type)
-  got = kernels.dpo_loss(*logps, chosen_mask=masks[0], rejected_mask=masks[1],
+  got = tunix_kernels.dpo_loss(*logps, chosen_mask=masks[0], rejected_mask=masks[1],
                          loss_type=loss_type, impl=impl, **kw)
   _check(got, numpy_dpo_loss(*logps, *masks, loss_type=loss_type, **kw))
 
@@ -55,7 +55,7 @@ def test_f_divergences_map_the_scores_as_trl_does(f_divergence_type, alpha):
   kw = dict(beta=0.2, f_divergence_type=f_divergence_type, f_alpha_divergence_coef=alpha,
             loss_type="sigmoid,hinge,ipo,nca_pair,bco_pair,sppo_hard,apo_down,discopop,"
                       "sigmoid_norm", loss_weights=[1.0, 0.5, 0.1, 2.0, 1.0, 0.3, 1.0, 1.0, 0.7])
-  got = kernels.dpo_loss(*logps, chosen_mask=masks[0], rejected_mask=masks[1], **kw)
+  got = tunix_kernels.dpo_loss(*logps, chosen_mask=masks[0], rejected_mask=masks[1], **kw)
   _check(got, numpy_dpo_loss(*logps, *masks, **kw))
 
 
@@ -66,9 +66,9 @@ def test_weighted_lists_are_the_weighted_sums_of_their_terms(loss_type, weights)
   logps, masks = _inputs(2)
   kw = dict(beta=0.4, loss_type=loss_type, loss_weights=weights, simpo_gamma=0.7,
             cpo_alpha=0.5)
-  got = kernels.dpo_loss(*logps, chosen_mask=masks[0], rejected_mask=masks[1], **kw)
+  got = tunix_kernels.dpo_loss(*logps, chosen_mask=masks[0], rejected_mask=masks[1], **kw)
   _check(got, numpy_dpo_loss(*logps, *masks, **kw))
-  terms = [kernels.dpo_loss(*logps, chosen_mask=masks[0], rejected_mask=masks[1],
+  terms = [tunix_kernels.dpo_loss(*logps, chosen_mask=masks[0], rejected_mask=masks[1],
                             **dict(kw, loss_type=t, loss_weights=None))[0]
            for t in loss_type.split(",")]
   np.testing.assert_allclose(float(got[0]), sum(w * float(t) for w, t in
@@ -77,13 +77,13 @@ def test_weighted_lists_are_the_weighted_sums_of_their_terms(loss_type, weights)
 
 def test_reference_free_objectives_need_no_reference():
   logps, masks = _inputs(3)
-  got = kernels.dpo_loss(logps[0], logps[1], None, None, chosen_mask=masks[0],
+  got = tunix_kernels.dpo_loss(logps[0], logps[1], None, None, chosen_mask=masks[0],
                          rejected_mask=masks[1], loss_type="simpo,orpo", beta=2.0)
   zeros = np.zeros((B, T))
   _check(got, numpy_dpo_loss(logps[0], logps[1], zeros, zeros, *masks,
                              loss_type="simpo,orpo", beta=2.0))
   with pytest.raises(ValueError, match="only the reference log-probs may be None"):
-    kernels.dpo_loss(logps[0], logps[1], None, None, chosen_mask=masks[0],
+    tunix_kernels.dpo_loss(logps[0], logps[1], None, None, chosen_mask=masks[0],
                      rejected_mask=masks[1], loss_type="simpo,sigmoid")
 
 
@@ -92,7 +92,7 @@ def test_reference_free_objectives_need_no_reference():
 def test_gradients_equal_finite_differences_of_the_float64_formula(loss_type):
   logps, masks = _inputs(4)
   kw = _params(loss_type)
-  grads = jax.grad(lambda pc, pr: kernels.dpo_loss(
+  grads = jax.grad(lambda pc, pr: tunix_kernels.dpo_loss(
       pc, pr, logps[2], logps[3], chosen_mask=masks[0], rejected_mask=masks[1],
       loss_type=loss_type, **kw)[0], argnums=(0, 1))(logps[0], logps[1])
   base = [np.asarray(x, np.float64) for x in logps]
@@ -110,15 +110,15 @@ def test_pallas_kernel_lists_equal_xla_and_other_losses_are_refused():
   logps, masks = _inputs(5)
   kw = dict(chosen_mask=masks[0], rejected_mask=masks[1], beta=0.3, label_smoothing=0.1,
             loss_type="sigmoid,ipo,robust", loss_weights=[1.0, 0.3, 0.5])
-  chex.assert_trees_all_close(kernels.dpo_loss(*logps, impl="interpret", **kw),
-                              kernels.dpo_loss(*logps, impl="xla", **kw), rtol=1e-5,
+  chex.assert_trees_all_close(tunix_kernels.dpo_loss(*logps, impl="interpret", **kw),
+                              tunix_kernels.dpo_loss(*logps, impl="xla", **kw), rtol=1e-5,
                               atol=1e-6)
   with pytest.raises(ValueError, match="Pallas kernel computes loss types sigmoid, ipo, "
                      "hinge, robust, not sft"):
-    kernels.dpo_loss(*logps, impl="pallas", **dict(kw, loss_type="sigmoid,sft",
+    tunix_kernels.dpo_loss(*logps, impl="pallas", **dict(kw, loss_type="sigmoid,sft",
                                                      loss_weights=None))
   with pytest.raises(ValueError, match="reverse_kl scores only"):
-    kernels.dpo_loss(*logps, impl="interpret", f_divergence_type="js_divergence", **kw)
+    tunix_kernels.dpo_loss(*logps, impl="interpret", f_divergence_type="js_divergence", **kw)
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -131,7 +131,7 @@ def test_pallas_kernel_lists_equal_xla_and_other_losses_are_refused():
 def test_bad_loss_arguments_are_one_clear_error(kw, match):
   x = jnp.zeros((2,))
   with pytest.raises(ValueError, match=match):
-    kernels.dpo_loss(x, x, x, x, **kw)
+    tunix_kernels.dpo_loss(x, x, x, x, **kw)
 
 
 def test_flags_take_lists_and_name_the_bad_one(tmp_path):

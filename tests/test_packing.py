@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kernels
+import tunix_kernels
 import runs
 from oracles import rel_error
 from tunix_core import data as data_lib
@@ -18,7 +18,7 @@ from tunix_core import model as model_lib
 from tunix_core.data import packing
 from tunix_core.training import objective
 
-IGNORE = kernels.IGNORE_INDEX
+IGNORE = tunix_kernels.IGNORE_INDEX
 MODES = [(False, False), (True, False), (True, True), (False, True)]
 MODE_IDS = ["plain", "shared", "shared+packed", "packed"]
 
@@ -156,7 +156,7 @@ def test_every_loss_type_and_its_gradient_equal_on_plain_and_packed_rows():
   ref = jax.tree.map(lambda x: x * 0.9, params)
   ref_logps = _naive_logps(ref, jax.tree.map(jnp.asarray, host), mcfg)
   # Every loss type at once (one compile): a weighted list of all of them.
-  types = kernels.LOSS_TYPES
+  types = tunix_kernels.LOSS_TYPES
   cfg = runs.config("/tmp", loss_type=",".join(types), label_smoothing=0.1,
                     loss_weights=",".join(str(0.5 + i / 10) for i in range(len(types))))
   run = jax.jit(jax.value_and_grad(

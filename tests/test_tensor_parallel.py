@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-import kernels
+import tunix_kernels
 from oracles import rel_error
 from tunix_core import model as model_lib
 from tunix_core.parallel import tensor_parallel as tp
@@ -26,7 +26,7 @@ def _inputs(cfg):
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 12)), jnp.int32)
   mask = jnp.asarray(np.r_[[[0] * 3 + [1] * 9], [[1] * 12]], jnp.int32)
-  targets = jnp.where(mask > 0, jnp.roll(tokens, -1, axis=1), kernels.IGNORE_INDEX)
+  targets = jnp.where(mask > 0, jnp.roll(tokens, -1, axis=1), tunix_kernels.IGNORE_INDEX)
   weight = jnp.asarray(rng.normal(size=(2, 12)), jnp.float32)
   return tokens, mask, targets, weight
 
@@ -34,7 +34,7 @@ def _inputs(cfg):
 def _loss(forward, head_kw, cfg, tokens, mask, targets, weight):
   def loss(params):
     h = forward(params)
-    logp = kernels.fused_logprobs(h, model_lib.lm_head(params, cfg).astype(h.dtype), targets,
+    logp = tunix_kernels.fused_logprobs(h, model_lib.lm_head(params, cfg).astype(h.dtype), targets,
                                   impl="xla", logit_softcap=cfg.final_softcap or None,
                                   **head_kw)
     return jnp.sum(logp * weight), logp

@@ -7,17 +7,25 @@ checked in interpret mode by `test_logprobs_pallas.py`; `benchmarks/logprobs_tpu
 prints the full matrix.
 """
 
+import importlib.util
+import os
 import re
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-import kernels
-from benchmarks.logprobs_tpu import compile_case
-from kernels import logprobs_blocks
-from kernels import logprobs_pallas
-from kernels import tpu
+import tunix_kernels
+from tunix_kernels import logprobs_blocks
+from tunix_kernels import logprobs_pallas
+from tunix_kernels import tpu
+
+# The benchmark script's compile, by path: the repository is not on sys.path (conftest.py).
+_BENCH = importlib.util.spec_from_file_location("logprobs_tpu", os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "logprobs_tpu.py"))
+_bench = importlib.util.module_from_spec(_BENCH)
+_BENCH.loader.exec_module(_bench)
+compile_case = _bench.compile_case
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not tpu.has_libtpu(), reason="needs libtpu (.[tpu] extra)")]
@@ -47,7 +55,7 @@ def test_fwd_bwd_compiles_with_default_tiles_and_no_more_temp_than_xla(chip, n, 
   # backward kernel 4NDV (logits recomputed); the few XLA ops around them add < 1%.
   assert pallas["flops"] == pytest.approx(10 * n * d * v, rel=0.01)
   h, w = jax.ShapeDtypeStruct((n, d), dtype), jax.ShapeDtypeStruct((d, v), dtype)
-  bs = kernels.LogprobsBlockSizes.get_default(d, dtype, chip, num_tokens=n, vocab_size=v)
+  bs = tunix_kernels.LogprobsBlockSizes.get_default(d, dtype, chip, num_tokens=n, vocab_size=v)
   estimated = sum(logprobs_blocks.cost_estimate(k, h, w, bs).bytes_accessed
                   for k in ("fwd", "dhidden", "dweight"))
   assert estimated <= pallas["bytes_accessed"] <= 1.01 * estimated + (64 << 20)
@@ -70,9 +78,9 @@ def test_soft_capped_gemma2_head_compiles(chip):
 
 
 @pytest.mark.parametrize("d,dtype,bs", [
-    (2048, BF16, kernels.LogprobsBlockSizes(256, 512)),
-    (4096, BF16, kernels.LogprobsBlockSizes(256, 512, 1024)),
-    (2048, jnp.float32, kernels.LogprobsBlockSizes(256, 512)),
+    (2048, BF16, tunix_kernels.LogprobsBlockSizes(256, 512)),
+    (4096, BF16, tunix_kernels.LogprobsBlockSizes(256, 512, 1024)),
+    (2048, jnp.float32, tunix_kernels.LogprobsBlockSizes(256, 512)),
 ])
 def test_vmem_model_is_at_least_what_the_compiler_allocates(d, dtype, bs):
   # Tiles past the 16 MiB default: the compiler's error names the scoped allocation it
@@ -94,7 +102,7 @@ def test_vmem_model_is_at_least_what_the_compiler_allocates(d, dtype, bs):
 @pytest.mark.parametrize("chip", CHIPS)
 def test_dpo_loss_kernels_compile_up_to_64_pairs_of_8192_tokens(chip):
   def loss(pc, pr, rc, rr, cm, rm):
-    f = lambda pc, pr: kernels.dpo_loss(pc, pr, rc, rr, chosen_mask=cm, rejected_mask=rm,
+    f = lambda pc, pr: tunix_kernels.dpo_loss(pc, pr, rc, rr, chosen_mask=cm, rejected_mask=rm,
                                         label_smoothing=0.1)[0]
     return jax.value_and_grad(f, argnums=(0, 1))(pc, pr)
 

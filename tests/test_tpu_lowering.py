@@ -13,9 +13,9 @@ import pytest
 from jax import export
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, PartitionSpec as P
 
-import kernels
-from kernels import logprobs_blocks
-from kernels import logprobs_pallas
+import tunix_kernels
+from tunix_kernels import logprobs_blocks
+from tunix_kernels import logprobs_pallas
 
 TPU_V5E = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
 
@@ -25,7 +25,7 @@ def _export_logprobs(N, D, V, dtype, block_sizes=None):
           jax.ShapeDtypeStruct((N,), jnp.int32))
 
   def fwd_bwd(h, w, t):
-    f = lambda h, w: kernels.fused_logprobs(h, w, t, impl="pallas", block_sizes=block_sizes)
+    f = lambda h, w: tunix_kernels.fused_logprobs(h, w, t, impl="pallas", block_sizes=block_sizes)
     logp, vjp = jax.vjp(f, h, w)
     return logp, vjp(jnp.ones_like(logp))
 
@@ -43,7 +43,7 @@ def test_logprobs_lower_at_production_shapes(N, D, V, dtype):
 
 def _unchecked_block_sizes(block_n, block_v):
   """A `BlockSizes` built past its `__post_init__` checks."""
-  bs = object.__new__(kernels.LogprobsBlockSizes)
+  bs = object.__new__(tunix_kernels.LogprobsBlockSizes)
   for name, value in dict(block_n=block_n, block_v=block_v, block_d=None,
                           vmem_limit_bytes=None).items():
     object.__setattr__(bs, name, value)
@@ -68,7 +68,7 @@ def test_dpo_loss_kernel_lowers(loss_type):
   m = jax.ShapeDtypeStruct((64, 2048), jnp.int32)
 
   def loss(pc, pr, rc, rr, cm, rmask):
-    f = lambda pc, pr: kernels.dpo_loss(pc, pr, rc, rr, chosen_mask=cm, rejected_mask=rmask,
+    f = lambda pc, pr: tunix_kernels.dpo_loss(pc, pr, rc, rr, chosen_mask=cm, rejected_mask=rmask,
                                         loss_type=loss_type, label_smoothing=0.1,
                                         impl="pallas")[0]
     return jax.value_and_grad(f, argnums=(0, 1))(pc, pr)
@@ -96,7 +96,7 @@ def test_kernel_names_and_cost_estimates_in_the_tpu_module():
   # block ragged (masked, not padded). h = 64*128*4 = 32768 B, w = 128*1000*4 = 512000 B,
   # targets 64*4 = 256 B, the two f32 [64, 128] row statistics 2*32768 = 65536 B.
   exported = _export_logprobs(64, 128, 1000, jnp.float32,
-                              kernels.LogprobsBlockSizes(block_n=32, block_v=256))
+                              tunix_kernels.LogprobsBlockSizes(block_n=32, block_v=256))
   got = _kernels_in(exported.mlir_module())
   assert got == {
       # 2*64*128*1000 flops; 64*1000 exps + 64 rows * 4 vocab blocks of rescales;
@@ -111,7 +111,7 @@ def test_kernel_names_and_cost_estimates_in_the_tpu_module():
   # vocabulary block in the forward and walks one operand in both backward phases.
   h, w = jax.ShapeDtypeStruct((64, 256), jnp.float32), jax.ShapeDtypeStruct((256, 1000),
                                                                             jnp.float32)
-  split = kernels.LogprobsBlockSizes(block_n=32, block_v=256, block_d=128)
+  split = tunix_kernels.LogprobsBlockSizes(block_n=32, block_v=256, block_d=128)
   cost = lambda k: logprobs_blocks.cost_estimate(k, h, w, split).bytes_accessed
   assert cost("fwd") == 4 * 65536 + 2 * 1024000 + 256 + 65536
   assert cost("dhidden") == 4 * 65536 + 2 * 2 * 1024000 + 256 + 65536 + 65536
@@ -122,7 +122,7 @@ def test_kernel_names_and_cost_estimates_in_the_tpu_module():
   x = jax.ShapeDtypeStruct((5, 300), jnp.float32)
 
   def loss(pc, pr, rc, rr, cm, rm):
-    f = lambda pc, pr: kernels.dpo_loss(pc, pr, rc, rr, chosen_mask=cm, rejected_mask=rm,
+    f = lambda pc, pr: tunix_kernels.dpo_loss(pc, pr, rc, rr, chosen_mask=cm, rejected_mask=rm,
                                         impl="pallas")[0]
     return jax.value_and_grad(f, argnums=(0, 1))(pc, pr)
 
@@ -146,8 +146,8 @@ def test_auto_picks_the_tpu_kernels_when_compiling_for_tpu_from_this_cpu_host():
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("data"), P(), P("data")),
                      out_specs=P())
   def step(h, w, t):
-    logp = kernels.fused_logprobs(h, w, t).reshape(2, 16)
-    loss, _ = kernels.dpo_loss(logp[0], logp[1], logp[0], logp[1])
+    logp = tunix_kernels.fused_logprobs(h, w, t).reshape(2, 16)
+    loss, _ = tunix_kernels.dpo_loss(logp[0], logp[1], logp[0], logp[1])
     return jax.lax.pmean(loss, "data")
 
   text = export.export(jax.jit(jax.grad(step, argnums=(0, 1))), platforms=["tpu"])(

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kernels
+import tunix_kernels
 import runs
 from tunix_core import data as data_lib
 from tunix_core.run import loop as train
@@ -138,7 +138,7 @@ def test_bad_flag_prints_one_error_line(tmp_path):
   assert proc.returncode == 1
   errors = [l for l in proc.stderr.splitlines() if "error" in l.lower()]
   assert errors == ["trainer.py: error: --loss_type='kto': unknown loss_type 'kto'; choose "
-                    "from " + ", ".join(kernels.LOSS_TYPES)]
+                    "from " + ", ".join(tunix_kernels.LOSS_TYPES)]
 
 
 def _losses(rows):

@@ -4,7 +4,7 @@ topology, and whether it fits, without allocating anything.
 The plan is the one `run.loop.train` builds (`training.plan.make_plan`): from the data
 when `--train_data` is given (it is read and encoded, nothing else), else from the
 flags' worst case. With `libtpu` installed, `--target_topology=v5e-8` (or any Cloud TPU
-slice name, `kernels.tpu.parse_topology`) gives the devices of that TPU slice on any
+slice name, `tunix_kernels.tpu.parse_topology`) gives the devices of that TPU slice on any
 host, even with `JAX_PLATFORMS=cpu`; the step is lowered with `jax.ShapeDtypeStruct` inputs sharded on a
 mesh of them and compiled by the real TPU compiler (Pallas kernels included). Nothing is
 initialised or loaded: the params, optimizer state, reference and batch are abstract
@@ -23,7 +23,7 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
-from kernels import tpu
+from tunix_kernels import tpu
 from tunix_core import model as model_lib
 from tunix_core.aot import comms
 from tunix_core.data import packing
@@ -93,7 +93,7 @@ def _allocated_in_hbm(dump_dir: str) -> int | None:
 def compile_stats(plan: plan_lib.StepPlan, chip, devices) -> dict:
   """Compiles `plan`'s train step for `devices` (of `chip`, None for local devices).
   Returns `{"chip",
-  "devices", "num_params", "error"}` plus, when it compiled, `kernels.tpu.compiled_stats`
+  "devices", "num_params", "error"}` plus, when it compiled, `tunix_kernels.tpu.compiled_stats`
   per device, `"total"` (arguments + outputs not in donated arguments + temporaries as
   analysed), `"hbm"` (for a TPU target: the bytes the compiler's buffer assignment
   allocates in HBM, read from an XLA dump into a temporary directory; None where the

@@ -24,7 +24,7 @@ the longest common prefix of the two renderings, and the response is counted.
 
 import numpy as np
 
-from kernels import IGNORE_INDEX
+from tunix_kernels import IGNORE_INDEX
 FIELDS = ("prompt", "chosen", "rejected")
 
 

@@ -11,7 +11,7 @@ one of four row layouts:
 - **shared** (`--prefix_sharing`): a pair is one sequence `prompt | chosen | rejected`.
   The rejected response's positions restart where the prompt ends and its tokens never
   see the chosen response (branch ids: 0 prompt, 1 chosen, 2 rejected;
-  `kernels.attention.Visibility`). Attention is causal, so the prompt's hidden states
+  `tunix_kernels.attention.Visibility`). Attention is causal, so the prompt's hidden states
   are the same under both responses: computing them once is exact, and the backward
   sums both responses' gradients into them. A pair whose two rows do not start with the
   same prompt tokens is computed as two sequences (segments) of its row.
@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import kernels
+import tunix_kernels
 
 # Row lengths and head sizes are rounded up to this (full tiles, fewer distinct shapes).
 ROUND = 16
@@ -165,7 +165,7 @@ def _pack_group(batch: dict, spec: Spec) -> dict:
   T = batch["tokens"].shape[-1]
   rows = {k: np.zeros((G, L), np.int32) for k in ROW_KEYS}
   head = {"head_src": np.zeros(N, np.int32),
-          "head_targets": np.full(N, kernels.IGNORE_INDEX, np.int32),
+          "head_targets": np.full(N, tunix_kernels.IGNORE_INDEX, np.int32),
           "head_dst": np.full(N, spec.pairs * 2 * T, np.int32)}
   fill, segments, slot = np.zeros(G, np.int64), np.zeros(G, np.int32), 0
   for i in range(spec.pairs):

@@ -20,6 +20,8 @@ from tunix_core.run import source as source_lib
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m tunix_core.generate",
                               description=__doc__.splitlines()[0])
+  # The trainer's (absl) spelling of help works here too.
+  p.add_argument("--helpfull", action="help", help="same as --help")
   source = p.add_mutually_exclusive_group(required=True)
   source.add_argument("--hf_model_dir", help="an HF model directory (local or gs://)")
   source.add_argument("--output_dir", help="a run's --output_dir: generate from a saved step")

@@ -21,7 +21,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from kernels import attention as attention_lib
+from tunix_kernels import attention as attention_lib
 
 RematPolicy = Literal["none", "full", "dots", "dots_no_batch", "offload"]
 
@@ -89,7 +89,7 @@ class ModelConfig:
   param_dtype: str = "float32"
   compute_dtype: str = "float32"
   remat: RematPolicy = "none"
-  # `kernels.attention.attention`'s impl: "auto" runs the Pallas kernels when compiled
+  # `tunix_kernels.attention.attention`'s impl: "auto" runs the Pallas kernels when compiled
   # for TPU and "xla" (scores materialised) elsewhere.
   attention_impl: str = "auto"
   # The scale of LoRA adapters the params may carry (`tunix_core.model.lora`): alpha / r.

@@ -6,7 +6,7 @@ Gemma 1/2/3; see `tunix_core.model.config`). Layers are stacked along a leading 
 run with `lax.scan`; what differs between layers (sliding window or not, Gemma 3's local
 rope) travels through the scan as arrays built from the config, not as Python branches.
 The forward pass stops at the final norm: it returns hidden states `[B, T, D]` and the LM
-head is applied by `kernels.fused_logprobs`, so no `[B, T, V]` logits exist here (`logits`
+head is applied by `tunix_kernels.fused_logprobs`, so no `[B, T, V]` logits exist here (`logits`
 builds them, for evaluation and tests only).
 """
 
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from kernels import attention as attention_lib
+from tunix_kernels import attention as attention_lib
 from tunix_core.model import config as model_config
 
 # The config lives in its own module; these names are part of this module's API.
@@ -169,8 +169,8 @@ def attention(x_BxTxD, layer, setting, positions_BxT, mask_BxT, cfg: ModelConfig
               segments_BxT=None, branches_BxT=None, band: int | None = None):
   """Causal grouped-query attention; keys where `mask_BxT` is 0 are never attended, nor
   keys `setting["window"]` or more positions back (when it is not 0), nor keys of another
-  segment or response branch (`kernels.attention.Visibility`). On TPU the Pallas kernels
-  run it (`cfg.attention_impl`, `kernels.attention.attention`)."""
+  segment or response branch (`tunix_kernels.attention.Visibility`). On TPU the Pallas kernels
+  run it (`cfg.attention_impl`, `tunix_kernels.attention.attention`)."""
   B, T, _ = x_BxTxD.shape
   q_BxTxHxK, k_BxTxVxK, v_BxTxVxK = qkv(x_BxTxD, layer, setting, positions_BxT, cfg)
   vis = attention_lib.Visibility(positions_BxT, mask_BxT, segments_BxT, branches_BxT, band)
@@ -250,7 +250,7 @@ def forward(params: dict, tokens_BxT: jax.Array, mask_BxT: jax.Array | None,
       backward gathers it again rather than keeping every layer alive.
     positions_BxT, segments_BxT, branches_BxT, band: packed rows (`tunix_core.data.packing`):
       explicit rope positions (default: counting real tokens), segment ids and response
-      branch ids of `kernels.attention.Visibility`, and its static band.
+      branch ids of `tunix_kernels.attention.Visibility`, and its static band.
   """
   return decoder(params, embed(params, tokens_BxT, cfg), mask_BxT, cfg, gather_layer,
                  positions_BxT=positions_BxT, segments_BxT=segments_BxT,
@@ -311,7 +311,7 @@ def decoder(params: dict, x_BxTxD: jax.Array, mask_BxT: jax.Array | None, cfg: M
 def logits(params: dict, tokens_BxT: jax.Array, mask_BxT: jax.Array | None,
            cfg: ModelConfig) -> jax.Array:
   """Float32 `[B, T, V]` logits with `final_softcap` applied, for evaluation and tests
-  only: training never builds them (`kernels.fused_logprobs` applies the head and the cap
+  only: training never builds them (`tunix_kernels.fused_logprobs` applies the head and the cap
   per tile). Same arguments as `forward`; differentiable in `params`."""
   hidden_BxTxD = forward(params, tokens_BxT, mask_BxT, cfg)
   head_DxV = lm_head(params, cfg).astype(hidden_BxTxD.dtype)

@@ -11,7 +11,7 @@ conjugate ops keep gradients exact whatever `check_vma` says:
 - `leave(y)`: `psum` forward, identity backward (the row-parallel partial sums).
 
 `forward` wires them around attention and the MLP (`model.decoder`) with the
-per-device `local_config`; the LM head is `kernels.fused_logprobs(..., vocab_axis=)`.
+per-device `local_config`; the LM head is `tunix_kernels.fused_logprobs(..., vocab_axis=)`.
 """
 
 import dataclasses

@@ -6,9 +6,9 @@
 
 import dataclasses
 
-import kernels
-from kernels import attention as attention_lib
-from kernels import dpo_losses
+import tunix_kernels
+from tunix_kernels import attention as attention_lib
+from tunix_kernels import dpo_losses
 from tunix_core import model as model_lib
 from tunix_core.model import lora as lora_lib
 from tunix_core.parallel import collectives
@@ -150,7 +150,7 @@ class TrainConfig:
   # Optimizer.
   optimizer: str = _flag("adamw", "adamw, rmsprop (the DPO paper's) or sgd.",
                          group="optimizer")
-  learning_rate: float = _flag(1e-3, "Peak learning rate.", group="optimizer")
+  learning_rate: float = _flag(1e-6, "Peak learning rate (TRL's default).", group="optimizer")
   warmup_steps: int = _flag(0, "Linear warmup steps from 0.", group="optimizer")
   weight_decay: float = _flag(0.0, "AdamW decoupled weight decay (norm scales excluded).",
                               group="optimizer")
@@ -212,14 +212,14 @@ class TrainConfig:
   check_replicas_every: int = _flag(0, "Besides after step 1, check every N steps that all "
                                     "replicas hold identical params (0: only after step "
                                     "1).", group="parallel")
-  logprob_impl: str = _flag("auto", "kernels.fused_logprobs impl: auto (pallas when "
+  logprob_impl: str = _flag("auto", "tunix_kernels.fused_logprobs impl: auto (pallas when "
                             "compiled for TPU, else xla), xla, pallas, interpret or naive "
                             "(the oracle).", group="parallel")
-  attention_impl: str = _flag("auto", "Attention (kernels.attention): auto (the Pallas "
+  attention_impl: str = _flag("auto", "Attention (tunix_kernels.attention): auto (the Pallas "
                               "kernels when compiled for TPU, for every row layout, window "
                               "and soft-cap; else xla), xla (scores materialised), pallas, "
                               "interpret (the kernels on CPU, for tests).", group="parallel")
-  loss_impl: str = _flag("auto", "kernels.dpo_loss impl: auto (pallas when compiled for "
+  loss_impl: str = _flag("auto", "tunix_kernels.dpo_loss impl: auto (pallas when compiled for "
                          "TPU, else xla), xla, pallas, interpret or naive (the oracle).",
                          group="parallel")
   # Ahead-of-time compilation.
@@ -238,7 +238,7 @@ class TrainConfig:
     validation.check(self, num_devices, CHOICES)
 
   def loss_kwargs(self) -> dict:
-    """The keyword arguments of `kernels.dpo_loss` this config sets (but the impl)."""
+    """The keyword arguments of `tunix_kernels.dpo_loss` this config sets (but the impl)."""
     weights = [float(w) for w in self.loss_weights.split(",")] if self.loss_weights else None
     return dict(loss_type=self.loss_type, loss_weights=weights, beta=self.beta,
                 label_smoothing=self.label_smoothing, discopop_tau=self.discopop_tau,
@@ -305,9 +305,9 @@ CHOICES = {
     "remat": tuple(model_lib.REMAT_POLICIES),
     "optimizer": optim.OPTIMIZERS,
     "f_divergence_type": dpo_losses.F_DIVERGENCES,
-    "logprob_impl": kernels.LOGPROB_IMPLS,
+    "logprob_impl": tunix_kernels.LOGPROB_IMPLS,
     "attention_impl": attention_lib.ATTENTION_IMPLS,
-    "loss_impl": kernels.DPO_LOSS_IMPLS,
+    "loss_impl": tunix_kernels.DPO_LOSS_IMPLS,
     "sync_impl": collectives.IMPLS,
     "grad_sync_dtype": tuple(collectives.COMM_DTYPES),
     "resume": RESUME_MODES,

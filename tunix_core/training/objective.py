@@ -10,7 +10,7 @@ log-probs come back as `[B, 2, T]` (`packing.unpack`).
 import jax
 import jax.numpy as jnp
 
-import kernels
+import tunix_kernels
 from tunix_core import model as model_lib
 from tunix_core.data import packing
 from tunix_core.parallel import layout as layout_lib
@@ -26,7 +26,7 @@ def sequence_logps(params, batch: dict, mcfg: model_lib.ModelConfig, impl: str,
   vocabulary-parallel LM head under TP; the log-probs are the same on every device of
   the model axis). `batch` carries the model rows and head slots of `rows`
   (`packing.pack`); the default `layout` is params held whole. Differentiable in
-  `params`; the `[.., V]` logits are never built (`kernels.fused_logprobs`).
+  `params`; the `[.., V]` logits are never built (`tunix_kernels.fused_logprobs`).
   """
   params, gather_layer = layout.gather(params)
   segments_RxL = batch["row_segments"]
@@ -35,9 +35,9 @@ def sequence_logps(params, batch: dict, mcfg: model_lib.ModelConfig, impl: str,
       positions_BxT=batch["row_positions"], segments_BxT=segments_RxL,
       branches_BxT=batch["row_branches"] if rows.share else None, band=rows.band)
   hidden_NxSxD, targets_NxS = packing.head_hidden(hidden_RxLxD, batch, rows)
-  logps_NxS = kernels.fused_logprobs(
+  logps_NxS = tunix_kernels.fused_logprobs(
       hidden_NxSxD, model_lib.lm_head(params, mcfg).astype(hidden_NxSxD.dtype), targets_NxS,
-      impl=impl, ignore_index=kernels.IGNORE_INDEX, logit_softcap=mcfg.final_softcap or None,
+      impl=impl, ignore_index=tunix_kernels.IGNORE_INDEX, logit_softcap=mcfg.final_softcap or None,
       vocab_axis=layout.model_axis)
   return packing.unpack(logps_NxS, batch, rows)
 
@@ -60,7 +60,7 @@ def drift_metrics(logps_Bx2xT, ref_logps_Bx2xT, mask_Bx2xT) -> dict:
 def dpo_objective(params, ref_logps_Bx2xT, batch: dict, cfg, mcfg: model_lib.ModelConfig,
                   rows: packing.Spec, layout: layout_lib.Layout = layout_lib.WHOLE,
                   drift: bool = False):
-  """`(loss, metrics)` of `kernels.dpo_loss` for `params` on a `[B, 2, T]` pair batch.
+  """`(loss, metrics)` of `tunix_kernels.dpo_loss` for `params` on a `[B, 2, T]` pair batch.
 
   `ref_logps_Bx2xT` are the frozen reference's per-token log-probs (None when the run is
   reference-free: `--reference=none`, or only reference-free loss types); `cfg` is a
@@ -72,7 +72,7 @@ def dpo_objective(params, ref_logps_Bx2xT, batch: dict, cfg, mcfg: model_lib.Mod
   mask_Bx2xT = batch["loss_mask"]
   ref = (None, None) if ref_logps_Bx2xT is None else (ref_logps_Bx2xT[:, 0],
                                                       ref_logps_Bx2xT[:, 1])
-  loss, metrics = kernels.dpo_loss(
+  loss, metrics = tunix_kernels.dpo_loss(
       logps_Bx2xT[:, 0], logps_Bx2xT[:, 1], *ref,
       chosen_mask=mask_Bx2xT[:, 0], rejected_mask=mask_Bx2xT[:, 1],
       reference_free=ref_logps_Bx2xT is None, impl=cfg.loss_impl, **cfg.loss_kwargs())

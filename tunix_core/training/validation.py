@@ -4,7 +4,7 @@ cannot work raises `ConfigError` naming its flag. Path flags may be local or rem
 
 import importlib.util
 
-from kernels import tpu
+from tunix_kernels import tpu
 from tunix_core.parallel import tensor_parallel
 from tunix_core.storage import paths
 
