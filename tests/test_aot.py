@@ -38,6 +38,13 @@ def test_sizes_print_in_gib_or_mib_below_a_tenth_to_3_significant_figures():
   assert aot._gib(int(92.16 * (1 << 20))) == "92.2 MiB"
 
 
+def test_compute_dtype_auto_is_bfloat16_on_tpu_and_gpu_float32_on_cpu(tmp_path):
+  cfg = _config(tmp_path)
+  dtypes = {p: cfg.model_config(p).compute_dtype for p in ("tpu", "gpu", "cuda", "cpu")}
+  assert dtypes == {"tpu": "bfloat16", "gpu": "bfloat16", "cuda": "bfloat16", "cpu": "float32"}
+  assert _config(tmp_path, compute_dtype="float32").model_config("gpu").compute_dtype == "float32"
+
+
 def test_slice_names_as_cloud_tpu_spells_them():
   assert tpu.parse_topology("v5e-8") == ("v5e", "v5e:2x4", "default", (2, 2, 1), 1)
   assert tpu.parse_topology("v5e-256")[1] == "v5e:16x16"

@@ -123,8 +123,9 @@ class TrainConfig:
                            "view of them.", group="model")
   ref_dtype: str = _flag("auto", "Dtype of the frozen reference params (auto: "
                          "--param_dtype); bfloat16 halves their memory.", group="model")
-  compute_dtype: str = _flag("auto", "Activation/matmul dtype (auto: bfloat16 on TPU, "
-                             "float32 elsewhere); params keep --param_dtype.", group="model")
+  compute_dtype: str = _flag("auto", "Activation/matmul dtype (auto: bfloat16 on TPU and "
+                             "GPU, float32 on CPU); params keep --param_dtype.",
+                             group="model")
   remat: str = _flag("none", "Rematerialisation policy of each layer in the backward "
                      "(offload: matmul outputs to pinned host memory and back).",
                      group="model")
@@ -262,10 +263,12 @@ class TrainConfig:
                                self.lora_rslora) if self.lora_rank else None
 
   def resolved_compute_dtype(self, platform: str) -> str:
-    """`--compute_dtype`, with auto: bfloat16 on TPU, float32 elsewhere."""
+    """`--compute_dtype`, with auto: bfloat16 on accelerators (TPU, and GPU, whose tensor
+    cores run bf16 matmuls at many times float32's rate), float32 on CPU. `platform` is a
+    `jax.Device.platform` ("gpu") or a backend name ("cuda", "rocm")."""
     if self.compute_dtype != "auto":
       return self.compute_dtype
-    return "bfloat16" if platform == "tpu" else "float32"
+    return "bfloat16" if platform in ("tpu", "gpu", "cuda", "rocm") else "float32"
 
   def model_config(self, platform: str = "cpu") -> model_lib.ModelConfig:
     """The preset's config, or with `--hf_model_dir` the checkpoint's (`hf.HFError` if it

@@ -1,0 +1,55 @@
+"""`benchmarks/gpu.sh`, the script a lent GPU runs, kept from rotting while none is lent:
+its dry run on CPU at tiny shapes (TRL's side where torch, trl and datasets import, else
+skipped and said so), and the FLOP count its MFU divides by, against a hand count."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SPEC = importlib.util.spec_from_file_location("gpu_bench",
+                                               os.path.join(REPO, "benchmarks", "gpu.py"))
+gpu = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(gpu)
+
+
+def test_pairs_fit_the_row_and_the_flops_are_the_hand_count():
+  pairs = gpu.synthetic_pairs(16, 64, vocab=512)
+  for p, c, r in pairs:
+    assert 16 <= len(p) <= 32 and 16 <= len(c) <= 32 and 16 <= len(r) <= 32
+    assert c[-1] == r[-1] == gpu.EOS and min(p + c[:-1] + r[:-1]) >= 2
+  assert gpu.real_tokens(pairs) == sum(2 * len(p) + len(c) + len(r) for p, c, r in pairs)
+  # One pair, rows of 5 and 4 ids, on the tiny config (D 64, F 128, 2 layers, 4 heads and
+  # 2 KV heads of 16, V 512): 4 forwards (policy forward + backward, reference) of each
+  # row: per position 2 x the layers' matmul weights, QK^T and PV over the causal mean
+  # of (t + 1) / 2 keys, and the LM head.
+  weights = 2 * (64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 128)
+  want = sum(4 * t * (2 * weights + 4 * 2 * 4 * 16 * (t + 1) / 2 + 2 * 64 * 512)
+             for t in (5, 4))
+  assert gpu.dpo_flops(gpu.MODELS["tiny"], [([7, 8, 9], [3, 1], [1])]) == pytest.approx(want)
+
+
+@pytest.mark.slow  # subprocesses: our side (and TRL's where installed) trains 4 steps
+def test_dry_run_writes_a_row_per_side_and_the_table(tmp_path):
+  env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
+  proc = subprocess.run(["bash", os.path.join(REPO, "benchmarks", "gpu.sh"), "--dry_run"],
+                        env=env, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  with open(tmp_path / "results.jsonl") as f:
+    rows = {r["side"]: r for r in map(json.loads, f)}
+  has_trl = subprocess.run([env.get("TRL_PYTHON", sys.executable), "-c",
+                            "import torch, trl, datasets"], capture_output=True).returncode == 0
+  assert set(rows) == ({"ours", "trl"} if has_trl else {"ours"}), rows
+  if not has_trl:
+    assert "TRL side skipped" in proc.stdout
+  pairs = gpu.synthetic_pairs(2, 64, vocab=512)
+  for side, r in rows.items():
+    assert "error" not in r, r
+    assert r["real_tokens"] == gpu.real_tokens(pairs) and r["step_s"] > 0, r
+  assert "shared rows" in rows["ours"]["plan"] and "reference: step" in rows["ours"]["plan"]
+  table = (tmp_path / "table.md").read_text()
+  assert all(f"| tiny | 64 | 2 | {side} |" in table for side in rows), table
