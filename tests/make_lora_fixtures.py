@@ -6,7 +6,9 @@ without torch.
     python tests/make_lora_fixtures.py [NAME ...]   # default: all of them
 
 Each directory holds what `PeftModel.save_pretrained` writes (`adapter_config.json`,
-`adapter_model.safetensors`, float32) for the base model in `tests/fixtures/hf/NAME`,
+`adapter_model.safetensors`, float32; bfloat16 for `*_bf16`, whose adapters are rounded
+to bfloat16 before the logits are computed) for the base model in
+`tests/fixtures/hf/BASE` (the name before any `_bf16`),
 `logits.npy` (float32 `[2, T, V]` of the adapted model on the base fixture's
 `tokens.npy`, computed in float64: the fixtures' large weights make torch's own float32
 logits differ from it by up to 7e-5) and `versions.json`. The adapters are random in
@@ -31,20 +33,31 @@ FIXTURES = {  # base fixture -> LoraConfig keywords
                   use_rslora=True),
     "gemma2": dict(r=3, lora_alpha=3, target_modules=["k_proj", "o_proj", "up_proj"]),
 }
+FIXTURES["llama3_bf16"] = FIXTURES["llama3"]   # as peft saves a bf16 model's adapters
 
 
 def main(names):
   for name in names or FIXTURES:
     torch.manual_seed(0)
+    base_name, bf16 = name.removesuffix("_bf16"), name.endswith("_bf16")
     base = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.join(HF, name), attn_implementation="eager", torch_dtype=torch.float64)
+        os.path.join(HF, base_name), attn_implementation="eager", torch_dtype=torch.float64)
     config = peft.LoraConfig(task_type="CAUSAL_LM", lora_dropout=0.0,
                              init_lora_weights=False, **FIXTURES[name])
     model = peft.get_peft_model(base, config).double().eval()
     out_dir = os.path.join(ROOT, name)
-    model.float().save_pretrained(out_dir)  # float32 tensors, as a training run writes
-    model.double()
-    tokens = np.load(os.path.join(HF, name, "tokens.npy"))
+    if bf16:  # only the adapters: the base stays exact
+      for pname, param in model.named_parameters():
+        if "lora_" in pname:
+          param.data = param.data.to(torch.bfloat16)
+      model.save_pretrained(out_dir)
+      for pname, param in model.named_parameters():
+        if "lora_" in pname:
+          param.data = param.data.double()
+    else:
+      model.float().save_pretrained(out_dir)  # float32 tensors, as a training run writes
+      model.double()
+    tokens = np.load(os.path.join(HF, base_name, "tokens.npy"))
     with torch.no_grad():
       logits = model(torch.from_numpy(tokens).long()).logits.float().numpy()
     np.save(os.path.join(out_dir, "logits.npy"), logits)
@@ -54,7 +67,7 @@ def main(names):
     path = os.path.join(out_dir, "adapter_config.json")  # no machine's absolute path
     with open(path) as f:
       written = json.load(f)
-    written["base_model_name_or_path"] = f"tests/fixtures/hf/{name}"
+    written["base_model_name_or_path"] = f"tests/fixtures/hf/{base_name}"
     with open(path, "w") as f:
       json.dump(written, f, indent=2, sort_keys=True)
     readme = os.path.join(out_dir, "README.md")

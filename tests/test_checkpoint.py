@@ -187,11 +187,20 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def test_two_processes_then_one_process_resume(tmp_path, gcs):
-  """Two processes (loopback) with no shared disk save to `gs://` (each its own shards);
-  one process resumes the run from there."""
-  out = gcs.bucket("multihost") + "/mp"
-  cfg = _config(out, steps=3, save_every=3)
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora-merged"])
+def test_two_processes_then_one_process_resume(tmp_path, gcs, lora):
+  """The pod recipe on two processes (loopback, 2 x 4 devices) with no shared disk: FSDP
+  with a model axis of 2, checkpoints and the export on `gs://`; both processes end with
+  status 0 and the export (LoRA: the PEFT adapter and merged/) equals one process's
+  (8 devices); one process resumes the full run from the bucket on the curve of a run
+  that never stopped."""
+  pytest.importorskip("safetensors", reason="the export: needs the hf extra")
+  from tunix_core import hf  # pylint: disable=g-import-not-at-top
+  from tunix_core.hf import peft  # pylint: disable=g-import-not-at-top
+  out = gcs.bucket("multihost") + ("/lora" if lora else "/mp")
+  layout = dict(fsdp=True, model="tiny_tp", model_parallel=2,
+                **(dict(lora_rank=4, lora_alpha=8.0, export_merged=True) if lora else {}))
+  cfg = _config(out, steps=3, save_every=3, export_hf_dir=out + "/export", **layout)
   port = _free_port()
   procs = [_spawn(cfg, devices=4, extra=[f"--coordinator_address=127.0.0.1:{port}",
                                          "--num_processes=2", f"--process_id={i}"])
@@ -199,9 +208,21 @@ def test_two_processes_then_one_process_resume(tmp_path, gcs):
   for p in procs:
     _, err = p.communicate(timeout=600)
     assert p.returncode == 0, err[-3000:]
-  train.train(_config(out, steps=5), **QUIET)  # one process, 8 devices
-  train.train(_config(tmp_path / "straight", steps=5), **QUIET)
-  got, want = _losses(out), _losses(tmp_path / "straight")
+  straight = tmp_path / "straight"
+  train.train(_config(straight, steps=3, save_every=3, export_hf_dir=str(straight / "export"),
+                      **layout), **QUIET)
+  mcfg = cfg.model_config()
+  close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  got, want = out + "/export", str(straight / "export")
+  if lora:
+    jax.tree.map(close, peft.read_adapter(got, mcfg)[1], peft.read_adapter(want, mcfg)[1])
+    got, want = got + "/merged", want + "/merged"
+  jax.tree.map(close, hf.load_params(got, mcfg), hf.load_params(want, mcfg))
+  if lora:
+    return   # resuming from the bucket is the full run's claim
+  train.train(_config(out, steps=5, **layout), **QUIET)  # one process, 8 devices
+  train.train(_config(straight, steps=5, **layout), **QUIET)
+  got, want = _losses(out), _losses(straight)
   assert sorted(got) == [1, 2, 3, 4, 5]
   np.testing.assert_allclose([got[s] for s in range(1, 6)], [want[s] for s in range(1, 6)],
                              rtol=1e-5, atol=1e-5)

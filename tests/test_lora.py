@@ -22,19 +22,25 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 HF, LORA = (os.path.join(HERE, "fixtures", d) for d in ("hf", "lora"))
 
 
+def _base(name):
+  """The HF fixture an adapter fixture is for (`llama3_bf16`: `llama3`)."""
+  return os.path.join(HF, name.removesuffix("_bf16"))
+
+
 def _adapted(name):
-  cfg = hf.read_config(os.path.join(HF, name))
-  base = hf.load_params(os.path.join(HF, name), cfg)
+  cfg = hf.read_config(_base(name))
+  base = hf.load_params(_base(name), cfg)
   lcfg, adapters = peft_lib.read_adapter(os.path.join(LORA, name), cfg)
   return dataclasses.replace(cfg, lora_scale=lcfg.scale), base, lcfg, adapters
 
 
 def _logits(params, cfg, name):
-  return np.asarray(model_lib.logits(params, np.load(os.path.join(HF, name, "tokens.npy")),
+  return np.asarray(model_lib.logits(params, np.load(os.path.join(_base(name), "tokens.npy")),
                                      None, cfg))
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "llama3" else
+# The fast tier keeps llama3 and its adapters as peft saves them from a bf16 model.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n.startswith("llama3") else
                                                pytest.mark.slow) for n in sorted(os.listdir(LORA))])
 def test_adapted_logits_match_peft_on_the_committed_fixtures(name):
   pytest.importorskip("safetensors", reason="reads PEFT fixtures: needs the hf extra")
@@ -45,6 +51,32 @@ def test_adapted_logits_match_peft_on_the_committed_fixtures(name):
   assert rel_error(_logits(base, cfg, name), want) > 1e-2  # the adapters matter
   # Folded into the weights (--export_merged), the model is the same.
   assert rel_error(_logits(lora.merge(base, adapters, lcfg), cfg, name), want) <= 1e-5
+
+
+@pytest.mark.slow
+def test_a_bf16_adapter_saved_by_peft_starts_a_lora_run_at_ln2(tmp_path):
+  """--lora_init of what peft saves from a bf16 model (`llama3_bf16`): the run's start
+  (`run.source.lora_start`) reads it, and its first step's loss is ln 2 (the reference
+  is the base with that adapter)."""
+  pytest.importorskip("safetensors", reason="reads PEFT fixtures: needs the hf extra")
+  from tunix_core import data as data_lib  # pylint: disable=g-import-not-at-top
+  from tunix_core.run import source  # pylint: disable=g-import-not-at-top
+  init = os.path.join(LORA, "llama3_bf16")
+  lcfg = peft_lib.read_config(init)
+  cfg = runs.config(tmp_path, hf_model_dir=_base("llama3_bf16"), lora_init=init,
+                    lora_rank=lcfg.rank, lora_alpha=lcfg.alpha,
+                    lora_targets=",".join(lcfg.targets))
+  steps = runs.steps(cfg, jax.devices())
+  frozen, adapters = source.lora_start(cfg, steps, jax.random.PRNGKey(0), "float32")
+  vocab = steps.mcfg.vocab_size   # 160: the byte ids folded into it
+  pairs = data_lib.take_pairs(runs.dataset(cfg.max_length, cfg.max_prompt_length),
+                              np.arange(cfg.batch_size))
+  pairs = {k: np.where(v >= 0, v % vocab, v) if k in ("tokens", "targets") else v
+           for k, v in pairs.items()}
+  _, metrics = steps.train_step(steps.init_state(jax.random.PRNGKey(0), adapters), frozen,
+                                steps.put_batch(pairs))
+  assert float(metrics["loss"]) == pytest.approx(np.log(2), abs=1e-6)
+  assert float(metrics["rewards/margins"]) == 0.0
 
 
 @pytest.mark.slow

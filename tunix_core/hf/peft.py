@@ -13,6 +13,7 @@ import os
 
 import numpy as np
 
+from tunix_core.hf import weights
 from tunix_core.hf.config import HFError
 from tunix_core.model import lora as lora_lib
 from tunix_core.model.config import ModelConfig
@@ -60,8 +61,9 @@ def read_config(adapter_dir: str) -> lora_lib.LoraConfig:
 def read_adapter(adapter_dir: str, cfg: ModelConfig) -> tuple[lora_lib.LoraConfig, dict]:
   """`(LoraConfig, float32 adapters)` of a PEFT LoRA directory for a base of `cfg`."""
   lcfg = read_config(adapter_dir)
-  from safetensors.numpy import load  # pylint: disable=g-import-not-at-top
-  tensors = load(paths.read_bytes(paths.join(adapter_dir, WEIGHTS)))
+  # The HF weights' reader: any dtype peft saves (float32, bfloat16 from a bf16 model).
+  with weights.open_tensors(paths.join(adapter_dir, WEIGHTS)) as f:
+    tensors = {name: f.get_slice(name)[:] for name in f.keys()}
   shapes = lora_lib.adapter_shapes(cfg, lcfg)
   adapters = {}
   for target in lcfg.targets:

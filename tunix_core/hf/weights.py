@@ -76,17 +76,20 @@ def _tensor_files(model_dir: str) -> dict:
     if not paths.isfile(single):
       raise HFError(f"{model_dir} has neither model.safetensors nor "
                     "model.safetensors.index.json")
-    with _open(single) as f:
+    with open_tensors(single) as f:
       names = {name: single for name in f.keys()}
   return {_canonical(name): (path, name) for name, path in names.items()
           if not name.startswith(OTHER_TOWERS)}
 
 
-def _open(path: str):
-  """A safetensors file's lazily sliced tensors: memory-mapped when local, read by byte
-  ranges on object storage (`hf.ranged`)."""
+def open_tensors(path: str):
+  """A safetensors file's lazily sliced tensors (a context manager with `keys()` and
+  `get_slice(name)`): memory-mapped when local, read by byte ranges on object storage
+  (`hf.ranged`); any dtype, bfloat16 included (as `ml_dtypes.bfloat16`)."""
   if paths.is_remote(path):
     return ranged.RangedFile(path)
+  # ml_dtypes registers "bfloat16" with NumPy, which safe_open's numpy framework needs.
+  import ml_dtypes  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
   from safetensors import safe_open  # pylint: disable=g-import-not-at-top
   return safe_open(path, framework="numpy")
 
@@ -156,7 +159,7 @@ def load_params(model_dir: str, cfg: model_lib.ModelConfig, *, dtype=None,
       """The lazily sliceable tensor `name`: only what is indexed is read."""
       path, stored = files[name]
       if path not in handles:
-        handles[path] = stack.enter_context(_open(path))
+        handles[path] = stack.enter_context(open_tensors(path))
       return handles[path].get_slice(stored)
 
     for name, (_, _, _, shape) in wanted.items():  # headers only
@@ -196,45 +199,62 @@ def _read_block(tensor, tensors, stacked: bool, ndim: int, dtype, index) -> np.n
 
 
 def save_params(params: dict, cfg: model_lib.ModelConfig, out_dir: str, *, src_dir=None,
-                dtype="bfloat16", shard_bytes=SHARD_BYTES) -> None:
+                dtype="bfloat16", shard_bytes=SHARD_BYTES, fetch=None) -> None:
   """Writes `params` as an HF directory: safetensors with HF names and `[out, in]`
   layouts (`metadata={"format": "pt"}`), split with an index above `shard_bytes`;
   `config.json` (the source's, updated, when `src_dir` has one); and whichever tokenizer
   and generation files `src_dir` has. `dtype` is the stored dtype ("bfloat16",
-  "float32"). Each tensor is copied to the host on its own, so the host never holds
-  the model twice. A remote `out_dir` (`gs://...`) is written to a local temporary
-  directory first, then uploaded."""
+  "float32"). A remote `out_dir` (`gs://...`) is written to a local temporary
+  directory first, then uploaded.
+
+  One file's tensors at a time are copied to the host (`fetch(array) -> np.ndarray`,
+  default `jax.device_get`), so the host holds at most one file (`shard_bytes`, or the
+  largest tensor), never the model. Params that span processes: every process calls
+  this with `fetch=parallel.mesh.to_host` (a collective, one tensor at a time, in the
+  same order everywhere) and only process 0 writes."""
   import jax  # pylint: disable=g-import-not-at-top
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  fetch = fetch or (lambda x: np.asarray(jax.device_get(x)))
   np_dtype = np.dtype(model_lib.DTYPES[dtype])
-  shards, current, size = [], {}, 0
-  for name, (leaf, layer, transposed, _) in expected_tensors(cfg).items():
-    value = params
-    for key in leaf:
-      value = value[key]
-    value = np.asarray(jax.device_get(value[layer] if layer is not None else value))
-    value = np.ascontiguousarray((value.T if transposed else value).astype(np_dtype))
-    if current and size + value.nbytes > shard_bytes:
-      shards.append(current)
-      current, size = {}, 0
-    current[name] = value
-    size += value.nbytes
-  shards.append(current)
-  names = (["model.safetensors"] if len(shards) == 1 else
-           [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-  config = hf_config.hf_config(cfg, dtype)
-  if src_dir and paths.isfile(paths.join(src_dir, "config.json")):
-    config = hf_config.merged_config(json.loads(paths.read_text(paths.join(src_dir,
-                                                                           "config.json"))),
-                                     config)
-  with paths.staged_dir(out_dir) as local:  # remote: written here, then uploaded
-    for file, tensors in zip(names, shards):
-      save_file(tensors, os.path.join(local, file), metadata={"format": "pt"})
-    if len(shards) > 1:
-      index = dict(metadata=dict(total_size=sum(v.nbytes for t in shards for v in t.values())),
-                   weight_map={name: file for file, t in zip(names, shards) for name in t})
+  tensors = expected_tensors(cfg)
+  files, size = [[]], 0   # tensor names per file, split by their stored bytes
+  for name, (*_, shape) in tensors.items():
+    nbytes = int(np.prod(shape)) * np_dtype.itemsize
+    if files[-1] and size + nbytes > shard_bytes:
+      files.append([])
+      size = 0
+    files[-1].append(name)
+    size += nbytes
+  names = (["model.safetensors"] if len(files) == 1 else
+           [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
+
+  def host(name):
+    leaf, layer, transposed, _ = tensors[name]
+    value = functools.reduce(lambda tree, key: tree[key], leaf, params)
+    value = fetch(value[layer] if layer is not None else value)
+    return np.ascontiguousarray((value.T if transposed else value).astype(np_dtype))
+
+  writer = jax.process_index() == 0
+  with (paths.staged_dir(out_dir) if writer else contextlib.nullcontext()) as local:
+    total = 0
+    for file, group in zip(names, files):
+      values = {name: host(name) for name in group}   # every process: a collective each
+      total += sum(v.nbytes for v in values.values())
+      if writer:
+        save_file(values, os.path.join(local, file), metadata={"format": "pt"})
+      del values
+    if not writer:
+      return
+    if len(files) > 1:
+      index = dict(metadata=dict(total_size=total),
+                   weight_map={name: file for file, group in zip(names, files)
+                               for name in group})
       with open(os.path.join(local, "model.safetensors.index.json"), "w") as f:
         json.dump(index, f, indent=2)
+    config = hf_config.hf_config(cfg, dtype)
+    if src_dir and paths.isfile(paths.join(src_dir, "config.json")):
+      config = hf_config.merged_config(
+          json.loads(paths.read_text(paths.join(src_dir, "config.json"))), config)
     with open(os.path.join(local, "config.json"), "w") as f:
       json.dump(config, f, indent=2)
     for file in TOKENIZER_FILES:

@@ -6,6 +6,7 @@ The HF modules are imported only when a run uses them, so a preset run needs non
 the `hf` extra.
 """
 
+import functools
 import hashlib
 import json
 import os
@@ -14,6 +15,7 @@ import jax
 
 from tunix_core import data as data_lib
 from tunix_core import model as model_lib
+from tunix_core.parallel import mesh as mesh_lib
 from tunix_core.storage import paths
 from tunix_core.training import config as config_lib
 
@@ -113,31 +115,35 @@ def lora_start(cfg, steps, key, dtype) -> tuple[dict, dict | None]:
 
 
 def export(cfg, steps, params: dict, frozen, log) -> None:
-  """Writes the policy to `--export_hf_dir` (process 0 only): an HF directory, with the
-  tokenizer and config of `--hf_model_dir` when there is one; under LoRA a PEFT adapter
-  directory for the base, and with `--export_merged` the merged model in `merged/`."""
+  """Writes the policy to `--export_hf_dir`: an HF directory, with the tokenizer and
+  config of `--hf_model_dir` when there is one; under LoRA a PEFT adapter directory for
+  the base, and with `--export_merged` the merged model in `merged/`. A collective:
+  every process calls it, each tensor is gathered in turn (`parallel.mesh.to_host`)
+  and process 0 writes, so no host ever holds more than one file's tensors."""
+  from tunix_core import hf  # pylint: disable=g-import-not-at-top
+  from tunix_core.hf import peft  # pylint: disable=g-import-not-at-top
   mcfg, lcfg, dtype = steps.mcfg, steps.plan.lora, cfg.export_param_dtype()
+  writer = jax.process_index() == 0
   logical = steps.logical_params(params)
-  base = None
-  if lcfg is not None and cfg.export_merged:
-    base = steps.base_layout.logical(frozen["base"], steps.base_logical_shardings())
-  if jax.process_index() == 0:
-    from tunix_core import hf  # pylint: disable=g-import-not-at-top
-    from tunix_core.hf import peft  # pylint: disable=g-import-not-at-top
+  if writer:
     paths.makedirs(cfg.export_hf_dir)
-    if lcfg is None:
-      hf.save_params(logical, mcfg, cfg.export_hf_dir, src_dir=cfg.hf_model_dir or None,
-                     dtype=dtype)
-    else:
-      peft.write_adapter(cfg.export_hf_dir, jax.device_get(logical), mcfg, lcfg,
+  save = functools.partial(hf.save_params, cfg=mcfg, src_dir=cfg.hf_model_dir or None,
+                           dtype=dtype, fetch=mesh_lib.to_host)
+  if lcfg is None:
+    save(logical, out_dir=cfg.export_hf_dir)
+  else:
+    adapters = jax.tree.map(mesh_lib.to_host, logical)   # small: rank x (in + out) each
+    if writer:
+      peft.write_adapter(cfg.export_hf_dir, adapters, mcfg, lcfg,
                          base_model=cfg.hf_model_dir or cfg.model)
-      if base is not None:
-        from tunix_core.model import lora  # pylint: disable=g-import-not-at-top
-        hf.save_params(lora.merge(base, logical, lcfg), mcfg,
-                       paths.join(cfg.export_hf_dir, "merged"),
-                       src_dir=cfg.hf_model_dir or None, dtype=dtype)
+    if cfg.export_merged:
+      from tunix_core.model import lora  # pylint: disable=g-import-not-at-top
+      base = steps.base_layout.logical(frozen["base"], steps.base_logical_shardings())
+      save(lora.merge(base, logical, lcfg), out_dir=paths.join(cfg.export_hf_dir, "merged"))
+  if writer:
     paths.write_text(paths.join(cfg.export_hf_dir, "tunix_export.json"),
                      json.dumps({"source": source(cfg), "steps": cfg.steps}, indent=2))
-  what = ("a PEFT LoRA adapter" + (", and merged/" if base is not None else "")
+  merged = lcfg is not None and cfg.export_merged
+  what = ("a PEFT LoRA adapter" + (", and merged/" if merged else "")
           if lcfg else "Hugging Face format")
   log(f"exported the policy to {cfg.export_hf_dir} ({what}, {dtype})")
