@@ -181,36 +181,82 @@ def test_verify_checkpoint_detects_a_changed_array(tmp_path):
     train.train(_config(tmp_path, steps=4, verify_checkpoint=True, resume="required"), **QUIET)
 
 
+def test_offline_export_of_an_fsdp_run_keeps_each_device_at_an_eighth(tmp_path,
+                                                                      monkeypatch):
+  """`python -m tunix_core.hf export` (`export_step`) of an 8-device FSDP run: restored
+  split as FSDP splits it, each device holds at most 1/8 of the params plus one layer's
+  tensor while every tensor is fetched, and the export is the run's last params."""
+  pytest.importorskip("safetensors", reason="the export: needs the hf extra")
+  import gc  # pylint: disable=g-import-not-at-top
+  from tunix_core import hf  # pylint: disable=g-import-not-at-top
+  from tunix_core.checkpoints import export  # pylint: disable=g-import-not-at-top
+  from tunix_core.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  cfg = _config(tmp_path / "run", fsdp=True, steps=2, save_every=2)
+  trained = jax.device_get(runs.steps(cfg, jax.devices()).logical_params(
+      train.train(cfg, **QUIET)["state"]["params"]))
+  gc.collect()
+
+  def per_device() -> dict:
+    """Bytes of the live buffers on each device (one buffer can back several arrays)."""
+    buffers = {(s.device, s.data.unsafe_buffer_pointer()): s.data.nbytes
+               for x in jax.live_arrays() for s in x.addressable_shards}
+    held = {}
+    for (device, _), n in buffers.items():
+      held[device] = held.get(device, 0) + n
+    return held
+
+  before, peak = per_device(), {}
+  to_host = mesh_lib.to_host
+
+  def fetch(x):
+    gc.collect()   # what is held, not garbage awaiting the collector
+    for d, n in per_device().items():
+      peak[d] = max(peak.get(d, 0), n - before.get(d, 0))
+    return to_host(x)
+
+  monkeypatch.setattr(mesh_lib, "to_host", fetch)
+  export.export_step(str(tmp_path / "run"), str(tmp_path / "hf"), dtype="float32", **QUIET)
+  leaves = jax.tree.leaves(trained)
+  total = sum(x.nbytes for x in leaves)
+  layer = max(x.nbytes // x.shape[0] for x in jax.tree.leaves(trained["layers"]))
+  assert len(peak) == 8 and max(peak.values()) <= total / 8 + layer, (peak, total, layer)
+  jax.tree.map(np.testing.assert_array_equal,
+               hf.load_params(str(tmp_path / "hf"), cfg.model_config()), trained)
+
+
 def _free_port():
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora-merged"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora-merged-tp-across"])
 def test_two_processes_then_one_process_resume(tmp_path, gcs, lora):
-  """The pod recipe on two processes (loopback, 2 x 4 devices) with no shared disk: FSDP
-  with a model axis of 2, checkpoints and the export on `gs://`; both processes end with
-  status 0 and the export (LoRA: the PEFT adapter and merged/) equals one process's
-  (8 devices); one process resumes the full run from the bucket on the curve of a run
-  that never stopped."""
+  """The pod recipe on two processes (loopback) with no shared disk, checkpoints and the
+  export on `gs://`: full fine-tuning on 2 x 4 devices, FSDP with a model axis of 2 on
+  each host; LoRA with --export_merged on 2 x 1 device, a model axis of 2 across both
+  hosts. Both processes end with status 0 and the export (LoRA: the PEFT adapter and
+  merged/) equals one process's on as many devices; one process resumes the full run
+  from the bucket on the curve of a run that never stopped."""
   pytest.importorskip("safetensors", reason="the export: needs the hf extra")
   from tunix_core import hf  # pylint: disable=g-import-not-at-top
   from tunix_core.hf import peft  # pylint: disable=g-import-not-at-top
   out = gcs.bucket("multihost") + ("/lora" if lora else "/mp")
+  per_process = 1 if lora else 4
   layout = dict(fsdp=True, model="tiny_tp", model_parallel=2,
                 **(dict(lora_rank=4, lora_alpha=8.0, export_merged=True) if lora else {}))
   cfg = _config(out, steps=3, save_every=3, export_hf_dir=out + "/export", **layout)
   port = _free_port()
-  procs = [_spawn(cfg, devices=4, extra=[f"--coordinator_address=127.0.0.1:{port}",
-                                         "--num_processes=2", f"--process_id={i}"])
+  procs = [_spawn(cfg, devices=per_process,
+                  extra=[f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+                         f"--process_id={i}"])
            for i in range(2)]
   for p in procs:
     _, err = p.communicate(timeout=600)
     assert p.returncode == 0, err[-3000:]
   straight = tmp_path / "straight"
   train.train(_config(straight, steps=3, save_every=3, export_hf_dir=str(straight / "export"),
-                      **layout), **QUIET)
+                      **layout), devices=jax.devices()[:2 * per_process], **QUIET)
   mcfg = cfg.model_config()
   close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
   got, want = out + "/export", str(straight / "export")

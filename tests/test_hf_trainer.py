@@ -160,8 +160,9 @@ def test_resuming_against_other_weights_fails_naming_the_fingerprint(model_dir, 
               devices=jax.devices()[:1], **QUIET)
   other = str(tmp_path / "other")
   shutil.copytree(model_dir, other)
-  params = hf.load_params(other, CFG)
-  hf.save_params(jax.tree.map(lambda x: x + 0.01, params), CFG, other, dtype="float32")
+  params = hf.load_params(other, CFG)   # one middle tensor changed, same shapes
+  params["layers"]["w_up"] = params["layers"]["w_up"].at[CFG.num_layers // 2].add(0.01)
+  hf.save_params(params, CFG, other, dtype="float32")
   with pytest.raises(config_lib.ConfigError, match="hf_fingerprint"):
     train.train(_config(out, other, chat_data, steps=2), devices=jax.devices()[:1], **QUIET)
 

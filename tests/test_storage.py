@@ -20,6 +20,7 @@ import runs
 from tunix_core import hf
 from tunix_core.checkpoints import store as checkpoint
 from tunix_core.hf import ranged
+from tunix_core.parallel import fsdp
 from tunix_core.storage import paths
 
 HF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf")
@@ -65,6 +66,41 @@ def test_storage_errors_are_one_line_naming_the_path(gcs):
     paths.read_bytes(gcs.bucket("errors") + "/missing")
 
 
+@pytest.mark.parametrize("where", ["local", "gcs"])
+def test_the_hf_fingerprint_sees_any_changed_byte_without_reading_again(tmp_path, where,
+                                                                        request, monkeypatch):
+  """A same-shape checkpoint whose middle tensor changed (beyond the first and last MiB
+  of a 7 MiB file) changes the fingerprint; an unchanged one is not read again (locally
+  the cached digest; on `gs://` the store's checksums, never the bytes)."""
+  from safetensors.numpy import save  # pylint: disable=g-import-not-at-top
+  from tunix_core.run import source  # pylint: disable=g-import-not-at-top
+  from tunix_core.storage import digest  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(digest, "CACHE", str(tmp_path / "digests.json"))
+  root = (request.getfixturevalue("gcs").bucket("fingerprint") if where == "gcs"
+          else str(tmp_path / "models"))
+  tensors = {"a": np.zeros(3 << 18, np.float32), "b": np.zeros(1 << 18, np.float32),
+             "c": np.zeros(3 << 18, np.float32)}
+
+  def model(name):
+    d = paths.join(root, name)
+    paths.makedirs(d)
+    paths.write_text(paths.join(d, "config.json"), "{}")
+    paths.write_bytes(paths.join(d, "model.safetensors"), save(tensors))
+    return d
+
+  base = model("base")
+  before = source.fingerprint(base)
+  assert source.fingerprint(model("copy")) == before   # the bytes, not where or when
+  tensors["b"][1000] = 1.0   # byte 3.0 MiB + 4 kB of a 7 MiB file
+  tuned = model("tuned")
+  size = lambda d: paths.getsize(paths.join(d, "model.safetensors"))
+  assert size(tuned) == size(base)
+  after = source.fingerprint(tuned)
+  assert after != before
+  monkeypatch.setattr(digest, "_sha256", lambda path: pytest.fail(f"{path} read again"))
+  assert source.fingerprint(tuned) == after
+
+
 def test_ranged_reads_equal_numpy_and_the_hf_reader_reads_gcs(tmp_path, gcs):
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
@@ -96,6 +132,19 @@ def test_ranged_reads_equal_numpy_and_the_hf_reader_reads_gcs(tmp_path, gcs):
   got = hf.load_params(model_dir, cfg, shardings=shardings)
   want = hf.load_params(os.path.join(HF, "llama3"), cfg)
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(got), jax.device_get(want))
+  # As FSDP splits them (the largest dimension: for most projections the file's
+  # columns), each device fetches only its own rows of the file: 8 devices fetch the
+  # file about once, not a whole tensor each (a host with half the devices: about half).
+  fsdp_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s),
+                                fsdp.logical_specs(want, 8), is_leaf=lambda x: isinstance(x, P))
+  before = ranged.RangedFile.fetched
+  got = hf.load_params(model_dir, cfg, shardings=fsdp_shardings)
+  fetched = ranged.RangedFile.fetched - before
+  jax.tree.map(lambda g, s: (g.sharding.is_equivalent_to(s, g.ndim) or
+                             pytest.fail(f"{g.sharding} is not {s}")), got, fsdp_shardings)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(got), jax.device_get(want))
+  size = os.path.getsize(os.path.join(HF, "llama3", "model.safetensors"))
+  assert fetched <= 1.1 * size, (fetched, size)
 
 
 def _trainer(args, env_extra=None, cwd=None, timeout=600):

@@ -22,7 +22,10 @@ DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
 
 
 class RangedFile:
-  """The tensors of one safetensors file at `path` (any `storage.paths` path)."""
+  """The tensors of one safetensors file at `path` (any `storage.paths` path).
+  `RangedFile.fetched` counts the bytes every instance of this process has read."""
+
+  fetched = 0
 
   def __init__(self, path: str):
     self.path = path
@@ -37,6 +40,7 @@ class RangedFile:
       self._file.seek(start)
       return self._file.read(size)
     data = paths.call("reading", self.path, read)
+    RangedFile.fetched += len(data)
     if len(data) != size:
       raise paths.StorageError(f"reading {self.path} failed: {size} bytes at {start} "
                                f"asked, {len(data)} read (a truncated file)")

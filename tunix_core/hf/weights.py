@@ -176,11 +176,35 @@ def load_params(model_dir: str, cfg: model_lib.ModelConfig, *, dtype=None,
       if shardings is None:
         node[leaf[-1]] = jax.numpy.asarray(read(()))
       else:
-        sharding = shardings
-        for key in leaf:
-          sharding = sharding[key]
-        node[leaf[-1]] = jax.make_array_from_callback(shapes[leaf], sharding, read)
+        sharding = functools.reduce(lambda tree, key: tree[key], leaf, shardings)
+        by_rows = _file_row_sharding(sharding, shapes[leaf]) if tensors[0][1] else None
+        if by_rows is None:
+          node[leaf[-1]] = jax.make_array_from_callback(shapes[leaf], sharding, read)
+        else:  # read by the file's rows, then moved between devices to `sharding`
+          node[leaf[-1]] = jax.jit(lambda x: x, out_shardings=sharding)(
+              jax.make_array_from_callback(shapes[leaf], by_rows, read))
   return params
+
+
+def _file_row_sharding(sharding, shape):
+  """For a transposed leaf (ours `[..., in, out]`, the file's `[out, in]`) that
+  `sharding` splits on a dimension other than `out`: the same split moved to `out`, so
+  each device's block is a contiguous range of the file's rows (read by byte range)
+  rather than a column range that crosses every row; None when it already is, or when
+  `out` does not divide."""
+  import jax  # pylint: disable=g-import-not-at-top
+  spec = getattr(sharding, "spec", None)
+  if spec is None:
+    return None
+  spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+  split = [d for d, axes in enumerate(spec) if axes is not None]
+  if split != [len(shape) - 2] or len(shape) < 2:   # only a split `in` dimension moves
+    return None
+  axes = spec[-2] if isinstance(spec[-2], tuple) else (spec[-2],)
+  if shape[-1] % int(np.prod([sharding.mesh.shape[a] for a in axes])):
+    return None
+  return jax.sharding.NamedSharding(
+      sharding.mesh, jax.sharding.PartitionSpec(*spec[:-2], None, spec[-2]))
 
 
 def _read_block(tensor, tensors, stacked: bool, ndim: int, dtype, index) -> np.ndarray:

@@ -16,12 +16,9 @@ import jax
 from tunix_core import data as data_lib
 from tunix_core import model as model_lib
 from tunix_core.parallel import mesh as mesh_lib
+from tunix_core.storage import digest as content_digest
 from tunix_core.storage import paths
 from tunix_core.training import config as config_lib
-
-# Bytes read from each end of a weight file for its fingerprint (see `fingerprint`).
-_EDGE_BYTES = 1 << 20
-
 
 def tokenizer(cfg) -> data_lib.Tokenizer:
   """The run's tokenizer, with `--chat_template` applied."""
@@ -57,23 +54,18 @@ def load_data(cfg, log, vocab_size: int | None = None):
 
 def fingerprint(model_dir: str) -> str:
   """A digest of an HF directory's `config.json` and weight files that changes whenever
-  they do, without reading 14 GB: each safetensors file's size, its header (names,
-  dtypes, shapes and offsets of every tensor) and the first and last MiB of its data."""
+  any of their bytes does (a same-shape fine-tune that changed one middle layer
+  included), without reading the weights at every start: each safetensors file's
+  content digest (`storage.digest`: the object store's checksum, or a local file's
+  SHA-256 computed once and cached)."""
   digest = hashlib.sha256()
   names = [f for f in paths.listdir(model_dir)
            if f == "config.json" or f.endswith((".safetensors", ".safetensors.index.json"))]
   for name in names:
     path = paths.join(model_dir, name)
-    size = paths.getsize(path)
-    digest.update(f"{name}:{size}:".encode())
-    with paths.open_read(path) as f:
-      if not name.endswith(".safetensors"):
-        digest.update(f.read())
-        continue
-      header = f.read(8)
-      digest.update(header + f.read(int.from_bytes(header, "little")) + f.read(_EDGE_BYTES))
-      f.seek(max(0, size - _EDGE_BYTES))
-      digest.update(f.read())
+    digest.update(f"{name}:{paths.getsize(path)}:".encode())
+    digest.update(content_digest.content_digest(path).encode()
+                  if name.endswith(".safetensors") else paths.read_bytes(path))
   return digest.hexdigest()[:32]
 
 

@@ -269,16 +269,12 @@ class StepFunctions:
     """Host arrays `[B, 2, T]` of the global batch, with the plan's model rows and head
     slots added (`packing.pack`; a batch that does not fit the plan is a ValueError) ->
     device arrays split over the data-parallel devices of every slice on the pair axis.
-    Each process hands over only the
-    pairs of its own devices."""
+    Each device gets the pairs the mesh assigns it, wherever its process sits in the
+    mesh (a topology-ordered data axis may interleave hosts; a model axis may span
+    them): only this process's devices are written."""
     batch = packing.pack(batch, self.plan.rows)
-    n, p = jax.process_count(), jax.process_index()
-    out = {}
-    for k, v in batch.items():
-      B = v.shape[0]
-      out[k] = jax.make_array_from_process_local_data(
-          self.pairs, v[p * B // n:(p + 1) * B // n], v.shape)
-    return out
+    return {k: jax.make_array_from_callback(v.shape, self.pairs, lambda index, v=v: v[index])
+            for k, v in batch.items()}
 
 
 def make_steps(plan: StepPlan, devices) -> StepFunctions:
