@@ -160,3 +160,22 @@ def test_drift_metrics_are_per_token_log_ratios_and_log_probs():
   np.testing.assert_allclose([got["kl/chosen"], got["kl/rejected"]], kl, rtol=1e-5)
   np.testing.assert_allclose(got["logps/chosen_per_token"], per_token(logps)[0], rtol=1e-5)
   assert set(objective.drift_metrics(logps, None, mask)) == {"logps/chosen_per_token"}
+
+
+def test_eval_counts_every_pair_of_a_set_that_is_not_a_multiple_of_the_batch(tmp_path):
+  """10 eval pairs at --batch_size=4 (the last batch holds 2) give the means over all 10
+  pairs: those of the same pairs at --batch_size=2, which needs no padding."""
+  from tunix_core.run import evaluate  # pylint: disable=g-import-not-at-top
+  full = runs.dataset(40, 20)
+  ten = data_lib.PreferenceDataset(*(getattr(full, f)[:10] for f in (
+      "tokens", "targets", "loss_mask", "attention_mask")), 0, 0, 0)
+  devices = jax.devices()[:2]
+  got = {}
+  for B in (4, 2):
+    steps = runs.steps(runs.config(tmp_path, batch_size=B), devices)
+    params = steps.init_state(jax.random.PRNGKey(0))["params"]
+    ref = steps.init_params(jax.random.PRNGKey(1))   # another model: rewards differ per pair
+    got[B] = evaluate.evaluate(steps, params, ref, ten, None)
+  assert got[4].keys() == got[2].keys() and abs(got[2]["eval/rewards/margins"]) > 1e-3
+  for k, v in got[2].items():
+    assert got[4][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k

@@ -5,7 +5,6 @@ from tunix_core.data.dataset import BatchIterator
 from tunix_core.data.dataset import ByteTokenizer
 from tunix_core.data.dataset import DataError
 from tunix_core.data.dataset import encode_row
-from tunix_core.data.dataset import eval_batches
 from tunix_core.data.dataset import FIELDS
 from tunix_core.data.dataset import IGNORE_INDEX
 from tunix_core.data.dataset import load_dataset

@@ -297,8 +297,3 @@ def take_pairs(dataset: PreferenceDataset, idx: np.ndarray) -> dict:
   return {"tokens": dataset.tokens[idx], "targets": dataset.targets[idx],
           "loss_mask": dataset.loss_mask[idx], "attention_mask": dataset.attention_mask[idx]}
 
-
-def eval_batches(dataset: PreferenceDataset, batch_size: int):
-  """The dataset in order, in full batches (a final partial batch is left out)."""
-  for start in range(0, len(dataset) - batch_size + 1, batch_size):
-    yield take_pairs(dataset, np.arange(start, start + batch_size))

@@ -1,4 +1,14 @@
-"""Evaluation: metric means of the eval step over a held-out preference set."""
+"""Evaluation: metric means of the eval step over every pair of a held-out preference set.
+
+The eval step is compiled for `--batch_size` pairs. A last, partial batch of `n` pairs is
+padded to the full size with copies of its first pair, and the copies are taken out
+again: with `m` the padded batch's means and `m1` the means of a batch of that pair
+alone, the `n` pairs' means are `(B m - (B - n) m1) / n`. This is exact for every metric
+and for every loss that is a mean of per-pair terms: all but the terms that couple a
+batch's pairs (`tunix_kernels.dpo_losses`: `aot` and `aot_unpaired` sort its log-ratios;
+`sft` and the NLL of `cpo` and `orpo` average over its chosen tokens), whose last batch
+it approximates.
+"""
 
 import jax
 import numpy as np
@@ -10,14 +20,22 @@ from tunix_core.training import step as step_lib
 
 def evaluate(steps: step_lib.StepFunctions, params, ref_params,
              dataset: data_lib.PreferenceDataset, ref_table: np.ndarray | None) -> dict:
-  """`{"eval/<key>": mean}` over the eval set's full batches (all of one size, so the
-  mean of batch means is the mean over pairs); keys as the train step's metrics."""
-  totals, count = {}, 0
+  """`{"eval/<key>": mean over the eval set's pairs}`; keys as the train step's metrics."""
   B = steps.cfg.batch_size
-  for start, batch in zip(range(0, len(dataset), B), data_lib.eval_batches(dataset, B)):
-    batch = ref_cache.with_ref(batch, ref_table, np.arange(start, start + B))
+
+  def means(idx: np.ndarray) -> dict:
+    batch = ref_cache.with_ref(data_lib.take_pairs(dataset, idx), ref_table, idx)
     m = jax.device_get(steps.eval_step(params, ref_params, steps.put_batch(batch)))
+    return {k: float(v) for k, v in m.items()}
+
+  totals = {}
+  for start in range(0, len(dataset), B):
+    idx = np.arange(start, min(start + B, len(dataset)))
+    n = len(idx)
+    m = means(np.concatenate([idx, np.full(B - n, idx[0])]))
+    if n < B:
+      alone = means(np.full(B, idx[0]))
+      m = {k: (B * v - (B - n) * alone[k]) / n for k, v in m.items()}
     for k, v in m.items():
-      totals[k] = totals.get(k, 0.0) + float(v)
-    count += 1
-  return {f"eval/{k}": v / count for k, v in totals.items()}
+      totals[k] = totals.get(k, 0.0) + n * v
+  return {f"eval/{k}": v / len(dataset) for k, v in totals.items()}

@@ -18,7 +18,6 @@ from tunix_core import model as model_lib
 from tunix_core.parallel import mesh as mesh_lib
 from tunix_core.storage import digest as content_digest
 from tunix_core.storage import paths
-from tunix_core.training import config as config_lib
 
 def tokenizer(cfg) -> data_lib.Tokenizer:
   """The run's tokenizer, with `--chat_template` applied."""
@@ -47,8 +46,6 @@ def load_data(cfg, log, vocab_size: int | None = None):
       + (f", {len(eval_set)} eval pairs" if eval_set else "")
       + (f"; {mismatches} responses tokenized apart from their prompt (the joint "
          "tokens did not start with the prompt's)" if mismatches else ""))
-  if eval_set is not None and len(eval_set) < cfg.batch_size:
-    raise config_lib.ConfigError(f"--eval_data has {len(eval_set)} pairs, fewer than --batch_size")
   return train_set, eval_set
 
 
