@@ -226,3 +226,27 @@ def test_collective_bytes_are_read_from_the_hlo_with_loop_trip_counts():
   assert roof["compute_s"] == pytest.approx(1.0) and roof["ici_s"] == pytest.approx(0.01)
   assert roof["dcn_s"] == pytest.approx(0.008)
   assert roof["share"] == pytest.approx(0.018 / 1.018)
+
+
+@needs_libtpu
+@pytest.mark.parametrize("name", ["v4-32", "v5p-64", "2xv5p-16"])
+def test_mesh_neighbours_are_ici_neighbours_on_3d_tori(name):
+  """On v4 and v5p slices (3-D tori; the devices' coordinates from the compiler's
+  topology), consecutive devices along the data axis, and within a model group, sit one
+  link apart, in every slice; `jax.devices()`' own order does not."""
+  from tunix_core.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  _, devices = tpu.topology_devices(name)
+  slices = mesh_lib.device_slices(devices)
+
+  def hop(a, b) -> int:   # links between two chips of one slice (torus wraparound)
+    assert getattr(a, "slice_index", 0) == getattr(b, "slice_index", 0)
+    dims = [max(d.coords[i] for d in devices) + 1 for i in range(3)]
+    return sum(min(abs(p - q), n - abs(p - q)) for p, q, n in zip(a.coords, b.coords, dims))
+
+  data = mesh_lib.make_mesh(devices, 1, slices).devices.reshape(slices, -1)
+  assert all(hop(row[i], row[i + 1]) == 1 for row in data for i in range(len(row) - 1))
+  model = mesh_lib.make_mesh(devices, 4, slices).devices.reshape(-1, 4)
+  assert all(hop(g[i], g[i + 1]) == 1 for g in model for i in range(3))
+  plain = [devices[i:i + len(devices) // slices] for i in range(0, len(devices),
+                                                                len(devices) // slices)]
+  assert not all(hop(r[i], r[i + 1]) == 1 for r in plain for i in range(len(r) - 1))

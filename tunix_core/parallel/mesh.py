@@ -33,17 +33,47 @@ def resolve_slices(devices, requested: int) -> int:
   return requested
 
 
+def ici_order(devices) -> list:
+  """TPU devices along a snake through their torus coordinates (z slowest, then y, then
+  x, each reversing direction whenever a slower one advances; a chip's cores together),
+  so consecutive devices are ICI neighbours: a ring over them (`collectives` impl
+  "ring") sends every hop over one link. Devices without coordinates (CPU, GPU) keep
+  their order. `jax.devices()`' order and `mesh_utils.create_device_mesh` both jump
+  across the torus at row ends on 3-D slices (v4, v5p)."""
+  devices = list(devices)
+  if not devices or not all(hasattr(d, "coords") for d in devices):
+    return devices
+  at = {}
+  for d in sorted(devices, key=lambda d: getattr(d, "core_on_chip", 0)):
+    at.setdefault(tuple(d.coords), []).append(d)
+  X, Y, Z = (max(c[i] for c in at) + 1 for i in range(3))
+  out, row = [], 0
+  for z in range(Z):
+    for y in (range(Y) if z % 2 == 0 else range(Y - 1, -1, -1)):
+      for x in (range(X) if row % 2 == 0 else range(X - 1, -1, -1)):
+        out += at.get((x, y, z), [])
+      row += 1
+  return out
+
+
 def make_mesh(devices, model_parallel: int = 1, num_slices: int = 1) -> Mesh:
   """`("data",)` over `devices`; with `model_parallel > 1` a `("data", "model")` mesh
-  whose inner axis groups `model_parallel` consecutive devices (on one host, so the
-  per-layer psums stay on its fastest links); with `num_slices > 1` a `"slice"` axis in
-  front, each of its entries one slice's devices (by `slice_index`, else consecutive)."""
+  whose inner axis groups `model_parallel` consecutive devices; with `num_slices > 1` a
+  `"slice"` axis in front, each of its entries one slice's devices (by `slice_index`,
+  else consecutive). Within a slice, TPU devices are in `ici_order`: the devices of a
+  model group are ICI neighbours, and so, with `model_parallel=1`, are neighbours along
+  the data axis."""
   devices = list(devices)
   if model_parallel < 1 or len(devices) % (model_parallel * num_slices):
     raise ValueError(f"--model_parallel={model_parallel} x --num_slices={num_slices} does "
                      f"not divide the {len(devices)} devices")
   if device_slices(devices) > 1:  # slice-major, each slice in its own order
-    devices = sorted(devices, key=lambda d: d.slice_index)
+    by_slice = {}
+    for d in devices:
+      by_slice.setdefault(d.slice_index, []).append(d)
+    devices = [d for i in sorted(by_slice) for d in ici_order(by_slice[i])]
+  else:
+    devices = ici_order(devices)
   grid = np.array(devices).reshape(num_slices, -1, model_parallel)
   names = (SLICE, DATA, MODEL)
   keep = [num_slices > 1, True, model_parallel > 1]
