@@ -107,6 +107,8 @@ def parse_flags(argv: list[str]) -> list[str]:
 NONFINITE_EXIT_CODE = 3          # a step was NaN/Inf under --on_nonfinite=stop
 CHECKPOINT_WRITE_EXIT_CODE = 4   # writing a checkpoint failed (disk full, permissions, ...)
 PREEMPTED_EXIT_CODE = 42         # stopped by SIGTERM/SIGINT after its checkpoint committed
+# 5 (`run.watchdog.EXIT_STATUS`): a step, eval, save or storage call outlived --step_timeout
+# (the watchdog's thread ends the process: a hung thread cannot be interrupted).
 
 
 def _on_tpu_vm() -> bool:

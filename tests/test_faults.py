@@ -159,3 +159,69 @@ def test_failed_checkpoint_write_ends_with_one_line(tmp_path):
   train.train(_config(out, steps=4), **QUIET)
   train.train(_config(tmp_path / "straight", steps=4), **QUIET)
   assert _losses(out) == _losses(tmp_path / "straight")
+
+
+def _watchdog_run(out, extra, env_extra, timeout):
+  """trainer.py on 8 CPU devices; `(status, stderr)` once it ends (within `timeout`)."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu", **env_extra)
+  proc = subprocess.run(
+      [sys.executable, os.path.join(REPO, "trainer.py"), f"--output_dir={out}",
+       f"--train_data={TRAIN}", "--max_length=40", "--max_prompt_length=20", "--batch_size=8",
+       "--log_every=1", *extra], env=env, capture_output=True, text=True, timeout=timeout)
+  return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_a_step_that_never_finishes_ends_the_run_and_a_restart_resumes(tmp_path):
+  """A loop blocked for good before step 5 (the test hook) ends within --step_timeout
+  with one line and the watchdog's status 5, every thread's stack in trainer.log; the
+  checkpoints of steps 2 and 4 are intact and a restart resumes from step 4."""
+  out = tmp_path / "run"
+  flags = ["--steps=6", "--save_every=2", "--step_timeout=10"]
+  status, _, err = _watchdog_run(out, flags, {"TUNIX_TEST_HANG_AT_STEP": "5"}, 240)
+  assert status == 5, err[-3000:]
+  lines = [l for l in err.splitlines() if l.startswith("trainer.py: error:")]
+  assert len(lines) == 1 and "train step 4 has not finished after 1" in lines[0], err
+  assert "--step_timeout=10" in lines[0] and "exiting with status 5" in lines[0]
+  log = (out / "trainer.log").read_text()
+  assert "still running after" in log and "Thread MainThread" in log and "_test_hang" in log
+  assert _steps(str(out)) == [2, 4]
+  status, stdout, err = _watchdog_run(out, flags, {}, 240)
+  assert status == 0 and "resumed from step 4" in stdout, err[-3000:]
+  assert sorted(_losses(out)) == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_storage_server_that_never_answers_ends_the_run(tmp_path):
+  """The output directory on a server that accepts connections and never answers: the
+  run ends within --step_timeout x 4 (start-up's deadline) + 60 s with one line naming
+  what was stuck, and the watchdog's status."""
+  import socket  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+  import gcs as gcs_lib  # pylint: disable=g-import-not-at-top
+  pytest.importorskip("gcsfs", reason="gs:// paths: needs the gcs extra")
+  listener = socket.socket()
+  listener.bind(("127.0.0.1", 0))
+  listener.listen(64)
+  held, stop = [], threading.Event()
+
+  def accept():   # connections accepted, never read from nor answered
+    listener.settimeout(0.2)
+    while not stop.is_set():
+      try:
+        held.append(listener.accept()[0])
+      except OSError:
+        pass
+
+  threading.Thread(target=accept, daemon=True).start()
+  url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+  try:
+    status, _, err = _watchdog_run("gs://silent/run", ["--steps=2", "--step_timeout=5"],
+                                   gcs_lib.env(url), 5 * 4 + 60)
+  finally:
+    stop.set()
+    for conn in held:
+      conn.close()
+    listener.close()
+  assert status == 5, err[-3000:]
+  lines = [l for l in err.splitlines() if l.startswith("trainer.py: error:")]
+  assert len(lines) == 1 and "has not finished after 2" in lines[0], err

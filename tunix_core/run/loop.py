@@ -8,6 +8,9 @@ metrics, so the host never stalls the device; checkpoints are saved asynchronous
 last step always.
 """
 
+import os
+import threading
+
 import jax
 import jax.numpy as jnp
 
@@ -22,6 +25,7 @@ from tunix_core.run import preemption
 from tunix_core.run import ref_cache
 from tunix_core.run import samples as samples_lib
 from tunix_core.run import source as source_lib
+from tunix_core.run import watchdog as watchdog_lib
 from tunix_core.storage import paths
 from tunix_core.training import flops
 from tunix_core.training import health as health_lib
@@ -44,6 +48,13 @@ def _precompute_refs(cfg, steps, ref_params, train_set, eval_set, log):
   return train_ref, eval_ref
 
 
+def _test_hang(step: int) -> None:
+  """Test hook of the watchdog's tests: `TUNIX_TEST_HANG_AT_STEP=N` blocks the loop for
+  good before step N, as a step that never finishes would."""
+  if os.environ.get("TUNIX_TEST_HANG_AT_STEP") == str(step):
+    threading.Event().wait()
+
+
 def _every(n: int, step: int, last: int) -> bool:
   """True on multiples of `n` and on the last step; never when `n` is 0."""
   return bool(n) and (step % n == 0 or step == last)
@@ -57,10 +68,18 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
   train state}`. Raises `preemption.Preempted` after saving on SIGTERM/SIGINT,
   `health.NonFiniteStep` when a step is NaN/Inf under `--on_nonfinite=stop`,
   `checkpoint.CheckpointWriteError` when a save fails, and `ConfigError`,
-  `data_lib.DataError` or `checkpoint.CheckpointError` on bad input.
+  `data_lib.DataError` or `checkpoint.CheckpointError` on bad input. Work that outlives
+  `--step_timeout` ends the process with `watchdog.EXIT_STATUS` (`run.watchdog`).
   """
   devices = devices or jax.devices()
   cfg.validate(len(devices))
+  with watchdog_lib.Watchdog(cfg.step_timeout) as dog:
+    return _train(cfg, devices, log, dog)
+
+
+def _train(cfg, devices, log, dog):
+  """`train` under the watchdog `dog`, which each piece of blocking work names."""
+  dog.beat("start-up (data, weights, the newest checkpoint)", first=True)
   primary = jax.process_index() == 0
   log = log if primary else (lambda *_: None)
   try:
@@ -127,6 +146,7 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
       health_lib.check_finite(health, cfg.on_nonfinite, lambda *_: None)
 
   def save(step):
+    dog.beat(f"saving checkpoint step {step}")
     # Never checkpoint a state that went through a non-finite step under "stop" (this
     # read costs nothing extra: the save's fingerprints wait for the state anyway).
     health = jax.device_get(state["nonfinite"])
@@ -142,11 +162,15 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
 
   log(f"step {start + 1}: compiling the step, then running it (the first line waits "
       "for both)")
+  dog.beat(f"compiling and running step {start + 1}", first=True)
   try:
     with preemption.StopSignal() as stop:
       if sampler and start == 0:
         sampler(0, steps.policy_params(state["params"], ref_params))  # the run's start
       for step in range(start + 1, cfg.steps + 1):
+        if step > start + 2:   # step start + 2 reads the first step's metrics
+          dog.beat(f"train step {step - 1}")
+        _test_hang(step)
         idx = it.next_indices()
         batch = ref_cache.with_ref(data_lib.take_pairs(train_set, idx), train_ref, idx)
         progress.count_tokens(int(batch["attention_mask"].sum()))
@@ -161,10 +185,12 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
           progress.defer(step, metrics)
         if eval_set is not None and _every(cfg.eval_every, step, cfg.steps):
           flush()
+          dog.beat(f"evaluation at step {step}")
           progress.eval(step, evaluate_lib.evaluate(steps, state["params"], ref_params,
                                                     eval_set, eval_ref))
         if sampler and _every(cfg.sample_every, step, cfg.steps):
           flush()
+          dog.beat(f"sampling at step {step}")
           sampler(step, steps.policy_params(state["params"], ref_params))
         if stop.should_stop(step):
           flush()
@@ -175,6 +201,7 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
         if _every(cfg.save_every, step, cfg.steps) or step == cfg.steps:
           flush()  # its row is written before the step can be restored
           save(step)
+      dog.beat(f"train step {cfg.steps}")
       flush()
       health_lib.check_finite(jax.device_get(state["nonfinite"]), cfg.on_nonfinite, log)
       profiler.stop()  # a range past the last step ends with the run
@@ -183,9 +210,11 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
     progress.close(upload=False)  # the error may be the storage's: no more uploads
     ckpt.close(quiet=True)  # an error is on its way already; let pending saves finish
     raise
+  dog.beat("writing the last metrics and waiting for the last checkpoint")
   progress.close()
   ckpt.close()
   log(f"done: steps {start + 1}-{cfg.steps} in {progress.elapsed()}")
   if cfg.export_hf_dir:
+    dog.beat(f"exporting to {cfg.export_hf_dir}", first=True)
     source_lib.export(cfg, steps, state["params"], ref_params, log)
   return {"train": progress.last_train, "eval": progress.last_eval, "state": state}

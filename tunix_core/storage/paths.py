@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
 
 # The budget of this layer's retries of one operation on object storage, on top of the
@@ -62,11 +63,33 @@ def _transient(e: BaseException) -> bool:
   return bool(_TRANSIENT.search(f"{type(e).__name__} {e}"))
 
 
+# "`what` `path`" of every call running now, by thread (what a watchdog names).
+_IN_FLIGHT = {}
+
+
+def in_flight() -> list[str]:
+  """The storage calls running now, e.g. "writing gs://bucket/run/metrics.jsonl"."""
+  return list(_IN_FLIGHT.values())
+
+
 def call(what: str, path: str, fn, writes: bool = False):
   """`fn()`, retried while it fails transiently (for `RETRY_SECONDS` at most) on a remote
   `path`; a failure is a `StorageError` "`what` `path` failed: reason" (a missing file
   stays a `FileNotFoundError` unless the call `writes`: then a missing bucket or
   directory is the failure)."""
+  key = threading.get_ident()
+  outer = _IN_FLIGHT.get(key)   # a call made inside another call's `fn`
+  _IN_FLIGHT[key] = f"{what} {path}"
+  try:
+    return _call(what, path, fn, writes)
+  finally:
+    if outer is None:
+      _IN_FLIGHT.pop(key, None)
+    else:
+      _IN_FLIGHT[key] = outer
+
+
+def _call(what: str, path: str, fn, writes: bool):
   deadline, delay = time.monotonic() + RETRY_SECONDS, 0.5
   while True:
     try:

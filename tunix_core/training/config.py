@@ -65,6 +65,9 @@ class TrainConfig:
   save_every: int = _flag(100, "Save an asynchronous checkpoint every N steps; the last "
                           "step is always saved (0: only the last step, and on "
                           "SIGTERM/SIGINT).", group="run")
+  step_timeout: float = _flag(1800.0, "Watchdog (exit status 5, stacks in trainer.log): "
+                              "seconds a step, eval, save or storage call may take; 4x for "
+                              "start-up, the first step and the export; 0: off.", group="run")
   keep: int = _flag(3, "Most recent checkpoints to keep.", group="run")
   keep_period: int = _flag(0, "Also keep every checkpoint whose step is a multiple of N, "
                            "permanently (0: none).", group="run")
@@ -263,9 +266,8 @@ class TrainConfig:
                                self.lora_rslora) if self.lora_rank else None
 
   def resolved_compute_dtype(self, platform: str) -> str:
-    """`--compute_dtype`, with auto: bfloat16 on accelerators (TPU, and GPU, whose tensor
-    cores run bf16 matmuls at many times float32's rate), float32 on CPU. `platform` is a
-    `jax.Device.platform` ("gpu") or a backend name ("cuda", "rocm")."""
+    """`--compute_dtype`, with auto: bfloat16 on TPU and GPU (tensor cores), float32 on
+    CPU. `platform`: a `jax.Device.platform` ("gpu") or a backend ("cuda", "rocm")."""
     if self.compute_dtype != "auto":
       return self.compute_dtype
     return "bfloat16" if platform in ("tpu", "gpu", "cuda", "rocm") else "float32"

@@ -47,6 +47,7 @@ def check(cfg, num_devices: int, choices: dict) -> None:
        f"micro-batches on each of the {what}")
   need(cfg.bucket_mb > 0, f"--bucket_mb must be positive, got {cfg.bucket_mb}")
   need(cfg.check_replicas_every >= 0, "--check_replicas_every must be >= 0")
+  need(cfg.step_timeout >= 0, "--step_timeout must be >= 0 (0 disables the watchdog)")
   need(not (cfg.fsdp and cfg.check_replicas_every),
        "--check_replicas_every checks replicated params; under --fsdp no param is "
        "replicated (set it to 0)")
