@@ -7,6 +7,7 @@ line before anything is compiled.
 
 import dataclasses
 import glob
+import logging
 import os
 import re
 import sys
@@ -150,6 +151,18 @@ def _library_log_path(output_dir: str) -> str:
   return os.path.join(output_dir, name)
 
 
+def _exit_now(status: int) -> None:
+  """Ends the process with `status` once output is flushed, without the interpreter's
+  shutdown: that joins every non-daemon thread, and after a failed asynchronous save
+  (the storage server gone) Orbax's signal-waiting threads (`futures.future`,
+  `signaling_client.blocking_key_value_get`) wait for ever for the save's completion
+  signal. That was the trainer's intermittent hang after the storage server died. By
+  now `train` has closed the checkpointer (what committed stays) and the metrics."""
+  sys.stdout.flush()
+  logging.shutdown()   # flushes trainer.log
+  os._exit(status)  # pylint: disable=protected-access
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -161,7 +174,7 @@ def main(argv):
   def fail(message: str, status: int):
     terminal.write(f"trainer.py: {message}\n")
     terminal.flush()
-    sys.exit(status)
+    _exit_now(status)
 
   try:
     cfg = config_from_flags(warn=lambda line: print(line, file=terminal, flush=True))
