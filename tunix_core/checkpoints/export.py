@@ -107,7 +107,7 @@ def export_step(output_dir: str, out_dir: str, step: int | None = None,
     return step
   # One tensor at a time to the host: the devices keep their 1/N of the rest.
   hf.save_params(params, mcfg, out_dir, src_dir=src_dir, dtype=dtype,
-                 fetch=lambda x: mesh_lib.to_host(x))
+                 fetch=mesh_lib.to_host)
   log(f"exported step {step} of {output_dir} to {out_dir} ({dtype}"
       + (f", tokenizer and config from {src_dir})" if src_dir else ")"))
   return step
