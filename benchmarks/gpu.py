@@ -124,7 +124,7 @@ def run_ours(a, config: dict, pairs) -> dict:
   cfg = config_lib.TrainConfig(output_dir=tempfile.mkdtemp(), train_data="",
                                hf_model_dir=model_dir, batch_size=a.pairs, max_length=T,
                                max_prompt_length=P, steps=a.warmup + a.steps,
-                               reference=a.reference)
+                               reference=a.reference, remat=a.remat)
   devices = jax.devices()[:1]
   plan = plan_lib.make_plan(dataclasses.replace(cfg, compile_only=True), devices,
                             packing.pair_sizes(host, cfg.prefix_sharing))
@@ -244,6 +244,7 @@ def main() -> int:
   p.add_argument("--steps", type=int, default=6, help="timed steps after the warm-up")
   p.add_argument("--warmup", type=int, default=2, help="steps before timing")
   p.add_argument("--reference", default="step", help="ours: --reference")
+  p.add_argument("--remat", default="none", help="ours: --remat (none: the default)")
   p.add_argument("--liger", action="store_true", help="trl: use_liger_kernel=True")
   p.add_argument("--out", default="gpu_results.jsonl", help="JSONL the case appends to")
   a = p.parse_args()
@@ -252,8 +253,9 @@ def main() -> int:
     return 0
   config = MODELS[a.model]
   pairs = synthetic_pairs(a.pairs, a.tokens, config["vocab_size"])
-  side = ("trl+liger" if a.liger else "trl") if a.side == "trl" else (
-      "ours" if a.reference == "step" else f"ours --reference={a.reference}")
+  flags = "".join(f" --{k}={v}" for k, v in (("reference", a.reference), ("remat", a.remat))
+                  if v != p.get_default(k))
+  side = ("trl+liger" if a.liger else "trl") if a.side == "trl" else "ours" + flags
   case = dict(model=a.model, tokens=a.tokens, pairs=a.pairs, side=side)
   try:
     measured = (run_ours if a.side == "ours" else run_trl)(a, config, pairs)

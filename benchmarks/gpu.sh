@@ -4,41 +4,48 @@
 #
 #   OUT=DIR bash benchmarks/gpu.sh            # the GPU run: at most ~5 minutes
 #   OUT=DIR bash benchmarks/gpu.sh --dry_run  # tiny shapes on CPU (tests/test_gpu_bench.py)
-#   bash benchmarks/gpu.sh --stage            # only install the carried wheels
 #
 # Every case appends its row to $OUT/results.jsonl as soon as it is measured, and
 # $OUT/table.md is rewritten after each case, so a run cut off still returns what it
-# measured. Wheels carried in .gpu_wheels/*/ (benchmarks/gpu_wheels.sh fetches them:
-# trl, datasets and what they need, liger-kernel) are installed into .gpu_site/, which
-# also holds our two packages by their import names (symlinks): the repository root is
-# never on the path, where its kernels/ folder would shadow HF's `kernels` package.
-# PYTHON runs our side, TRL_PYTHON (default: PYTHON) TRL's.
+# measured. Wheels carried in .gpu_wheels/ (benchmarks/gpu_wheels.sh fetches them: trl,
+# datasets and what they need, liger-kernel) are installed into .gpu_site/site-packages,
+# which also holds our two packages by their import names (symlinks): the repository
+# root is never on the path, where its kernels/ folder would shadow HF's `kernels`
+# package. The folder's name matters: datasets fingerprints with dill, which pickles a
+# module by value (pyarrow's fails) unless its path is under sys.prefix or holds
+# "site-packages" (seen on the H200 on 2026-12-04). PYTHON runs our side, TRL_PYTHON
+# (default: PYTHON) TRL's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode="${1:-run}"
 OUT="${OUT:-/tmp/tunix-gpu}"
 PYTHON="${PYTHON:-python3}"
 TRL_PYTHON="${TRL_PYTHON:-$PYTHON}"
-site="$PWD/.gpu_site"
+site="$PWD/.gpu_site/site-packages"
 mkdir -p "$OUT" "$site"
 ln -sfn "$PWD/kernels" "$site/tunix_kernels"
 ln -sfn "$PWD/tunix_core" "$site/tunix_core"
 shopt -s nullglob
-wheels=(.gpu_wheels/*/*.whl)
+wheels=(.gpu_wheels/*.whl)
 if (( ${#wheels[@]} )); then
   "$TRL_PYTHON" -m pip install --quiet --no-deps --no-index --upgrade --target "$site" \
       "${wheels[@]}" >> "$OUT/setup.log" 2>&1 || echo "wheel install failed: $OUT/setup.log"
 fi
-[[ "$mode" == "--stage" ]] && { echo "staged ${#wheels[@]} wheel(s) in $site"; exit 0; }
 export PYTHONPATH="$site" XLA_PYTHON_CLIENT_PREALLOCATE=false TOKENIZERS_PARALLELISM=false
 
 if [[ "$mode" == "--dry_run" ]]; then
   export JAX_PLATFORMS=cpu
-  cases=("tiny 64") common=(--pairs 2 --steps 2 --warmup 1) deadline=600 limit=300
+  cases=("tiny 64 --remat=full") common=(--pairs 2 --steps 2 --warmup 1)
+  deadline=600 limit=300 long=()
 else
-  # Most telling first: a cut-off run keeps the small model at the shorter length.
-  cases=("smollm2-135m 1024" "llama3.2-1b 2048" "smollm2-135m 2048" "llama3.2-1b 1024")
-  common=(--pairs 8 --steps 6 --warmup 2) deadline=270 limit=120
+  # "model tokens [flags of ours]", most telling first: a cut-off run keeps the small
+  # model at the shorter length. Where the default (no remat) does not fit the device
+  # (compiled on CPU: 135 GiB for Llama-3.2-1B at 2,048), ours rematerialises, as TRL's
+  # default gradient checkpointing does. Rows of 4,096 and 8,192 tokens per pair run
+  # ours and plain TRL only.
+  cases=("smollm2-135m 1024" "llama3.2-1b 2048 --remat=full" "smollm2-135m 4096 --remat=full"
+         "smollm2-135m 8192 --remat=full" "smollm2-135m 2048" "llama3.2-1b 1024")
+  common=(--pairs 8 --steps 6 --warmup 2) deadline=270 limit=120 long=(4096 8192)
 fi
 sides=(ours)
 if "$TRL_PYTHON" -c "import torch, trl, datasets" 2>/dev/null; then
@@ -53,14 +60,15 @@ fi
 
 start=$SECONDS
 for case in "${cases[@]}"; do
-  read -r model tokens <<< "$case"
+  read -r model tokens flags <<< "$case"
   for side in "${sides[@]}"; do
+    [[ "$side" == trl+liger && " ${long[*]} " == *" $tokens "* ]] && continue
     if (( SECONDS - start > deadline )); then
       echo "deadline: $model $tokens $side not run"; continue
     fi
     args=(--model "$model" --tokens "$tokens" "${common[@]}" --out "$OUT/results.jsonl")
     case "$side" in
-      ours) cmd=("$PYTHON" benchmarks/gpu.py ours "${args[@]}") ;;
+      ours) cmd=("$PYTHON" benchmarks/gpu.py ours ${flags:-} "${args[@]}") ;;
       trl) cmd=("$TRL_PYTHON" benchmarks/gpu.py trl "${args[@]}") ;;
       trl+liger) cmd=("$TRL_PYTHON" benchmarks/gpu.py trl --liger "${args[@]}") ;;
     esac

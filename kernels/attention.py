@@ -1,15 +1,16 @@
 """Causal grouped-query attention over the rows the trainer builds: `attention` and its
-two paths, the Pallas TPU kernels (`tunix_kernels.attention_pallas`) and an XLA path.
+two paths, the Pallas TPU kernels (`tunix_kernels.attention_pallas`) and a blockwise XLA
+path (`tunix_kernels.attention_xla`).
 
 Both take `q [B, T, H, K]`, `k, v [B, T, KV, K]` (H a multiple of KV). Which keys a query
 sees is a `Visibility`: the keys at or before it in the row that are real tokens, of its
 own segment (packed rows: `tunix_core.data.packing`), of the shared trunk (branch 0) or
 its own response branch (prefix sharing: a rejected response never sees the chosen
-one), and within the sliding window on rope positions. The kernels evaluate that rule
-per tile from the `[B, T]` row vectors and skip tiles with nothing visible; the XLA
-path builds the scores (of the whole row, or of a band when `Visibility.band` says how
-far back any query looks). Under `impl="auto"` the kernels run whenever the computation
-is compiled for TPU, for every row layout, window and soft-cap.
+one), and within the sliding window on rope positions. Both paths evaluate that rule
+per tile from the `[B, T]` row vectors, skip tiles with nothing visible and never hold
+a `[T, T]` array. Under `impl="auto"` the kernels run whenever the computation is
+compiled for TPU, for every row layout, window and soft-cap, and the XLA path
+everywhere else (GPU, CPU).
 """
 
 from typing import NamedTuple
@@ -21,6 +22,7 @@ from tunix_kernels import attention_blocks
 from tunix_kernels import attention_gspmd
 from tunix_kernels import attention_pallas
 from tunix_kernels import attention_tiles
+from tunix_kernels import attention_xla
 from tunix_kernels import common
 from tunix_kernels import dispatch
 from tunix_kernels import gspmd
@@ -31,7 +33,6 @@ ATTENTION_IMPLS = ("auto", "xla", "pallas", "interpret")
 # Bytes of one call's visit list (int32 per tile and row) in the 1 MiB of scalar memory
 # (SMEM) the kernels prefetch it into; a batch with longer lists runs in several calls.
 _SMEM_LIST_BYTES = 256 << 10
-_BLOCK = 128  # the XLA path's query blocks under a band
 
 
 class Visibility(NamedTuple):
@@ -42,9 +43,9 @@ class Visibility(NamedTuple):
   segments: None, or ids of packed sequences: a query sees keys of its own id only.
   branches: None, or 0 for tokens every query of the segment may see and b > 0 for a
     response branch: a key of branch b is seen only by queries of branch b.
-  band: static; None, or a bound on how far back (in row positions) any query looks,
-    so the XLA path scores each block of queries against the keys that window reaches
-    instead of the whole row (packed rows are long; their sequences are short).
+  band: static; None, or a bound on how far back (in row positions) any query looks
+    (packed rows: their longest sequence), for FLOP counts; both paths find the tiles
+    within reach from the row vectors themselves.
   """
 
   positions: jax.Array
@@ -78,11 +79,12 @@ def attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis: Visibility, *, scale: float,
       layer's own window, 0 for a full-attention layer): keys that many rope positions
       back or more are hidden.
     impl: "pallas" (Mosaic TPU kernels), "interpret" (the same kernels in TPU interpret
-      mode, for CPU tests), "xla", or "auto" (pallas when compiled for TPU, else xla).
+      mode, for CPU tests), "xla" (blockwise, `tunix_kernels.attention_xla`), or "auto"
+      (pallas when compiled for TPU, else xla).
     block_sizes: tiles of the kernels; None picks `BlockSizes.get_default` for the TPU
       generation being compiled for (`tunix_kernels.tpu.target_chip`), fitting every
       generation's default VMEM when that is unknown. Explicit tiles that cannot fit are
-      a ValueError. Ignored by "xla".
+      a ValueError. "xla" takes its tiles from them too (None: 512 x 512).
 
   Under plain `jax.jit` (outside any `shard_map`) the kernels partition over the
   operands' shardings (`tunix_kernels.attention_gspmd`): rows and KV heads stay split, the
@@ -97,14 +99,25 @@ def attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis: Visibility, *, scale: float,
                      f"{v_BxTxVxK.shape}")
   if not softcap >= 0:
     raise ValueError(f"softcap must be >= 0, got {softcap!r}")
-  if impl == "xla":
-    return xla_attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis, scale, softcap, window
-                         ).reshape(B, T, H, K)
   if not q_BxTxHxK.dtype == k_BxTxVxK.dtype == v_BxTxVxK.dtype:
     raise ValueError(f"the attention kernels take q, k and v of one dtype, got "
                      f"{q_BxTxHxK.dtype}, {k_BxTxVxK.dtype}, {v_BxTxVxK.dtype}")
   if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
     raise TypeError(f"block_sizes must be a tunix_kernels.attention.BlockSizes, got {block_sizes!r}")
+  zeros = jnp.zeros((B, T), jnp.int32)
+  segments = zeros if vis.segments is None else vis.segments.astype(jnp.int32)
+  branches = zeros if vis.branches is None else vis.branches.astype(jnp.int32)
+  positions, valid = vis.positions.astype(jnp.int32), vis.valid.astype(jnp.int32)
+  windowed = not (isinstance(window, int) and window == 0)
+  window_1 = jnp.reshape(jnp.where(jnp.asarray(window) > 0, window,
+                                   attention_blocks.NO_WINDOW).astype(jnp.int32), (1,))
+  vectors = (segments, branches, positions, valid, window_1)
+  if impl == "xla":
+    bs = block_sizes or BlockSizes()
+    return attention_xla.xla_attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK,
+                                       (*vectors[:4], window_1[0]), scale=scale,
+                                       softcap=softcap, block_q=bs.block_q,
+                                       block_k=bs.block_k)
   chip = tpu.target_chip()
   bs = block_sizes or BlockSizes.get_default(K, q_BxTxHxK.dtype, chip, seq_len=T)
   if block_sizes is not None:
@@ -123,14 +136,6 @@ def attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis: Visibility, *, scale: float,
         v_BxTxVxK[i:i + rows_per_call], Visibility(*(part(x, i) for x in vis[:4]), vis.band),
         scale=scale, softcap=softcap, window=window, impl=impl, block_sizes=block_sizes)
         for i in range(0, B, rows_per_call)], axis=0)
-  zeros = jnp.zeros((B, T), jnp.int32)
-  segments = zeros if vis.segments is None else vis.segments.astype(jnp.int32)
-  branches = zeros if vis.branches is None else vis.branches.astype(jnp.int32)
-  positions, valid = vis.positions.astype(jnp.int32), vis.valid
-  windowed = not (isinstance(window, int) and window == 0)
-  window_1 = jnp.reshape(jnp.where(jnp.asarray(window) > 0, window,
-                                   attention_blocks.NO_WINDOW).astype(jnp.int32), (1,))
-  vectors = (segments, branches, positions, valid, window_1)
   heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # [B, T, H, K] <-> [B, H, T, K]
   q, k, v = map(heads_first, (q_BxTxHxK, k_BxTxVxK, v_BxTxVxK))
 
@@ -150,57 +155,3 @@ def attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis: Visibility, *, scale: float,
   out = run(False) if impl == "pallas" else common.call_interpret(run)
   return heads_first(out)
 
-
-def _windows(x_BxT, left: int, block: int, fill=0):
-  """`[B, T, ...]` -> `[B, nb, left + block, ...]`: for each block of `block` row
-  positions, the `left` positions before it and the block itself (`fill` outside the
-  row; nb = ceil(T / block))."""
-  B, T = x_BxT.shape[:2]
-  nb = -(-T // block)
-  pad = [(0, 0), (left, nb * block - T)] + [(0, 0)] * (x_BxT.ndim - 2)
-  x = jnp.pad(x_BxT, pad, constant_values=fill)
-  x = x.reshape((B, nb + left // block, block) + x_BxT.shape[2:])
-  return jnp.concatenate([x[:, s:s + nb] for s in range(left // block + 1)], axis=2)
-
-
-def xla_attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis: Visibility, scale: float,
-                  softcap: float = 0.0, window=0):
-  """The XLA path: `[B, T, H * K]` in the dtype of `q`; differentiable in q, k, v.
-
-  Scores are float32 and soft-capped (`softcap`, 0: none) before masking; `window`
-  (a scalar, may be traced; 0: none) hides keys that many positions back or more.
-  Without `vis.band` (or a band that spans the row) every query is scored against the
-  whole row; with it, against the keys of its block and the band before.
-  """
-  B, T, H, K = q_BxTxHxK.shape
-  KV = k_BxTxVxK.shape[2]
-  if vis.band is None or vis.band >= T or T <= _BLOCK:
-    block, left = T, 0
-  else:
-    block = _BLOCK
-    left = -(-(vis.band - 1) // block) * block
-  q = _windows(q_BxTxHxK, 0, block).reshape(B, -1, block, KV, H // KV, K)
-  k, v = _windows(k_BxTxVxK, left, block), _windows(v_BxTxVxK, left, block)
-  index_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-  on_q = lambda x: _windows(x, 0, block)[..., :, None]      # [B, nb, Q, 1]
-  on_k = lambda x: _windows(x, left, block)[..., None, :]   # [B, nb, 1, S]
-  allowed = (on_k(index_BxT) <= on_q(index_BxT)) & (on_k(vis.valid) > 0)
-  if vis.segments is not None:
-    allowed &= on_k(vis.segments) == on_q(vis.segments)
-  if vis.branches is not None:
-    key_branch = on_k(vis.branches)
-    allowed &= (key_branch == 0) | (key_branch == on_q(vis.branches))
-  if not isinstance(window, int) or window:
-    distance = on_q(vis.positions) - on_k(vis.positions)
-    allowed &= (window == 0) | (distance < window)
-  scores = jnp.einsum("bnqvgk,bnsvk->bnvgqs", q, k, preferred_element_type=jnp.float32)
-  scores = scores * scale
-  if softcap:
-    scores = softcap * jnp.tanh(scores / softcap)
-  # A finite fill keeps fully masked rows (padding queries) free of NaN.
-  scores = jnp.where(allowed[:, :, None, None], scores, -1e30)
-  # A query that sees no key at all (a padding query) returns 0, as in the kernels.
-  probs = jnp.where(allowed[:, :, None, None], jax.nn.softmax(scores, axis=-1), 0.0)
-  probs = probs.astype(q_BxTxHxK.dtype)
-  out = jnp.einsum("bnvgqs,bnsvk->bnqvgk", probs, v)
-  return out.reshape(B, -1, H * K)[:, :T]

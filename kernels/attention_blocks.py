@@ -124,9 +124,9 @@ def _summaries(x_BxT, valid_BxT, block):
   return (jnp.min(jnp.where(ok, x, big), axis=-1), jnp.max(jnp.where(ok, x, -big), axis=-1))
 
 
-def _lists(visible_BxRxC):
+def tile_lists(visible_BxRxC):
   """For each `[b, r]`, the `c` with `visible[b, r, c]` ascending, padded with the last
-  (0 when none), flattened; and their counts, flattened."""
+  (0 when none), flattened `[B * R * C]`; and their counts, flattened `[B * R]`."""
   B, R, C = visible_BxRxC.shape
   cols = jnp.arange(C, dtype=jnp.int32)
   ordered = jnp.sort(jnp.where(visible_BxRxC, cols, C), axis=-1)
@@ -136,11 +136,11 @@ def _lists(visible_BxRxC):
   return index.reshape(-1).astype(jnp.int32), count.reshape(-1)
 
 
-def visits(segments, branches, positions, valid, window, bq, bk) -> Visits:
-  """The tiles with at least one visible entry, from per-block summaries of the `[B, T]`
-  int32 row vectors (a conservative test: a listed tile may still be all masked, an
-  unlisted one never has a visible entry). `window` is the effective window (an int32
-  scalar, `NO_WINDOW` for none)."""
+def visible_tiles(segments, branches, positions, valid, window, bq, bk) -> jax.Array:
+  """`[B, nq, nk]` bool: the tiles with at least one visible entry, from per-block
+  summaries of the `[B, T]` int32 row vectors (a conservative test: a tile it keeps may
+  still be all masked, one it drops never has a visible entry). `window` is the
+  effective window (an int32 scalar, `NO_WINDOW` for none)."""
   B, T = valid.shape
   index = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
   real, every = valid > 0, jnp.ones((B, T), bool)
@@ -154,8 +154,13 @@ def visits(segments, branches, positions, valid, window, bq, bk) -> Visits:
   overlap = lambda qs, ks: (q(qs[0]) <= k(ks[1])) & (k(ks[0]) <= q(qs[1]))
   visible = (k(k_first) <= q(q_last)) & overlap(q_seg, k_seg)
   visible &= k(k_any_trunk) | overlap(q_br, k_br)
-  visible &= q(q_pos[0]) - k(k_pos[1]) < window
-  return Visits(*_lists(visible), *_lists(jnp.swapaxes(visible, 1, 2)))
+  return visible & (q(q_pos[0]) - k(k_pos[1]) < window)
+
+
+def visits(segments, branches, positions, valid, window, bq, bk) -> Visits:
+  """The `Visits` lists of `visible_tiles` (same arguments), per row."""
+  visible = visible_tiles(segments, branches, positions, valid, window, bq, bk)
+  return Visits(*tile_lists(visible), *tile_lists(jnp.swapaxes(visible, 1, 2)))
 
 
 def causal_tiles(seq_len, bq, bk) -> int:

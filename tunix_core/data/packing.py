@@ -130,8 +130,7 @@ def make_spec(sizes: Sizes, pairs: int, share: bool, pack: bool,
   top = lambda x: int(np.sort(x)[-pairs:].sum())
   head = _round(top(sizes.scored))
   if pack:
-    # A packed row is a whole number of attention tiles: the TPU flash kernel's, and the
-    # XLA path's query blocks.
+    # A packed row is a whole number of attention tiles (the TPU flash kernel's).
     length = -(-top(sizes.tokens) // PACKED_ROUND) * PACKED_ROUND
     return Spec(pairs, 1, length, head, int(sizes.tokens.max()), share)
   if share:

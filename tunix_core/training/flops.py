@@ -6,8 +6,8 @@ and LM-head slots), never more: per model-row position of a row of `L` tokens,
     dense     = 2 * matmul params of all layers                       (qkv, o, MLP)
     attention = 4 * num_layers * num_heads * head_dim * keys           (QK^T and PV)
 
-with `keys` the keys a query is scored against, at most the row (`L`) or, packed, the
-band the XLA path scores (`band`); the LM head costs `2 d_model vocab` per head slot.
+with `keys` the keys a query is scored against, at most the row (`L`) or, packed, its
+longest sequence (`band`); the LM head costs `2 d_model vocab` per head slot.
 A step runs the policy forward and backward (3 forwards: the backward costs two) plus
 the frozen reference's forward when it runs in the step. Norms, rope, softmax and the
 loss are left out (under 1% at these shapes), so MFU cannot pass 100%.
