@@ -93,13 +93,15 @@ class Server:
       self.proc.wait()
 
 
-class DenyingProxy:
+class Proxy:
   """An HTTP proxy in front of `server` that answers 403 Forbidden to every upload of an
   object whose name starts with `deny` (None: forwards everything): a bucket where some
-  objects cannot be written. Point clients at `url` (`env(proxy.url)`)."""
+  objects cannot be written; and counts in `uploaded` the bytes of object data sent
+  through it (media and multipart uploads). Point clients at `url` (`env(proxy.url)`)."""
 
   def __init__(self, server: Server):
     self.deny = None
+    self.uploaded = 0
     backend = urllib.parse.urlparse(server.url)
     proxy = self
 
@@ -123,6 +125,8 @@ class DenyingProxy:
           self.end_headers()
           self.wfile.write(data)
           return
+        if body and self.path.startswith("/upload/"):
+          proxy.uploaded += len(body)
         conn = http.client.HTTPConnection(backend.hostname, backend.port, timeout=60)
         headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
         conn.request(self.command, self.path, body=body, headers=headers)

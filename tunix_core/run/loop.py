@@ -151,6 +151,8 @@ def _train(cfg, devices, log, dog):
     # read costs nothing extra: the save's fingerprints wait for the state anyway).
     health = jax.device_get(state["nonfinite"])
     health_lib.check_finite(health, cfg.on_nonfinite, log)
+    if writer is not None:
+      writer.sync()  # the rows up to this step are stored before it can commit
     digest = checkpoint.save_state(
         ckpt, step, dict(state, params=steps.logical_params(state["params"])),
         data_state=it.get_state(), num_shards=steps.num_devices, rng_key=key, config=cfg,

@@ -5,11 +5,93 @@ loop does after it has queued the next step, so logging never makes the device w
 """
 
 import json
+import threading
 import time
 
 import jax
 
 from tunix_core.storage import paths
+
+
+# Cloud Storage caps a composed object at 1,024 components: after this many appends the
+# file is written whole once (its bytes again, once per this many uploads).
+APPENDS_PER_REWRITE = 500
+# The longest wait between tries of a failed upload (doubling from 1 s), and how many
+# tries `sync` waits for before it gives up (each after the path layer's own retries).
+_MAX_BACKOFF_SECONDS = 60.0
+_SYNC_TRIES = 3
+
+
+class _Uploads:
+  """Rows appended to `path` on object storage by a daemon thread: each upload sends the
+  rows added since the last (`paths.append_bytes`: a compose, nothing sent again). A
+  failed upload is logged once and tried again (backing off, and at once on `sync`);
+  the rows wait in memory."""
+
+  def __init__(self, path: str, kept: list, log):
+    self.path, self.log = path, log
+    self.lines = list(kept)  # every row of the file: the periodic whole rewrite's source
+    paths.write_text(path, "".join(self.lines))
+    self.sent, self.appends, self.failures, self.error = len(self.lines), 0, 0, None
+    self.closing = False
+    self.cond = threading.Condition()
+    self.thread = threading.Thread(target=self._run, name="metrics-uploads", daemon=True)
+    self.thread.start()
+
+  def add(self, line: str) -> None:
+    with self.cond:
+      self.lines.append(line)
+      self.cond.notify_all()
+
+  def _run(self) -> None:
+    backoff = 1.0
+    while True:
+      with self.cond:
+        self.cond.wait_for(lambda: self.closing or len(self.lines) > self.sent)
+        start, end = self.sent, len(self.lines)
+        if start == end:
+          return  # closing, everything sent
+      try:
+        if self.appends >= APPENDS_PER_REWRITE:
+          paths.write_text(self.path, "".join(self.lines[:end]))
+          self.appends = 0
+        else:
+          paths.append_bytes(self.path, "".join(self.lines[start:end]).encode("utf-8"))
+          self.appends += 1
+      except paths.StorageError as e:
+        with self.cond:
+          if self.error is None:
+            self.log(f"warning: {e}; keeping the rows and trying again")
+          self.failures, self.error = self.failures + 1, e
+          self.cond.notify_all()
+          self.cond.wait(timeout=backoff)  # a `sync` or `close` cuts the wait short
+        backoff = min(2 * backoff, _MAX_BACKOFF_SECONDS)
+        continue
+      with self.cond:
+        self.sent, self.error, backoff = max(self.sent, end), None, 1.0
+        self.cond.notify_all()
+
+  def sync(self) -> None:
+    """Returns once every row added so far is in the object; raises the `StorageError`
+    of the last upload once `_SYNC_TRIES` uploads failed after this call began."""
+    with self.cond:
+      target, failures = len(self.lines), self.failures
+      self.cond.notify_all()
+      self.cond.wait_for(lambda: self.sent >= target
+                         or self.failures >= failures + _SYNC_TRIES)
+      if self.sent < target:
+        raise self.error
+
+  def close(self, upload: bool) -> None:
+    """Sends what is left (`upload`; raising as `sync` does) and stops the thread; rows
+    still unsent are dropped (the error path uploads nothing more)."""
+    try:
+      if upload:
+        self.sync()
+    finally:
+      with self.cond:
+        self.closing, self.sent = True, len(self.lines)
+        self.cond.notify_all()
 
 
 class MetricsWriter:
@@ -18,8 +100,11 @@ class MetricsWriter:
   A fresh run (`resume_step=0`) starts the file anew; a resumed run keeps the rows up
   to its checkpoint step and drops later ones, which the resumed run writes again.
   Locally rows are appended and flushed one by one. Object storage cannot append: there
-  the whole file is uploaded again after every row (a few KB per 10 rows). Every row
-  also goes to `sinks` (`run.observe`: TensorBoard, W&B), which `close` closes.
+  rows go up from a background thread, each upload composing the new rows onto the
+  object (`_Uploads`), so the bytes sent grow with the file, not its square, and the
+  loop never waits on the network but in `sync` (before a checkpoint: the rows up to a
+  saved step are stored before the step commits) and `close`. Every row also goes to
+  `sinks` (`run.observe`: TensorBoard, W&B), which `close` closes.
   """
 
   def __init__(self, output_dir: str, resume_step: int = 0, log=print, sinks=()):
@@ -36,24 +121,27 @@ class MetricsWriter:
     if dropped:
       log(f"warning: {self.path}: dropped {dropped} unparseable or foreign line(s) "
           "(e.g. torn by a kill during a write)")
-    self._lines = kept if paths.is_remote(self.path) else None
-    if self._lines is None:
+    self._uploads = _Uploads(self.path, kept, log) if paths.is_remote(self.path) else None
+    if self._uploads is None:
       self._file = open(self.path, "w", encoding="utf-8")
       self._file.writelines(kept)
       self._file.flush()
-    else:
-      paths.write_text(self.path, "".join(kept))
 
   def write(self, row: dict) -> None:
     line = json.dumps(row) + "\n"
-    if self._lines is None:
+    if self._uploads is None:
       self._file.write(line)
       self._file.flush()
     else:
-      self._lines.append(line)
-      paths.write_text(self.path, "".join(self._lines))
+      self._uploads.add(line)
     for sink in self.sinks:
       sink.write(row)
+
+  def sync(self) -> None:
+    """Blocks until every row written so far is stored (remote: uploaded); a failed
+    upload is its `StorageError`."""
+    if self._uploads is not None:
+      self._uploads.sync()
 
   def samples(self, step: int, rows: list) -> None:
     """`--sample_every`'s completions at `step` (dicts of "prompt", "completion") for
@@ -67,10 +155,12 @@ class MetricsWriter:
       sink.note(key, text)
 
   def close(self, upload: bool = True) -> None:
-    """Closes the file and the sinks; `upload=False` (a run ending in an error, maybe of
-    the storage itself) skips the sinks' last upload to object storage."""
-    if self._lines is None:
+    """Closes the file (remote: uploads the rows left) and the sinks; `upload=False` (a
+    run ending in an error, maybe of the storage itself) uploads nothing more."""
+    if self._uploads is None:
       self._file.close()
+    else:
+      self._uploads.close(upload)
     for sink in self.sinks:
       sink.close(upload)
 
