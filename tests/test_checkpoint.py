@@ -3,6 +3,8 @@
 import dataclasses
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -237,23 +239,42 @@ def test_two_processes_then_one_process_resume(tmp_path, gcs, lora):
   each host; LoRA with --export_merged on 2 x 1 device, a model axis of 2 across both
   hosts. Both processes end with status 0 and the export (LoRA: the PEFT adapter and
   merged/) equals one process's on as many devices; one process resumes the full run
-  from the bucket on the curve of a run that never stopped."""
+  from the bucket on the curve of a run that never stopped. The full run starts from HF
+  weights in the bucket, of which each process fetches only its devices' rows (at most
+  55% of the bytes, as the process reports them)."""
   pytest.importorskip("safetensors", reason="the export: needs the hf extra")
+  import gcs as gcs_lib  # pylint: disable=g-import-not-at-top
   from tunix_core import hf  # pylint: disable=g-import-not-at-top
+  from tunix_core import model as model_lib  # pylint: disable=g-import-not-at-top
   from tunix_core.hf import peft  # pylint: disable=g-import-not-at-top
   out = gcs.bucket("multihost") + ("/lora" if lora else "/mp")
   per_process = 1 if lora else 4
-  layout = dict(fsdp=True, model="tiny_tp", model_parallel=2,
-                **(dict(lora_rank=4, lora_alpha=8.0, export_merged=True) if lora else {}))
+  layout = dict(fsdp=True, model_parallel=2,
+                **(dict(model="tiny_tp", lora_rank=4, lora_alpha=8.0, export_merged=True)
+                   if lora else dict(hf_model_dir=out + "/model")))
+  if not lora:  # tiny_tp's shapes with a 320-token vocabulary, the tokenizer's
+    mcfg = dataclasses.replace(model_lib.preset("tiny_tp"), vocab_size=320)
+    model_dir = tmp_path / "model"
+    hf.save_params(model_lib.init_params(jax.random.PRNGKey(3), mcfg), mcfg, str(model_dir),
+                   dtype="float32")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+      shutil.copy(os.path.join(REPO, "tests", "fixtures", "hf", "tokenizer", name), model_dir)
+    gcs_lib.upload(gcs, str(model_dir), out + "/model")
   cfg = _config(out, steps=3, save_every=3, export_hf_dir=out + "/export", **layout)
   port = _free_port()
   procs = [_spawn(cfg, devices=per_process,
                   extra=[f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
                          f"--process_id={i}"])
            for i in range(2)]
-  for p in procs:
-    _, err = p.communicate(timeout=600)
+  for i, p in enumerate(procs):
+    stdout, err = p.communicate(timeout=600)
     assert p.returncode == 0, err[-3000:]
+    if not lora:
+      said = re.search(rf"process {i}: weights: this process fetched ([\d,]+) of the "
+                       r"checkpoint's ([\d,]+) bytes", stdout)
+      assert said, stdout[-3000:]
+      fetched, total = (int(x.replace(",", "")) for x in said.groups())
+      assert fetched <= 0.55 * total, (i, fetched, total)
   straight = tmp_path / "straight"
   train.train(_config(straight, steps=3, save_every=3, export_hf_dir=str(straight / "export"),
                       **layout), devices=jax.devices()[:2 * per_process], **QUIET)

@@ -176,6 +176,7 @@ def load_params(model_dir: str, cfg: model_lib.ModelConfig, *, dtype=None,
       if shardings is None:
         node[leaf[-1]] = jax.numpy.asarray(read(()))
       else:
+        read = _once_per_block(read)
         sharding = functools.reduce(lambda tree, key: tree[key], leaf, shardings)
         by_rows = _file_row_sharding(sharding, shapes[leaf]) if tensors[0][1] else None
         if by_rows is None:
@@ -186,25 +187,38 @@ def load_params(model_dir: str, cfg: model_lib.ModelConfig, *, dtype=None,
   return params
 
 
+def _once_per_block(read):
+  """`read(index)` once per distinct block of one leaf: the devices of a process that
+  hold the same block (replicas over a model axis) share one read of the files."""
+  blocks = {}
+
+  def shared(index):
+    key = tuple((i.start, i.stop, i.step) if isinstance(i, slice) else i for i in index)
+    if key not in blocks:
+      blocks[key] = read(index)
+    return blocks[key]
+  return shared
+
+
 def _file_row_sharding(sharding, shape):
   """For a transposed leaf (ours `[..., in, out]`, the file's `[out, in]`) that
-  `sharding` splits on a dimension other than `out`: the same split moved to `out`, so
-  each device's block is a contiguous range of the file's rows (read by byte range)
-  rather than a column range that crosses every row; None when it already is, or when
-  `out` does not divide."""
+  `sharding` splits on `in` (FSDP; `out` may be split too, by a model axis): every split
+  of the two moved to `out`, so each device's block is a contiguous range of the file's
+  rows (read by byte range) rather than a column range that crosses every row; None
+  when it already is, or when `out` does not divide."""
   import jax  # pylint: disable=g-import-not-at-top
   spec = getattr(sharding, "spec", None)
-  if spec is None:
+  if spec is None or len(shape) < 2:
     return None
   spec = tuple(spec) + (None,) * (len(shape) - len(spec))
-  split = [d for d, axes in enumerate(spec) if axes is not None]
-  if split != [len(shape) - 2] or len(shape) < 2:   # only a split `in` dimension moves
-    return None
-  axes = spec[-2] if isinstance(spec[-2], tuple) else (spec[-2],)
+  if spec[-2] is None or any(axes is not None for axes in spec[:-2]):
+    return None   # only splits of `in` and `out` move
+  as_tuple = lambda axes: () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
+  axes = as_tuple(spec[-1]) + as_tuple(spec[-2])
   if shape[-1] % int(np.prod([sharding.mesh.shape[a] for a in axes])):
     return None
   return jax.sharding.NamedSharding(
-      sharding.mesh, jax.sharding.PartitionSpec(*spec[:-2], None, spec[-2]))
+      sharding.mesh, jax.sharding.PartitionSpec(*spec[:-2], None, axes))
 
 
 def _read_block(tensor, tensors, stacked: bool, ndim: int, dtype, index) -> np.ndarray:

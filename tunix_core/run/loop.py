@@ -81,6 +81,10 @@ def _train(cfg, devices, log, dog):
   """`train` under the watchdog `dog`, which each piece of blocking work names."""
   dog.beat("start-up (data, weights, the newest checkpoint)", first=True)
   primary = jax.process_index() == 0
+  # Each process says what only it knows (its share of the weights' bytes); the rest is
+  # process 0's to say.
+  host_log = log if jax.process_count() == 1 else (
+      lambda line, say=log: say(f"process {jax.process_index()}: {line}"))
   log = log if primary else (lambda *_: None)
   try:
     paths.makedirs(cfg.output_dir)
@@ -102,13 +106,14 @@ def _train(cfg, devices, log, dog):
   # train state never invalidates it.
   ref_dtype = model_lib.DTYPES[cfg.ref_param_dtype()]
   if plan.lora is not None:  # the step's frozen input is the base (`parallel.lora`)
-    ref_params, adapters = source_lib.lora_start(cfg, steps, key, ref_dtype)
+    ref_params, adapters = source_lib.lora_start(cfg, steps, key, ref_dtype, host_log)
     state = state or steps.init_state(key, adapters)
   elif state is None:
-    state = steps.init_state(key, source_lib.initial_params(cfg, steps))
+    state = steps.init_state(key, source_lib.initial_params(cfg, steps, log=host_log))
     ref_params = jax.tree.map(lambda x: jnp.array(x, ref_dtype, copy=True), state["params"])
   else:
-    ref_params = source_lib.initial_params(cfg, steps, ref_dtype) or steps.init_params(key)
+    ref_params = (source_lib.initial_params(cfg, steps, ref_dtype, host_log)
+                  or steps.init_params(key))
     ref_params = jax.tree.map(lambda x: x.astype(ref_dtype), ref_params)
   count = lambda shapes: sum(x.size for x in jax.tree.leaves(shapes))
   num_params = count(steps.base_layout.param_shapes)

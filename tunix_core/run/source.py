@@ -77,23 +77,34 @@ def source(cfg) -> dict:
           "hf_fingerprint": fingerprint(cfg.hf_model_dir)}
 
 
-def initial_params(cfg, steps, dtype=None) -> dict | None:
+def initial_params(cfg, steps, dtype=None, log=None) -> dict | None:
   """The pretrained weights of `--hf_model_dir` in `steps`' layout (in `dtype`, default
   `--param_dtype`), or None for a preset (initialised from the seed). Each device reads
   its block of the logical arrays (`steps.logical_shardings()`: split under FSDP) from
-  the files before they are cut into the run's layout."""
+  the files before they are cut into the run's layout. From object storage, `log` gets
+  how many of the files' bytes this process fetched (a host reads its devices' rows)."""
   if not cfg.hf_model_dir:
     return None
   from tunix_core import hf  # pylint: disable=g-import-not-at-top
-  return steps.place_base(hf.load_params(cfg.hf_model_dir, steps.mcfg, dtype=dtype,
-                                         shardings=steps.base_logical_shardings()))
+  from tunix_core.hf import ranged  # pylint: disable=g-import-not-at-top
+  before = ranged.RangedFile.fetched
+  params = hf.load_params(cfg.hf_model_dir, steps.mcfg, dtype=dtype,
+                          shardings=steps.base_logical_shardings())
+  if log is not None and paths.is_remote(cfg.hf_model_dir):
+    total = sum(paths.getsize(paths.join(cfg.hf_model_dir, f))
+                for f in paths.listdir(cfg.hf_model_dir) if f.endswith(".safetensors"))
+    fetched = ranged.RangedFile.fetched - before
+    log(f"weights: this process fetched {fetched:,} of the checkpoint's {total:,} bytes "
+        f"({fetched / max(total, 1):.0%})")
+  return steps.place_base(params)
 
 
-def lora_start(cfg, steps, key, dtype) -> tuple[dict, dict | None]:
+def lora_start(cfg, steps, key, dtype, log=None) -> tuple[dict, dict | None]:
   """`(frozen, adapters)` of a LoRA run: the step's frozen input (the base in `dtype`,
   from `--hf_model_dir` or the seed, and the `--lora_init` adapter as the reference's)
-  and the adapters to start from (None: fresh ones, `steps.init_params`)."""
-  base = initial_params(cfg, steps, dtype) or steps.init_base(key, dtype)
+  and the adapters to start from (None: fresh ones, `steps.init_params`); `log` as
+  `initial_params`'."""
+  base = initial_params(cfg, steps, dtype, log) or steps.init_base(key, dtype)
   if not cfg.lora_init:
     return {"base": base}, None
   from tunix_core.hf import peft  # pylint: disable=g-import-not-at-top
