@@ -229,6 +229,25 @@ def test_collective_bytes_are_read_from_the_hlo_with_loop_trip_counts():
 
 
 @needs_libtpu
+@pytest.mark.parametrize("layout", ["zero1", "fsdp"])
+def test_gradient_sync_compiles_to_reduce_scatters_and_all_gathers_on_tpu(tmp_path, layout):
+  """The tiny step compiled for a v5e-8: every bucket's reduce-scatter and all-gather
+  stays one (the TPU compiler turns one whose shards it cannot tile into an all-reduce,
+  twice the bytes: `parallel.collectives.TILE`); the only all-reduce left is the
+  metrics' mean, a few bytes."""
+  chip, devices = aot.target_devices("v5e-8")
+  steps, lowered = aot.lower(aot.plan_for(_config(tmp_path, fsdp=layout == "fsdp"),
+                                          devices), devices)
+  with jax.set_mesh(steps.mesh):
+    text = lowered.compile().as_text()
+  kinds = {}
+  for op in comms.ops(text, dict(steps.mesh.shape)):
+    kinds.setdefault(op["op"], []).append(op["bytes"])
+  assert kinds.get("reduce-scatter") and kinds.get("all-gather"), kinds
+  assert len(kinds.get("all-reduce", [])) <= 1 and max(kinds.get("all-reduce", [0])) < 1024, kinds
+
+
+@needs_libtpu
 @pytest.mark.parametrize("name", ["v4-32", "v5p-64", "2xv5p-16"])
 def test_mesh_neighbours_are_ici_neighbours_on_3d_tori(name):
   """On v4 and v5p slices (3-D tori; the devices' coordinates from the compiler's

@@ -13,6 +13,12 @@ by shard: each leaf is zero-padded to a multiple of `num_shards`, cut into
 so shard `i` of a bucket (what a tiled reduce-scatter leaves on device `i`) holds
 piece `i` of every leaf in it. That lets the ZeRO optimizer present its local shard as
 a pytree with the structure of the params, so per-leaf optax masks still work.
+
+On the wire each shard is padded to whole TPU tiles (`TILE` elements, the reduce-scatter
+viewing its rows as `[n, 16, w / 16]`): the TPU compiler emits a reduce-scatter (an
+all-gather) only for shards it can tile, and turns any other into an all-reduce, which
+moves twice a ring reduce-scatter's bytes (found by compiling for a v5e-8:
+`tests/test_aot.py`). The padding never reaches the buckets' layout or a checkpoint.
 """
 
 import dataclasses
@@ -22,8 +28,22 @@ import jax
 import jax.numpy as jnp
 
 IMPLS = ("xla", "ring")
-# Dtypes gradients may travel in (`comm_dtype=`); sums always accumulate in float32.
+# Dtypes gradients may travel in (`comm_dtype=`).
 COMM_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
+# Elements of a shard on the wire are a multiple of this: 16 sublanes x 128 lanes, whole
+# (8, 128) float32 and (16, 128) bfloat16 tiles.
+TILE = 2048
+_SUBLANES = 16
+
+
+def _pad_to_tile(x, axis: int = -1):
+  """`x` zero-padded on `axis` to a multiple of `TILE` (unchanged when it is one)."""
+  extra = -x.shape[axis] % TILE
+  if not extra:
+    return x
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, extra)
+  return jnp.pad(x, pad)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,9 +192,9 @@ def reduce_scatter(tree, plan: BucketPlan, axis_name, *, impl="xla", mean=True,
     impl: "xla" (one tiled `lax.psum_scatter` per bucket) or "ring" (`num_shards - 1`
       `lax.ppermute` steps per bucket, accumulating in float32).
     mean: divide by the number of devices.
-    comm_dtype: dtype on the wire, e.g. `jnp.bfloat16` to halve the bytes. Sums are
-      still accumulated in float32 (with "xla" this uses one `all_to_all` per bucket
-      and a local float32 sum instead of `psum_scatter`).
+    comm_dtype: dtype on the wire, e.g. `jnp.bfloat16` to halve the bytes: "xla"
+      reduce-scatters in it (the compiler's reduction sums in that dtype), "ring" sends
+      it and accumulates in float32.
     chunk_bytes: if set, each bucket is reduced in column chunks whose operand (all
       devices' rows, in the planned dtype) is at most this many bytes, so the cast copy
       of a large bucket never exists whole: a bf16 layer of a 7B model would otherwise
@@ -192,7 +212,8 @@ def reduce_scatter(tree, plan: BucketPlan, axis_name, *, impl="xla", mean=True,
     dtype = jnp.dtype(plan.bucket_dtype(b))
     rows = bucket.reshape(n, -1)
     width = rows.shape[1]
-    step = width if chunk_bytes is None else max(1, chunk_bytes // (n * dtype.itemsize))
+    step = width if chunk_bytes is None else max(
+        TILE, chunk_bytes // (n * dtype.itemsize) // TILE * TILE)  # whole tiles per chunk
     parts = []
     for a in range(0, width, step):
       chunk = rows[:, a:a + step]
@@ -211,10 +232,9 @@ def _reduce_scatter_rows(rows, axis_name, n, impl, comm_dtype):
   wire = rows if comm_dtype is None else rows.astype(comm_dtype)
   if impl == "ring":
     return _ring_reduce_scatter(rows.astype(jnp.float32), axis_name, n, wire.dtype)
-  if comm_dtype is None:
-    return jax.lax.psum_scatter(rows.reshape(-1), axis_name, tiled=True)
-  chunks = jax.lax.all_to_all(wire, axis_name, 0, 0, tiled=True)
-  return chunks.astype(jnp.float32).sum(axis=0)
+  tiles = _pad_to_tile(wire).reshape(n, _SUBLANES, -1)
+  return jax.lax.psum_scatter(tiles, axis_name, scatter_dimension=0,
+                              tiled=True).reshape(-1)[:rows.shape[1]]
 
 
 def all_gather(shards, plan: BucketPlan, axis_name, *, impl="xla"):
@@ -227,7 +247,8 @@ def all_gather(shards, plan: BucketPlan, axis_name, *, impl="xla"):
     if impl == "ring":
       buckets.append(_ring_all_gather(shard, axis_name, plan.num_shards))
     else:
-      buckets.append(jax.lax.all_gather(shard, axis_name, tiled=True))
+      whole = jax.lax.all_gather(_pad_to_tile(shard), axis_name, tiled=True)
+      buckets.append(whole.reshape(plan.num_shards, -1)[:, :shard.shape[0]].reshape(-1))
   return plan.unpack(buckets)
 
 

@@ -211,8 +211,8 @@ class TrainConfig:
                            "reduce-scatter / all-gather.", group="parallel")
   sync_impl: str = _flag("xla", "xla: one psum_scatter and all_gather per bucket; ring: "
                          "hand-written ppermute ring.", group="parallel")
-  grad_sync_dtype: str = _flag("float32", "Dtype of gradients on the wire; sums accumulate "
-                               "in float32.", group="parallel")
+  grad_sync_dtype: str = _flag("float32", "Gradients on the wire; bfloat16 halves the bytes, "
+                               "summed in bfloat16 (ring: float32).", group="parallel")
   check_replicas_every: int = _flag(0, "Besides after step 1, check every N steps that all "
                                     "replicas hold identical params (0: only after step "
                                     "1).", group="parallel")
