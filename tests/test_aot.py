@@ -204,7 +204,8 @@ ENTRY %main (a: f32[10]) -> f32[10] {
   %a = f32[10]{0} parameter(0)
   %r = f32[10]{0} all-reduce(%a), channel_id=2, replica_groups=[1,8]<=[8], to_apply=%add
   %w = (s32[], bf16[8,16]) while(%init), condition=%cond, body=%body
-  ROOT %s = f32[10]{0} reduce-scatter(%r), channel_id=3, replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}
+  %s = f32[10]{0} reduce-scatter(%r), channel_id=3, replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}
+  ROOT %m = f32[10]{0} all-reduce(%s), channel_id=4, replica_groups=mesh['slice'=2,'data'=4] {'slice'}, to_apply=%add
 }
 """
 
@@ -214,13 +215,15 @@ def test_collective_bytes_are_read_from_the_hlo_with_loop_trip_counts():
   groups of 4 inside a 3-trip loop sends 3 x 256 x 3/4 over "data" of a (slice 2, data 4)
   mesh; the all-reduce of f32[10] over all 8 sends 2 x 40 x 7/8 over both axes; the
   reduce-scatter to f32[10] over {0, 4}, {1, 5}, ... (an iota
-  list, transposed) sends 40 x 1 across slices."""
+  list, transposed) sends 40 x 1 across slices, and so does the all-reduce of f32[10]
+  whose groups newer XLA writes by mesh axis (`mesh[...] {'slice'}`): 2 x 40 x 1/2."""
   mesh = {"slice": 2, "data": 4}
   got = comms.collectives(HLO, mesh)
   assert got == {("data",): 3 * 256 * 3 / 4, ("slice", "data"): 2 * 40 * 7 / 8,
-                 ("slice",): 40.0}
+                 ("slice",): 40.0 + 40.0}
   assert [(o["op"], o["in_loop"], o["times"]) for o in comms.ops(HLO, mesh)] == [
-      ("all-reduce", False, 1), ("all-gather", True, 3), ("reduce-scatter", False, 1)]
+      ("all-reduce", False, 1), ("all-gather", True, 3), ("reduce-scatter", False, 1),
+      ("all-reduce", False, 1)]
   # 1 s of compute; 2 GB at 200 GB/s of ICI, 25 MB at 3.125 GB/s across slices.
   roof = comms.share({("data",): 2e9, ("slice",): 25e6}, 197e12, "v5e")
   assert roof["compute_s"] == pytest.approx(1.0) and roof["ici_s"] == pytest.approx(0.01)

@@ -8,9 +8,9 @@ multiplied by the trip count of every `while` it sits in (the compiler's
 `known_trip_count`, else the loop's condition: `counter < constant`), and names the mesh
 axes its groups span. On a multi-slice TPU target the compiler hands what crosses slices
 to its DCN runtime as `send`s marked `_xla_megascale_transfer_type` (ALL_REDUCE, ...):
-those count as that collective over "slice". On TPU a reduce-scatter may be compiled as
-an all-reduce (seen: every FSDP gradient reduce-scatter of libtpu 0.0.42.1's step),
-and is then counted as one. Per device,
+those count as that collective over "slice". On TPU a reduce-scatter or all-gather whose
+shards are not whole tiles is compiled as an all-reduce (`parallel.collectives.TILE`
+pads ours so that none is) and is then counted as one. Per device,
 for a group of n and a result of S bytes: all-gather S(n-1)/n, reduce-scatter S(n-1),
 all-reduce 2S(n-1)/n, all-to-all S(n-1)/n, collective-permute S. `collectives` sums
 them by axes.
@@ -87,7 +87,8 @@ def _bytes(shape_text: str, op: str) -> int:
 def _groups(line: str) -> list[list[int]] | None:
   """The device groups of a collective (flat indices into the mesh's devices, as the
   SPMD partitioner numbers them): explicit `{{0,1},{2,3}}`, iota `[G,S]<=[dims]T(perm)`,
-  or a permute's `source_target_pairs`; None: one group of every device."""
+  or a permute's `source_target_pairs`; None: one group of every device (groups written
+  by mesh axes: `_named_axes`)."""
   m = re.search(r"(?:replica_groups|source_target_pairs)=\{((?:\{[\d,]*\},?)+)\}", line)
   if m:
     return [[int(i) for i in g.split(",") if i] for g in re.findall(r"\{([\d,]*)\}",
@@ -100,6 +101,16 @@ def _groups(line: str) -> list[list[int]] | None:
       ids = ids.transpose([int(p) for p in m.group(4).split(",")])
     return ids.reshape(int(m.group(1)), int(m.group(2))).tolist()
   return None
+
+
+def _named_axes(line: str) -> dict | None:
+  """`{axis: size}` a collective spans when its groups are written by mesh axes (newer
+  XLA: `replica_groups=mesh['slice'=2,'data'=4] {'data'}`), else None."""
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+  if m is None:
+    return None
+  sizes = {name: int(size) for name, size in re.findall(r"'([^']+)'=(\d+)", m.group(1))}
+  return {name: sizes[name] for name in re.findall(r"'([^']+)'", m.group(2))}
 
 
 def _axes(groups, mesh_shape: dict) -> tuple:
@@ -142,10 +153,16 @@ def ops(hlo: str, mesh_shape: dict) -> list[dict]:
       shape, op = m.groups()
       base = op.removesuffix("-start")
       if base in _FACTOR and not op.endswith("-done"):
-        groups = _groups(line)
-        n = num_devices if groups is None else max(len(g) for g in groups)
+        named = _named_axes(line)
+        if named is not None:
+          n, axes = int(np.prod(list(named.values()))), tuple(a for a in mesh_shape
+                                                                 if a in named)
+        else:
+          groups = _groups(line)
+          n = num_devices if groups is None else max(len(g) for g in groups)
+          axes = _axes(groups, mesh_shape)
         if n > 1:
-          out.append({"op": base, "axes": _axes(groups, mesh_shape), "times": times,
+          out.append({"op": base, "axes": axes, "times": times,
                       "bytes": _bytes(shape, op) * _FACTOR[base](n), "in_loop": in_loop})
       across = re.search(r'_xla_megascale_transfer_type="(\w+)"', line)
       if op == "send" and across:  # a TPU multi-slice collective over the DCN
