@@ -45,7 +45,7 @@ else
   # ours and plain TRL only.
   cases=("smollm2-135m 1024" "llama3.2-1b 2048 --remat=full" "smollm2-135m 4096 --remat=full"
          "smollm2-135m 8192 --remat=full" "smollm2-135m 2048" "llama3.2-1b 1024")
-  common=(--pairs 8 --steps 6 --warmup 2) deadline=270 limit=120 long=(4096 8192)
+  common=(--pairs 8 --steps 6 --warmup 2) deadline=210 limit=120 long=(4096 8192)
 fi
 sides=(ours)
 if "$TRL_PYTHON" -c "import torch, trl, datasets" 2>/dev/null; then
@@ -83,5 +83,14 @@ for case in "${cases[@]}"; do
     "$PYTHON" benchmarks/gpu.py table "$OUT/results.jsonl" > "$OUT/table.md" 2>> "$OUT/log.txt"
   done
 done
+if [[ "$mode" != "--dry_run" ]]; then
+  # The attention off TPU (blockwise XLA) against the float64 oracle on this GPU, values
+  # and gradients, and its compiled temporaries linear in the row (tests/test_attention.py;
+  # float32 matmuls at full precision, as the oracle's 1e-5 needs).
+  JAX_PLATFORMS=cuda JAX_DEFAULT_MATMUL_PRECISION=highest timeout 90 "$PYTHON" -m pytest -q \
+      -p no:cacheprovider tests/test_attention.py -k "auto or t_by_t" \
+      > "$OUT/attention_gpu.txt" 2>&1
+  echo "attention on the GPU: $(tail -n 1 "$OUT/attention_gpu.txt")"
+fi
 cat "$OUT/table.md" 2>/dev/null
 echo "done in $(( SECONDS - start )) s"
