@@ -4,7 +4,9 @@ One pass over the sequence axis (grid of `T / block_t` steps, "arbitrary") accum
 the masked per-row sums of the four log-prob inputs and the two mask lengths in
 lane-replicated `[B, 128]` VMEM scratch; the last step turns them into each row's loss,
 rewards and the derivative of the loss with respect to its per-sequence log-prob, all
-packed into the lanes of one `[B, 128]` output. The backward kernel ("parallel" over
+packed into the lanes of one `[B, 128]` output. The loss is `dpo_losses.row_losses`,
+the formula the XLA path evaluates, and its derivative that formula's VJP, traced into
+the kernel: one formula per loss. The backward kernel ("parallel" over
 sequence blocks) broadcasts those per-row derivatives back onto the masked tokens.
 
 Inputs must already be padded: `B % 8 == 0`, `T % block_t == 0`, padded positions
@@ -20,6 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from tunix_kernels import dpo_losses
 from tunix_kernels.common import cotangent_for
 from tunix_kernels.common import out_struct
 from tunix_kernels.dispatch import LANES
@@ -49,26 +52,14 @@ class BlockSizes:
     return cls(block_t=512)
 
 
-def _log_sigmoid(x):
-  return jnp.minimum(x, 0.0) - jnp.log(1.0 + jnp.exp(-jnp.abs(x)))
-
-
-def _row_loss(z, beta, loss_type, eps):
-  """Loss of each row and its derivative in `h = z / beta` (z = chosen - rejected reward)."""
-  sig = jax.nn.sigmoid
-  if loss_type == "sigmoid":
-    loss = -(1 - eps) * _log_sigmoid(z) - eps * _log_sigmoid(-z)
-    dz = -(1 - eps) * sig(-z) + eps * sig(z)
-  elif loss_type == "robust":
-    loss = (-(1 - eps) * _log_sigmoid(z) + eps * _log_sigmoid(-z)) / (1 - 2 * eps)
-    dz = (-(1 - eps) * sig(-z) - eps * sig(z)) / (1 - 2 * eps)
-  elif loss_type == "hinge":
-    loss = jnp.maximum(1.0 - z, 0.0)
-    dz = jnp.where(1.0 - z > 0, -1.0, 0.0)
-  else:  # ipo
-    h = z / beta
-    return (h - 1 / (2 * beta)) ** 2, 2 * (h - 1 / (2 * beta))
-  return loss, beta * dz
+def _row_loss(pc, pr, rc, rr, len_c, len_r, beta, loss_type, eps):
+  """Each row's loss under `loss_type` (`dpo_losses.row_losses`, the XLA path's very
+  formulas) and its derivatives in the policy's chosen and rejected sums."""
+  spec = dpo_losses.LossSpec(loss_types=(loss_type,), beta=beta, label_smoothing=eps)
+  rows = lambda pc, pr: dpo_losses.row_losses(
+      loss_type, dpo_losses.Sums(pc, pr, rc, rr, len_c, len_r), spec)
+  loss, pullback = jax.vjp(rows, pc, pr)
+  return (loss, *pullback(jnp.ones_like(loss)))
 
 
 def _fwd_kernel(pc_ref, pr_ref, rc_ref, rr_ref, cm_ref, rm_ref, out_ref, *sums, beta,
@@ -88,21 +79,17 @@ def _fwd_kernel(pc_ref, pr_ref, rc_ref, rr_ref, cm_ref, rm_ref, out_ref, *sums, 
   @pl.when(t == pl.num_programs(0) - 1)
   def _finalize():
     pc, pr, rc, rr, len_c, len_r = (s[...] for s in sums)  # each [B, 128], lane-replicated
-    # The table holds sums (TRL's metrics); ipo's loss reads length-averaged log-ratios.
-    if loss_type == "ipo":
-      len_c, len_r = jnp.maximum(len_c, 1.0), jnp.maximum(len_r, 1.0)
-    else:
-      len_c = len_r = 1.0
     chosen_reward, rejected_reward = beta * (pc - rc), beta * (pr - rr)
-    loss, dh = _row_loss(chosen_reward / len_c - rejected_reward / len_r, beta, loss_type, eps)
+    loss, d_chosen, d_rejected = _row_loss(pc, pr, rc, rr, len_c, len_r, beta, loss_type,
+                                           eps)
     rows = jax.lax.broadcasted_iota(jnp.int32, out_ref.shape, 0)
     valid = rows < num_rows
     lanes = jax.lax.broadcasted_iota(jnp.int32, out_ref.shape, 1)
     table = jnp.zeros(out_ref.shape, jnp.float32)
     for lane, value in ((LOSS, loss), (CHOSEN_REWARD, chosen_reward),
                         (REJECTED_REWARD, rejected_reward), (POLICY_CHOSEN, pc),
-                        (POLICY_REJECTED, pr), (D_CHOSEN, dh / len_c),
-                        (D_REJECTED, -dh / len_r)):
+                        (POLICY_REJECTED, pr), (D_CHOSEN, d_chosen),
+                        (D_REJECTED, d_rejected)):
       table = jnp.where(lanes == lane, value, table)
     out_ref[...] = jnp.where(valid, table, 0.0)
 
@@ -115,7 +102,7 @@ def _bwd_kernel(coef_ref, cm_ref, rm_ref, dpc_ref, dpr_ref):
 
 # Per entry of the forward's lane-replicated `[B, 128]` row sums, its last step does about
 # this many elementwise ops (averages, rewards, loss and derivative, packing the table)
-# and, for sigmoid and robust, two log-sigmoids and two sigmoids: 6 transcendentals.
+# and, for sigmoid and robust, two log-sigmoids and their derivatives: 6 transcendentals.
 _FINALIZE_FLOPS = 48
 
 

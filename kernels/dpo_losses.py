@@ -125,8 +125,14 @@ def chosen_nll(s: Sums):
   return -jnp.sum(s.policy_chosen) / jnp.maximum(jnp.sum(s.len_chosen), 1.0)
 
 
-def _term(t: str, s: Sums, spec: LossSpec):
-  """The batch mean of loss term `t`."""
+# Terms that couple the rows of a batch (sorted log-ratios, NLL over all chosen tokens);
+# every other term is the batch mean of a per-row loss (`row_losses`).
+BATCH_TYPES = ("aot", "aot_unpaired", "sft", "cpo", "orpo")
+
+
+def row_losses(t: str, s: Sums, spec: LossSpec):
+  """Each pair's loss under term `t` (not in `BATCH_TYPES`), elementwise in `s`'s arrays
+  of any one shape: the formulas the Pallas kernel evaluates too (`dpo_loss_pallas`)."""
   beta, eps = spec.beta, spec.label_smoothing
   len_c, len_r = jnp.maximum(s.len_chosen, 1.0), jnp.maximum(s.len_rejected, 1.0)
   chosen_ratio = s.policy_chosen - s.ref_chosen
@@ -135,55 +141,63 @@ def _term(t: str, s: Sums, spec: LossSpec):
   z = beta * (sc - sr)
   ls = jax.nn.log_sigmoid
   if t == "sigmoid":  # DPO; cDPO with label_smoothing (TRL 1.16 has eps = 0 here)
-    losses = _smoothed(z, eps)
-  elif t == "hinge":
-    losses = jax.nn.relu(1.0 - z)
-  elif t == "ipo":
-    losses = (sc / len_c - sr / len_r - 1.0 / (2.0 * beta)) ** 2
-  elif t == "exo_pair":
-    losses = (jax.nn.sigmoid(z) * (ls(z) - jnp.log1p(-eps))
-              + jax.nn.sigmoid(-z) * (ls(-z) - jnp.log(eps)))
-  elif t == "nca_pair":
-    losses = -ls(beta * sc) - 0.5 * ls(-beta * sc) - 0.5 * ls(-beta * sr)
-  elif t == "robust":
-    losses = (-(1 - eps) * ls(z) + eps * ls(-z)) / (1 - 2 * eps)
-  elif t == "bco_pair":
-    losses = -ls(beta * sc) - ls(-beta * sr)
-  elif t == "sppo_hard":
-    losses = (sc - 0.5 / beta) ** 2 + (sr + 0.5 / beta) ** 2
-  elif t == "aot":
+    return _smoothed(z, eps)
+  if t == "hinge":
+    return jax.nn.relu(1.0 - z)
+  if t == "ipo":
+    return (sc / len_c - sr / len_r - 1.0 / (2.0 * beta)) ** 2
+  if t == "exo_pair":
+    return (jax.nn.sigmoid(z) * (ls(z) - jnp.log1p(-eps))
+            + jax.nn.sigmoid(-z) * (ls(-z) - jnp.log(eps)))
+  if t == "nca_pair":
+    return -ls(beta * sc) - 0.5 * ls(-beta * sc) - 0.5 * ls(-beta * sr)
+  if t == "robust":
+    return (-(1 - eps) * ls(z) + eps * ls(-z)) / (1 - 2 * eps)
+  if t == "bco_pair":
+    return -ls(beta * sc) - ls(-beta * sr)
+  if t == "sppo_hard":
+    return (sc - 0.5 / beta) ** 2 + (sr + 0.5 / beta) ** 2
+  if t == "apo_zero":
+    return 1.0 - jax.nn.sigmoid(beta * chosen_ratio) + jax.nn.sigmoid(beta * rejected_ratio)
+  if t == "apo_down":
+    return jax.nn.sigmoid(beta * chosen_ratio) + 1.0 - jax.nn.sigmoid(z)
+  if t == "discopop":
+    mix = jax.nn.sigmoid(z / spec.discopop_tau)
+    return -ls(z) * (1.0 - mix) + jnp.exp(-z) * mix
+  if t == "sigmoid_norm":
+    return -ls(beta * (sc / len_c - sr / len_r))
+  if t == "simpo":  # SimPO: length-averaged policy log-probs, target margin gamma
+    return _smoothed(beta * (s.policy_chosen / len_c - s.policy_rejected / len_r)
+                     - spec.simpo_gamma, eps)
+  raise ValueError(f"unknown or batch-coupled loss_type {t!r}")
+
+
+def _term(t: str, s: Sums, spec: LossSpec):
+  """The batch mean of loss term `t`."""
+  if t not in BATCH_TYPES:
+    return jnp.mean(row_losses(t, s, spec))
+  beta, eps = spec.beta, spec.label_smoothing
+  len_c, len_r = jnp.maximum(s.len_chosen, 1.0), jnp.maximum(s.len_rejected, 1.0)
+  ls = jax.nn.log_sigmoid
+  if t == "aot":
     delta = (jnp.sort(s.policy_chosen - s.policy_rejected)
              - jnp.sort(s.ref_chosen - s.ref_rejected))
-    losses = _smoothed(beta * delta, eps)
-  elif t == "aot_unpaired":
-    losses = _smoothed(beta * (jnp.sort(chosen_ratio) - jnp.sort(rejected_ratio)), eps)
-  elif t == "apo_zero":
-    losses = 1.0 - jax.nn.sigmoid(beta * chosen_ratio) + jax.nn.sigmoid(beta * rejected_ratio)
-  elif t == "apo_down":
-    losses = jax.nn.sigmoid(beta * chosen_ratio) + 1.0 - jax.nn.sigmoid(z)
-  elif t == "discopop":
-    mix = jax.nn.sigmoid(z / spec.discopop_tau)
-    losses = -ls(z) * (1.0 - mix) + jnp.exp(-z) * mix
-  elif t == "sft":
+    return jnp.mean(_smoothed(beta * delta, eps))
+  if t == "aot_unpaired":
+    return jnp.mean(_smoothed(beta * (jnp.sort(s.policy_chosen - s.ref_chosen)
+                                      - jnp.sort(s.policy_rejected - s.ref_rejected)), eps))
+  if t == "sft":
     return chosen_nll(s)
-  elif t == "sigmoid_norm":
-    losses = -ls(beta * (sc / len_c - sr / len_r))
-  elif t == "simpo":  # SimPO: length-averaged policy log-probs, target margin gamma
-    losses = _smoothed(beta * (s.policy_chosen / len_c - s.policy_rejected / len_r)
-                       - spec.simpo_gamma, eps)
-  elif t == "cpo":
+  if t == "cpo":
     return (jnp.mean(_smoothed(beta * (s.policy_chosen - s.policy_rejected), eps))
             + spec.cpo_alpha * chosen_nll(s))
-  elif t == "orpo":
-    avg_c, avg_r = s.policy_chosen / len_c, s.policy_rejected / len_r
-    # log(1 - exp(x)) through expm1 (exact near 0); an empty response (x = 0) would be
-    # -inf, so x is kept just below 0.
-    log1m_exp = lambda x: jnp.log(-jnp.expm1(jnp.minimum(x, -1e-7)))
-    log_odds = (avg_c - avg_r) - (log1m_exp(avg_c) - log1m_exp(avg_r))
-    return chosen_nll(s) - beta * jnp.mean(ls(log_odds))
-  else:
-    raise ValueError(f"unknown loss_type {t!r}")
-  return jnp.mean(losses)
+  # orpo
+  avg_c, avg_r = s.policy_chosen / len_c, s.policy_rejected / len_r
+  # log(1 - exp(x)) through expm1 (exact near 0); an empty response (x = 0) would be
+  # -inf, so x is kept just below 0.
+  log1m_exp = lambda x: jnp.log(-jnp.expm1(jnp.minimum(x, -1e-7)))
+  log_odds = (avg_c - avg_r) - (log1m_exp(avg_c) - log1m_exp(avg_r))
+  return chosen_nll(s) - beta * jnp.mean(ls(log_odds))
 
 
 def loss(s: Sums, spec: LossSpec):
