@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from tunix_kernels import gspmd
 from tunix_kernels import logprobs_blocks
 from tunix_kernels import logprobs_pallas
+from tunix_kernels import logprobs_vocab
 
 F32 = jnp.float32
 _INS = ("n d", "d v", "n")
@@ -63,10 +64,8 @@ def _forward_body(cfg: Config, axes: gspmd.Axes, hidden_NxD, weight_DxV, targets
   if owned_N is None:
     return logp_N, lse_NxL
   lse_N = lse_NxL[:, 0]
-  m_N = jax.lax.pmax(lse_N, axes.vocab)  # only a shift for stability
-  total_N = m_N + jnp.log(jax.lax.psum(jnp.exp(lse_N - m_N), axes.vocab))
-  z_N = jax.lax.psum(jnp.where(owned_N, logp_N + lse_N, 0.0), axes.vocab)
-  return z_N - total_N, jnp.broadcast_to(total_N[:, None], lse_NxL.shape)
+  out_N, total_N = logprobs_vocab.combine(lse_N, logp_N + lse_N, owned_N, axes.vocab)
+  return out_N, jnp.broadcast_to(total_N[:, None], lse_NxL.shape)
 
 
 def _backward_body(cfg: Config, axes: gspmd.Axes, hidden_NxD, weight_DxV, targets_N,

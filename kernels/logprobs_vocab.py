@@ -100,11 +100,20 @@ def _combine(lse_N, z_N, owned_N, axis):
   return _combine_fwd(lse_N, z_N, owned_N, axis)[0]
 
 
-def _combine_fwd(lse_N, z_N, owned_N, axis):
-  # pmax only shifts the exponentials for stability; it is not differentiated.
+def combine(lse_N, z_N, owned_N, axis):
+  """The vocabulary-parallel combine (not differentiated; `_combine` and the GSPMD
+  kernels' forward use it): each slice's log-sum-exp `lse_N` and, where the slice owns
+  the target (`owned_N`), its target logit `z_N` -> `(log-prob, whole log-sum-exp)`,
+  float32 `[N]` replicated over `axis` (a name or tuple of names): one pmax and two
+  psums of `[N]`."""
+  # pmax only shifts the exponentials for stability.
   m_N = jax.lax.pmax(lse_N, axis)
   total_N = m_N + jnp.log(jax.lax.psum(jnp.exp(lse_N - m_N), axis))
-  out_N = jax.lax.psum(owned_N * z_N, axis) - total_N
+  return jax.lax.psum(jnp.where(owned_N, z_N, 0.0), axis) - total_N, total_N
+
+
+def _combine_fwd(lse_N, z_N, owned_N, axis):
+  out_N, total_N = combine(lse_N, z_N, owned_N, axis)
   # This slice's share of the softmax mass, exp(lse_loc - lse), is d total / d lse_loc.
   return out_N, (jnp.exp(lse_N - total_N), owned_N)
 
