@@ -163,6 +163,15 @@ def visits(segments, branches, positions, valid, window, bq, bk) -> Visits:
   return Visits(*tile_lists(visible), *tile_lists(jnp.swapaxes(visible, 1, 2)))
 
 
+def row_vectors(segments, branches, positions, valid):
+  """`(q_vectors, k_vectors)`, each `[B, 3, T]` int32: segment, branch and rope position
+  of every query and key (a padding key's segment is `NO_KEY`, which no query has), the
+  inputs of `attention_tiles.mask`."""
+  k_segments = jnp.where(valid > 0, segments, NO_KEY)
+  return (jnp.stack([segments, branches, positions], axis=1),
+          jnp.stack([k_segments, branches, positions], axis=1))
+
+
 def causal_tiles(seq_len, bq, bk) -> int:
   """Tiles on or below the diagonal of one head: the most a causal row visits (the
   cost estimate's count; tiles skipped for segments, branches and windows are only

@@ -150,9 +150,7 @@ def _dkv_kernel(q_index, q_count, window, q_ref, k_ref, v_ref, qv_ref, kv_ref, d
 def rows(segments, branches, positions, valid, window_1, bq: int, bk: int) -> Rows:
   """The kernels' `Rows` from the `[B, T]` int32 segment, branch, rope-position and
   validity vectors and the effective window `[1]` (`attention_blocks.NO_WINDOW`: none)."""
-  k_segments = jnp.where(valid > 0, segments, attention_blocks.NO_KEY)
-  q_vectors = jnp.stack([segments, branches, positions], axis=1)    # [B, 3, T]
-  k_vectors = jnp.stack([k_segments, branches, positions], axis=1)
+  q_vectors, k_vectors = attention_blocks.row_vectors(segments, branches, positions, valid)
   cols = lambda x: jnp.swapaxes(x, 1, 2)
   return Rows(q_cols=cols(q_vectors), k_rows=k_vectors, q_rows=q_vectors,
               k_cols=cols(k_vectors), window=window_1,

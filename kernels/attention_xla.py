@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from tunix_kernels import attention_blocks
+from tunix_kernels import attention_tiles
 
 _FILL = -1e30  # a masked score: finite, so a query that sees nothing stays free of NaN
 
@@ -61,18 +62,19 @@ def _tile(d: Dims, rule, q_i, k_j, i, j):
 
 
 def _rule(d: Dims, vectors):
-  """`rule(i, j)`: `[B, bq, bk]` bool, the `Visibility` rule on tile (i, j)."""
-  segments, branches, positions, valid, window = vectors
-  index = jnp.arange(d.t, dtype=jnp.int32)[None]
+  """`rule(i, j)`: `[B, bq, bk]` bool, the `Visibility` rule on tile (i, j): the Pallas
+  kernels' own mask (`attention_tiles.mask`), row by row."""
+  *rows, window = vectors
+  q_vectors, k_vectors = attention_blocks.row_vectors(*rows)
+  q_cols = jnp.swapaxes(q_vectors, 1, 2)  # [B, t, 3]
+  tile = attention_tiles.Dims(t=d.t, bq=d.bq, bk=d.bk, nq=d.t // d.bq, nk=d.t // d.bk,
+                              groups=1, scale=d.scale, softcap=d.softcap, windowed=True,
+                              vmem_limit_bytes=None, interpret=False)
 
   def rule(i, j):
-    on_q = lambda x: _block(x, i * d.bq, d.bq, 1)[:, :, None]
-    on_k = lambda x: _block(x, j * d.bk, d.bk, 1)[:, None, :]
-    key_branch = on_k(branches)
-    return ((on_k(index) <= on_q(index)) & (on_k(valid) > 0)
-            & (on_k(segments) == on_q(segments))
-            & ((key_branch == 0) | (key_branch == on_q(branches)))
-            & (on_q(positions) - on_k(positions) < window))
+    mask = lambda qv, kv: attention_tiles.mask(i, j, qv, kv, window, tile)
+    return jax.vmap(mask)(_block(q_cols, i * d.bq, d.bq, 1),
+                          _block(k_vectors, j * d.bk, d.bk, 2))
   return rule
 
 
