@@ -11,6 +11,7 @@ a leading `[L]` axis, so every projection is transposed on the way in and out. N
 weights are stored as the checkpoint has them (Gemma's centred on 0, `norm_offset=1`).
 """
 
+import collections
 import contextlib
 import functools
 import json
@@ -176,27 +177,33 @@ def load_params(model_dir: str, cfg: model_lib.ModelConfig, *, dtype=None,
       if shardings is None:
         node[leaf[-1]] = jax.numpy.asarray(read(()))
       else:
-        read = _once_per_block(read)
         sharding = functools.reduce(lambda tree, key: tree[key], leaf, shardings)
         by_rows = _file_row_sharding(sharding, shapes[leaf]) if tensors[0][1] else None
-        if by_rows is None:
-          node[leaf[-1]] = jax.make_array_from_callback(shapes[leaf], sharding, read)
-        else:  # read by the file's rows, then moved between devices to `sharding`
-          node[leaf[-1]] = jax.jit(lambda x: x, out_shardings=sharding)(
-              jax.make_array_from_callback(shapes[leaf], by_rows, read))
+        placed = by_rows or sharding
+        array = jax.make_array_from_callback(shapes[leaf], placed,
+                                             _once_per_block(read, placed, shapes[leaf]))
+        # Read by the file's rows, then moved between devices to `sharding`.
+        node[leaf[-1]] = array if by_rows is None else jax.jit(
+            lambda x: x, out_shardings=sharding)(array)
   return params
 
 
-def _once_per_block(read):
-  """`read(index)` once per distinct block of one leaf: the devices of a process that
-  hold the same block (replicas over a model axis) share one read of the files."""
+def _once_per_block(read, sharding, shape):
+  """`read(index)` once per distinct block of one leaf: the devices of this process that
+  hold the same block under `sharding` (replicas over a model axis) share one read of
+  the files, kept only until the last of them has it."""
+  key = lambda index: tuple((i.start, i.stop, i.step) if isinstance(i, slice) else i
+                            for i in index)
+  waiting = collections.Counter(
+      key(index) for index in sharding.addressable_devices_indices_map(shape).values())
   blocks = {}
 
   def shared(index):
-    key = tuple((i.start, i.stop, i.step) if isinstance(i, slice) else i for i in index)
-    if key not in blocks:
-      blocks[key] = read(index)
-    return blocks[key]
+    k = key(index)
+    if k not in blocks:
+      blocks[k] = read(index)
+    waiting[k] -= 1
+    return blocks.pop(k) if waiting[k] <= 0 else blocks[k]
   return shared
 
 
