@@ -36,14 +36,9 @@ TILE = 2048
 _SUBLANES = 16
 
 
-def _pad_to_tile(x, axis: int = -1):
-  """`x` zero-padded on `axis` to a multiple of `TILE` (unchanged when it is one)."""
-  extra = -x.shape[axis] % TILE
-  if not extra:
-    return x
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, extra)
-  return jnp.pad(x, pad)
+def _pad_to_tile(x):
+  """`x` zero-padded on its last axis to a multiple of `TILE`."""
+  return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, -x.shape[-1] % TILE)])
 
 
 @dataclasses.dataclass(frozen=True)
