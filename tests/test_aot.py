@@ -231,6 +231,7 @@ def test_collective_bytes_are_read_from_the_hlo_with_loop_trip_counts():
   assert roof["share"] == pytest.approx(0.018 / 1.018)
 
 
+@pytest.mark.slow  # two TPU compiles
 @needs_libtpu
 @pytest.mark.parametrize("layout", ["zero1", "fsdp"])
 def test_gradient_sync_compiles_to_reduce_scatters_and_all_gathers_on_tpu(tmp_path, layout):

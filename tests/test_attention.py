@@ -120,6 +120,7 @@ def _xla_temporaries(T, H=32, KV=8, K=128):
   return compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow  # two compiles of rows of 2,048 and 8,192 tokens
 def test_attention_off_tpu_holds_no_t_by_t_array():
   """The blockwise XLA path's temporaries grow linearly in the row (quadratic scores
   would grow them 16-fold over 4x the length): at 8,192 tokens 1/8 of the 32.3 GiB the

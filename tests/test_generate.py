@@ -58,6 +58,7 @@ def test_greedy_tokens_are_the_no_cache_forwards_argmax_at_every_step(family):
                              np.asarray(want_hidden)[mask > 0], atol=2e-5)
 
 
+@pytest.mark.slow  # samples several times: the greedy tests stay in the fast tier
 def test_sampling_is_reproducible_and_filters_as_asked():
   cfg = FAMILIES["llama"]
   params = model_lib.init_params(jax.random.PRNGKey(2), cfg)

@@ -71,7 +71,8 @@ def _assert_sharding(x, sharding):
   assert x.sharding.is_equivalent_to(sharding, x.ndim), (x.sharding, sharding)
 
 
-@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=str)
+@pytest.mark.parametrize("axis_type", [pytest.param(AxisType.Explicit, marks=pytest.mark.slow),
+                                       AxisType.Auto], ids=str)
 def test_both_ops_partition_under_jit_and_keep_the_shardings(axis_type):
   mesh = _mesh(jax.devices()[:8], axis_type)
   put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))
@@ -156,6 +157,7 @@ def test_compiled_for_a_v5e_8_without_gathers_and_with_shard_map_temporaries():
     assert ours["temp"] <= 1.1 * theirs["temp"] + (1 << 20), (name, ours, theirs)
 
 
+@pytest.mark.slow  # the docs' example end to end
 def test_the_embedding_example_runs_as_written():
   with open(os.path.join(runs.REPO, "docs", "embedding.md"), encoding="utf-8") as f:
     blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)

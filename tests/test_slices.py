@@ -31,6 +31,7 @@ def test_two_slices_of_four_equal_one_device_over_five_steps(tmp_path, one_devic
   runs.assert_agree(runs.step_run(steps, cfg, 5), one_device)
 
 
+@pytest.mark.slow  # compiles the multi-slice FSDP step
 def test_multi_slice_step_has_no_per_layer_collective_on_the_slice_axis(tmp_path):
   cfg = runs.config(tmp_path, num_slices=2, fsdp=True, reference="precomputed")
   steps = runs.steps(cfg, jax.devices())

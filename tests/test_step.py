@@ -162,6 +162,7 @@ def test_drift_metrics_are_per_token_log_ratios_and_log_probs():
   assert set(objective.drift_metrics(logps, None, mask)) == {"logps/chosen_per_token"}
 
 
+@pytest.mark.slow  # compiles the eval step for a padded last batch
 def test_eval_counts_every_pair_of_a_set_that_is_not_a_multiple_of_the_batch(tmp_path):
   """10 eval pairs at --batch_size=4 (the last batch holds 2) give the means over all 10
   pairs: those of the same pairs at --batch_size=2, which needs no padding."""
