@@ -35,9 +35,9 @@ def _flags(cfg):
   return [f"--{k}={v}" for k, v in dataclasses.asdict(cfg).items() if v != ""]
 
 
-def _spawn(cfg, devices=8, extra=()):
+def _spawn(cfg, devices=8, extra=(), **env):
   env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-             JAX_PLATFORMS="cpu")
+             JAX_PLATFORMS="cpu", **env)
   return subprocess.Popen([sys.executable, os.path.join(REPO, "trainer.py"), *_flags(cfg),
                            *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True)
@@ -264,7 +264,7 @@ def test_two_processes_then_one_process_resume(tmp_path, gcs, lora):
   port = _free_port()
   procs = [_spawn(cfg, devices=per_process,
                   extra=[f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-                         f"--process_id={i}"])
+                         f"--process_id={i}"], TUNIX_TEST_PAIRS_DIR=str(tmp_path))
            for i in range(2)]
   for i, p in enumerate(procs):
     stdout, err = p.communicate(timeout=600)
@@ -275,6 +275,19 @@ def test_two_processes_then_one_process_resume(tmp_path, gcs, lora):
       assert said, stdout[-3000:]
       fetched, total = (int(x.replace(",", "")) for x in said.groups())
       assert fetched <= 0.55 * total, (i, fetched, total)
+  # Each process read only its devices' pairs of the token store (on the bucket): full,
+  # two disjoint halves that together are each step's global batch; LoRA, whose model
+  # axis spans both hosts, the whole batch on each.
+  read = [[json.loads(line) for line in open(tmp_path / f"process_{i}.jsonl")]
+          for i in range(2)]
+  assert [r["step"] for r in read[0]] == [r["step"] for r in read[1]] == [1, 2, 3]
+  for a, b in zip(*read):
+    assert a["batch"] == b["batch"]
+    if lora:
+      assert a["pairs"] == b["pairs"] == a["batch"]
+    else:
+      assert len(a["pairs"]) == len(b["pairs"]) == len(a["batch"]) // 2
+      assert sorted(a["pairs"] + b["pairs"]) == sorted(a["batch"])
   straight = tmp_path / "straight"
   train.train(_config(straight, steps=3, save_every=3, export_hf_dir=str(straight / "export"),
                       **layout), devices=jax.devices()[:2 * per_process], **QUIET)

@@ -3,6 +3,7 @@
 import filecmp
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -68,7 +69,12 @@ def test_a_large_file_logs_its_encoding_progress(tmp_path):
   lines = []
   ds = data.load_dataset(path, TOK, max_length=16, max_prompt_length=8, log=lines.append)
   assert len(ds) == 10_000
-  assert lines == [f"{path}: encoding pair {i:,} of 10,000" for i in range(1, 10_000, 1000)]
+  # A line for each tenth of the file's bytes a chunk of 2,000 pairs (a fifth) crosses.
+  said = [re.fullmatch(rf"{path}: tokenized ([\d,]+) pairs \((\d+)% of the file\)", line)
+          for line in lines]
+  assert all(said), lines
+  assert [m[1] for m in said] == ["2,000", "4,000", "6,000", "8,000", "10,000"]
+  assert said[-1][2] == "100"
 
 
 def test_iterator_is_deterministic_and_resumes(tmp_path):
@@ -438,3 +444,51 @@ def test_byte_rows_of_the_shipped_data_are_bos_prompt_response_eos():
       assert ds.tokens[i, j].tolist() == seq[:-1] + [PAD] * (48 - n)
       assert ds.targets[i, j].tolist() == [IGN] * len(prompt) + seq[1 + len(prompt):] + \
           [IGN] * (48 - n)
+
+
+class _NoBos(data.ByteTokenizer):
+  bos_id = None
+
+
+def test_token_store_sizes_equal_the_rows_and_it_holds_no_padding(tmp_path):
+  """A token store's statistics (from its offsets alone) equal `packing.pair_sizes` of
+  its rows under both layouts, also for prompts of nothing (no BOS, empty prompt: the
+  rows share a prefix only if the responses start alike); its files hold at most 1.25x
+  the rows' real tokens as int32, plus 8 bytes of offsets per run (and each file's
+  128-byte `.npy` header)."""
+  from tunix_core.data import build  # pylint: disable=g-import-not-at-top
+  from tunix_core.data import packing  # pylint: disable=g-import-not-at-top
+  from tunix_core.data import store  # pylint: disable=g-import-not-at-top
+  path = _write(tmp_path, [_pair("", "same", "sane"), _pair("", "abc", "xyz"),
+                           _pair("q", "a long answer", "b"), _pair("", "x" * 40, "y")])
+  for tok, src in ((_NoBos(), path), (TOK, os.path.join(REPO, "data", "train.jsonl"))):
+    out = str(tmp_path / type(tok).__name__)
+    pairs = build.build(src, tok, out, 24, 8)
+    batch = pairs.take(np.arange(len(pairs)))
+    for share in (False, True):
+      want, got = packing.pair_sizes(batch, share), pairs.sizes(share)
+      for field in ("tokens", "scored", "longest"):
+        np.testing.assert_array_equal(getattr(got, field), getattr(want, field))
+    assert pairs.num_tokens(np.arange(len(pairs))) == batch["attention_mask"].sum()
+    on_disk = sum(os.path.getsize(os.path.join(out, f)) for f in store.FILES)
+    offsets = os.path.getsize(os.path.join(out, "offsets.npy"))
+    assert offsets == 128 + 8 * (3 * len(pairs) + 1)
+    assert on_disk - offsets - 2 * 128 <= 1.25 * 4 * batch["attention_mask"].sum(), on_disk
+
+
+@pytest.mark.slow  # starts two pools of worker processes
+def test_token_store_of_worker_processes_equals_one_process(tmp_path):
+  """Two workers on chunks of 500 lines write the very files one process writes, and a
+  bad line in a worker's chunk still names its path and line (or is skipped)."""
+  from tunix_core.data import build  # pylint: disable=g-import-not-at-top
+  from tunix_core.data import store  # pylint: disable=g-import-not-at-top
+  lines = open(os.path.join(REPO, "data", "train.jsonl"), encoding="utf-8").read().splitlines()
+  path = _write(tmp_path, lines[:1100] + ["{not json"] + lines[1100:1500])
+  with pytest.raises(data.DataError, match=re.escape(f"{path}:1101: malformed JSON")):
+    build.build(path, TOK, str(tmp_path / "bad"), 64, 32, workers=2, chunk_pairs=500)
+  one = build.build(path, TOK, str(tmp_path / "one"), 64, 32, True, workers=1)
+  two = build.build(path, TOK, str(tmp_path / "two"), 64, 32, True, workers=2,
+                    chunk_pairs=500)
+  assert one.num_skipped_lines == two.num_skipped_lines == 1 and len(one) > 1000
+  for f in store.FILES:
+    assert filecmp.cmp(os.path.join(one.path, f), os.path.join(two.path, f), shallow=False)

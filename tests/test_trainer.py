@@ -79,11 +79,12 @@ def test_precomputed_reference_matches_in_step_reference(tmp_path):
   la = [r["loss"] for r in _rows(tmp_path / "a")]
   lb = [r["loss"] for r in _rows(tmp_path / "b")]
   np.testing.assert_allclose(lb, la, rtol=1e-5, atol=1e-6)
-  cache = os.listdir(tmp_path / "b" / "ref_cache")
-  assert len(cache) == 1 and cache[0].startswith("ref_logps_")
-  # A second run reuses the cache file (same data, same initial params).
+  cache = sorted(os.listdir(tmp_path / "b" / "data_cache"))
+  assert len(cache) == 2 and cache[0].startswith("pairs-") and cache[1].startswith(
+      "ref_logps_")
+  # A second run reuses the stores and the cache files (same data, same initial params).
   train.train(_config(tmp_path / "b", reference="precomputed", steps=1), log=lambda *_: None)
-  assert os.listdir(tmp_path / "b" / "ref_cache") == cache
+  assert sorted(os.listdir(tmp_path / "b" / "data_cache")) == cache
   chex_params = [a["state"]["params"], b["state"]["params"]]
   for x, y in zip(*map(jax.tree.leaves, chex_params)):
     np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-4, atol=1e-6)
@@ -197,14 +198,15 @@ def test_diverged_replicas_are_detected(tmp_path):
     trainer.check_replicas(bad)
 
 
-def test_reference_cache_key_follows_every_bit_of_the_reference():
+def test_reference_cache_key_follows_every_bit_of_the_reference(tmp_path):
   from tunix_core import model as model_lib  # pylint: disable=g-import-not-at-top
   from tunix_core.run import ref_cache  # pylint: disable=g-import-not-at-top
-  dataset = data_lib.load_dataset(TRAIN, data_lib.ByteTokenizer(), 40, 20)
+  pairs = data_lib.build_store(TRAIN, data_lib.ByteTokenizer(), str(tmp_path / "s"), 40, 20)
   params = model_lib.init_params(jax.random.PRNGKey(0), model_lib.preset("tiny"))
-  key = ref_cache._data_hash(dataset, params)  # pylint: disable=protected-access
-  assert ref_cache._data_hash(dataset, jax.tree.map(jnp.copy, params)) == key
+  key = ref_cache.cache_key(pairs, params, "model")
+  assert ref_cache.cache_key(pairs, jax.tree.map(jnp.copy, params), "model") == key
+  assert ref_cache.cache_key(pairs, params, "another model") != key
   w = params["layers"]["wq"]
   nudged = dict(params, layers=dict(params["layers"], wq=w.at[1, 3, 5].set(
       jnp.nextafter(w[1, 3, 5], jnp.inf))))  # one ulp of one element
-  assert ref_cache._data_hash(dataset, nudged) != key
+  assert ref_cache.cache_key(pairs, nudged, "model") != key

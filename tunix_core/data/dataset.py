@@ -28,20 +28,22 @@ tokenizer's own; `none`: no template, so message lists are an error; else a jinj
 
 import copy
 import dataclasses
-import json
+import tempfile
 from typing import Protocol
 
 import numpy as np
 
+from tunix_core.data import build as data_build
 from tunix_core.data import encode as data_encode
+from tunix_core.data import packing
+from tunix_core.data import store as store_lib
 from tunix_core.storage import paths
 
 FIELDS = data_encode.FIELDS
 IGNORE_INDEX = data_encode.IGNORE_INDEX  # the target at unscored positions
 
 
-class DataError(ValueError):
-  """Bad preference data; the message names the file and line."""
+DataError = data_build.DataError
 
 
 class Tokenizer(Protocol):
@@ -55,6 +57,7 @@ class Tokenizer(Protocol):
   bos_id: int | None
   eos_id: int
   pad_id: int
+  fingerprint: str  # changes whenever `encode` may (a token store's key)
 
   def encode(self, text: str) -> list[int]:  # no special tokens added
     ...
@@ -64,6 +67,7 @@ class ByteTokenizer:
   """UTF-8 bytes are ids 0..255; then BOS, EOS and PAD. No chat template."""
 
   vocab_size = 259
+  fingerprint = "utf-8 bytes"
   bos_id = 256
   eos_id = 257
   pad_id = 258
@@ -102,32 +106,21 @@ def with_chat_template(tok: Tokenizer, chat_template: str) -> Tokenizer:
 
 def _read_records(path: str, skip_bad_lines: bool) -> tuple[list[tuple[int, dict]], int]:
   """`([(line number, pair)], bad lines skipped)`; see `read_jsonl`."""
+  records, skipped = [], 0
   try:
-    lines = paths.read_bytes(path).decode("utf-8").splitlines(keepends=True)
+    with paths.open_read(path) as f:
+      for lineno, raw in enumerate(f, start=1):
+        try:
+          pair = data_build.parse_line(path, lineno, raw)
+        except DataError:
+          if not skip_bad_lines:
+            raise
+          skipped += 1
+          continue
+        if pair is not None:
+          records.append((lineno, pair))
   except FileNotFoundError:
     raise DataError(f"{path}: no such data file") from None
-  except UnicodeDecodeError as e:
-    raise DataError(f"{path}: not UTF-8 text ({e})") from None
-
-  records, skipped = [], 0
-  for lineno, line in enumerate(lines, start=1):
-    if not line.strip():
-      continue
-    try:
-      record = json.loads(line)
-      if not isinstance(record, dict):
-        raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
-      error = data_encode.pair_error(record)
-      if error:
-        raise DataError(f"{path}:{lineno}: {error}")
-    except (json.JSONDecodeError, DataError) as e:
-      if skip_bad_lines:
-        skipped += 1
-        continue
-      if isinstance(e, DataError):
-        raise
-      raise DataError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
-    records.append((lineno, {k: record[k] for k in FIELDS}))
   if not records:
     raise DataError(f"{path}: no preference pairs" + (f" ({skipped} bad lines skipped)"
                                                        if skipped else " (empty file)"))
@@ -165,7 +158,9 @@ def encode_row(prompt_ids: list[int], response_ids: list[int], tok: Tokenizer,
 
 @dataclasses.dataclass(frozen=True)
 class PreferenceDataset:
-  """Encoded pairs; every array is int32 `[num_pairs, 2, max_length]` (chosen, rejected).
+  """Encoded pairs held in memory; every array is int32 `[num_pairs, 2, max_length]`
+  (chosen, rejected). The trainer reads a token store instead (`data.store.PairStore`);
+  both offer `take`, `sizes` and `num_tokens`.
 
   `num_prefix_mismatch` counts responses (not pairs) whose joint `prompt + response`
   tokens did not start with the prompt's tokens (see `data.encode`).
@@ -182,74 +177,51 @@ class PreferenceDataset:
   def __len__(self):
     return self.tokens.shape[0]
 
+  def take(self, idx, only=None) -> dict:
+    """The batch of the pairs `idx` (`take_pairs`; all of it, whatever `only` says)."""
+    del only
+    return take_pairs(self, idx)
 
-def _response_text(response) -> str:
-  return response if isinstance(response, str) else response[0]["content"]
+  def sizes(self, share: bool):
+    """The `packing.Sizes` of every pair."""
+    return packing.pair_sizes(take_pairs(self, np.arange(len(self))), share)
+
+  def num_tokens(self, idx) -> int:
+    return int(self.attention_mask[np.asarray(idx)].sum())
 
 
 def load_dataset(path: str, tok: Tokenizer, max_length: int, max_prompt_length: int,
                  skip_bad_lines: bool = False, *, vocab_size: int | None = None,
                  log=None) -> PreferenceDataset:
-  """Reads and encodes a JSONL file; pairs with an empty (or fully cut) response are dropped.
-  `log` (if given) gets a progress line at every tenth of a file of 10,000 pairs or more.
+  """Reads and encodes a JSONL file in memory (through a throwaway token store: one
+  encoding rule); pairs with an empty (or fully cut) response are dropped. `log` (if
+  given) gets progress lines.
 
-  Raises `DataError` (naming `path:line`) for a message-list pair when `tok` has no chat
-  template, when the template fails on the messages, and, given the model's
-  `vocab_size`, for a token id (or the pad id) that is not below it.
+  Raises `DataError` (naming `path:line`) for a bad line (`read_jsonl`), a message-list
+  pair when `tok` has no chat template, when the template fails on the messages, and,
+  given the model's `vocab_size`, for a token id (or the pad id) that is not below it.
   """
-  if not 0 < max_prompt_length < max_length:
-    raise ValueError(f"need 0 < max_prompt_length ({max_prompt_length}) < max_length "
-                     f"({max_length})")
-  records, skipped = _read_records(path, skip_bad_lines)
-  rows, lines, dropped, mismatches = [], [], 0, 0
-  tenth = len(records) // 10 if log and len(records) >= 10_000 else 0
-  for i, (lineno, pair) in enumerate(records):
-    if tenth and i % tenth == 0:
-      log(f"{path}: encoding pair {i + 1:,} of {len(records):,}")
-    responses = [pair["chosen"], pair["rejected"]]
-    chat = isinstance(pair["prompt"], list)
-    if chat and getattr(tok, "chat_template", None) is None:
-      raise DataError(f"{path}:{lineno}: a conversational pair (message lists) needs a chat "
-                      f"template and the tokenizer has none (set --chat_template=FILE.jinja, "
-                      f"or write the pairs as strings)")
-    if not all(_response_text(r) for r in responses):
-      dropped += 1
-      continue
-    try:
-      encode = data_encode.encode_chat if chat else data_encode.encode_plain
-      bos, prompt, ids, n = encode(tok, pair["prompt"], responses)
-    except data_encode.ChatTemplateError as e:
-      raise DataError(f"{path}:{lineno}: the chat template failed ({e})") from None
-    row = [data_encode.build_row(bos, prompt, r, tok.pad_id, max_length, max_prompt_length)
-           for r in ids]
-    if any(r is None for r in row):
-      dropped += 1
-      continue
-    mismatches += n
-    rows.append(row)
-    lines.append(lineno)
-  if not rows:
-    raise DataError(f"{path}: all {len(records)} pairs were dropped (empty responses)")
-  tokens, targets, loss_mask = (np.stack([[c[i], r[i]] for c, r in rows]) for i in range(3))
-  if vocab_size is not None:
-    _check_vocab(path, tokens, targets, lines, tok.pad_id, vocab_size)
-  # Real tokens are a prefix of each row: BOS, prompt, then every response token but
-  # the last target.
-  lengths = (loss_mask.sum(-1) + (loss_mask.argmax(-1)))[..., None]
-  attention_mask = (np.arange(max_length) < lengths).astype(np.int32)
-  return PreferenceDataset(tokens, targets, loss_mask, attention_mask, dropped, skipped,
-                           mismatches)
+  with tempfile.TemporaryDirectory(prefix="tunix-pairs-") as tmp:
+    store = data_build.build(path, tok, tmp, max_length, max_prompt_length, skip_bad_lines,
+                             workers=1, log=log)
+    if vocab_size is not None:
+      check_vocab(store, vocab_size)
+    batch = store.take(np.arange(len(store)))
+  return PreferenceDataset(**batch, num_dropped=store.num_dropped,
+                           num_skipped_lines=store.num_skipped_lines,
+                           num_prefix_mismatch=store.num_prefix_mismatch)
 
 
-def _check_vocab(path, tokens, targets, lines, pad_id, vocab_size):
-  """`DataError` at the first pair holding an id >= `vocab_size` (the model's)."""
-  if pad_id >= vocab_size:
-    raise DataError(f"{path}: the tokenizer's pad id {pad_id} is not below the model's "
-                    f"vocabulary size {vocab_size}")
-  top = np.maximum(tokens.max((1, 2)), targets.max((1, 2)))
-  bad = np.flatnonzero(top >= vocab_size)
-  if bad.size:
-    raise DataError(f"{path}:{lines[bad[0]]}: token id {top[bad[0]]} is not below the "
+def check_vocab(store: store_lib.PairStore, vocab_size: int) -> None:
+  """`DataError` unless every id of `store` (and its pad id) is below `vocab_size` (the
+  model's), naming the first pair's line otherwise."""
+  path = store.meta.source
+  if store.meta.pad_id >= vocab_size:
+    raise DataError(f"{path}: the tokenizer's pad id {store.meta.pad_id} is not below the "
+                    f"model's vocabulary size {vocab_size}")
+  if store.meta.max_id >= vocab_size:
+    pair, top = store.first_pair_at_or_above(vocab_size)
+    raise DataError(f"{path}:{store.lines[pair]}: token id {top} is not below the "
                     f"model's vocabulary size {vocab_size} (tokenizer and model differ)")
 
 
@@ -266,7 +238,7 @@ class BatchIterator:
     if batch_size > len(dataset):
       raise ValueError(f"batch_size {batch_size} exceeds the {len(dataset)} pairs of the dataset")
     self.dataset, self.batch_size, self.seed = dataset, batch_size, seed
-    self.epoch, self.position = 0, 0
+    self.epoch, self.position, self._cached = 0, 0, (None, None)
     if state is not None:
       self.set_state(state)
 
@@ -281,7 +253,10 @@ class BatchIterator:
     self.epoch, self.position = epoch, position
 
   def _order(self, epoch: int) -> np.ndarray:
-    return np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
+    if self._cached[0] != epoch:  # drawn once per epoch, not per batch
+      self._cached = (epoch, np.random.default_rng([self.seed, epoch]).permutation(
+          len(self.dataset)))
+    return self._cached[1]
 
   def next_indices(self) -> np.ndarray:
     """Advances by one batch; returns the dataset indices of its `batch_size` pairs."""

@@ -158,8 +158,9 @@ def _sequences(batch: dict, i: int, spec: Spec):
   return out
 
 
-def _pack_group(batch: dict, spec: Spec) -> dict:
-  """The rows and head slots of one group (`batch` arrays `[spec.pairs, 2, T]`)."""
+def _pack_group(batch: dict, spec: Spec, blank: bool = False) -> dict:
+  """The rows and head slots of one group (`batch` arrays `[spec.pairs, 2, T]`);
+  `blank`: all padding (a group another host computes)."""
   G, L, N = spec.rows, spec.length, spec.head
   T = batch["tokens"].shape[-1]
   rows = {k: np.zeros((G, L), np.int32) for k in ROW_KEYS}
@@ -167,7 +168,7 @@ def _pack_group(batch: dict, spec: Spec) -> dict:
           "head_targets": np.full(N, tunix_kernels.IGNORE_INDEX, np.int32),
           "head_dst": np.full(N, spec.pairs * 2 * T, np.int32)}
   fill, segments, slot = np.zeros(G, np.int64), np.zeros(G, np.int32), 0
-  for i in range(spec.pairs):
+  for i in range(0 if blank else spec.pairs):
     for r, toks, pos, seg, branch, where in _sequences(batch, i, spec):
       start, end = fill[r], fill[r] + len(toks)
       c, t = np.nonzero(batch["loss_mask"][i] * (where >= 0))
@@ -184,14 +185,17 @@ def _pack_group(batch: dict, spec: Spec) -> dict:
   return rows | head
 
 
-def pack(batch: dict, spec: Spec) -> dict:
+def pack(batch: dict, spec: Spec, only=None) -> dict:
   """`batch` (host arrays `[B, 2, T]`) plus its groups' rows `[B / pairs * rows, length]`
-  (`ROW_KEYS`) and head slots `[B / pairs * head]` (`HEAD_KEYS`), group after group.
-  ValueError if `B` is not whole groups or a group does not fit `spec`."""
+  (`ROW_KEYS`) and head slots `[B / pairs * head]` (`HEAD_KEYS`), group after group;
+  `only` (pair positions): the groups holding none of them are left blank. ValueError
+  if `B` is not whole groups or a group does not fit `spec`."""
   B = batch["tokens"].shape[0]
   if B % spec.pairs:
     raise ValueError(f"a batch of {B} pairs is not whole groups of {spec.pairs}")
-  groups = [_pack_group({k: v[g:g + spec.pairs] for k, v in batch.items()}, spec)
+  needed = np.ones(B, bool) if only is None else np.isin(np.arange(B), only)
+  groups = [_pack_group({k: v[g:g + spec.pairs] for k, v in batch.items()}, spec,
+                        blank=not needed[g:g + spec.pairs].any())
             for g in range(0, B, spec.pairs)]
   return dict(batch, **{k: np.concatenate([g[k] for g in groups])
                         for k in ROW_KEYS + HEAD_KEYS})

@@ -9,6 +9,7 @@ a jinja2 sandbox with the options and helpers `transformers` gives them (`trim_b
 
 import datetime
 import functools
+import hashlib
 import json
 
 from tunix_core.storage import paths
@@ -48,7 +49,9 @@ class HFTokenizer:
     path = paths.join(model_dir, "tokenizer.json")
     if not paths.isfile(path):
       raise TokenizerError(f"{model_dir} has no tokenizer.json")
-    self._tok = Tokenizer.from_str(paths.read_text(path))
+    text = paths.read_text(path)
+    self._tok = Tokenizer.from_str(text)
+    self.fingerprint = "sha256:" + hashlib.sha256(text.encode()).hexdigest()  # token stores' key
     config_path = paths.join(model_dir, "tokenizer_config.json")
     config = {}
     if paths.isfile(config_path):

@@ -13,18 +13,18 @@ it approximates.
 import jax
 import numpy as np
 
-from tunix_core import data as data_lib
 from tunix_core.run import ref_cache
 from tunix_core.training import step as step_lib
 
 
-def evaluate(steps: step_lib.StepFunctions, params, ref_params,
-             dataset: data_lib.PreferenceDataset, ref_table: np.ndarray | None) -> dict:
-  """`{"eval/<key>": mean over the eval set's pairs}`; keys as the train step's metrics."""
+def evaluate(steps: step_lib.StepFunctions, params, ref_params, dataset,
+             ref_table: ref_cache.RefTable | None) -> dict:
+  """`{"eval/<key>": mean over the eval set's pairs}`; keys as the train step's metrics.
+  `dataset`: a token store (`data.store.PairStore`) or a `data.PreferenceDataset`."""
   B = steps.cfg.batch_size
 
   def means(idx: np.ndarray) -> dict:
-    batch = ref_cache.with_ref(data_lib.take_pairs(dataset, idx), ref_table, idx)
+    batch = ref_cache.host_batch(steps, dataset, idx, ref_table)
     m = jax.device_get(steps.eval_step(params, ref_params, steps.put_batch(batch)))
     return {k: float(v) for k, v in m.items()}
 

@@ -8,6 +8,7 @@ metrics, so the host never stalls the device; checkpoints are saved asynchronous
 last step always.
 """
 
+import json
 import os
 import threading
 
@@ -40,7 +41,7 @@ def _precompute_refs(cfg, steps, ref_params, train_set, eval_set, log):
   precomputed, else Nones."""
   if steps.plan.reference != "precomputed":
     return None, None
-  cache_dir = paths.join(cfg.output_dir, "ref_cache")
+  cache_dir = source_lib.data_cache_dir(cfg)
   train_ref = ref_cache.precompute_ref_logps(steps, ref_params, train_set, cache_dir, log)
   eval_ref = (None if eval_set is None else
               ref_cache.precompute_ref_logps(steps, ref_params, eval_set, cache_dir, log))
@@ -53,6 +54,16 @@ def _test_hang(step: int) -> None:
   good before step N, as a step that never finishes would."""
   if os.environ.get("TUNIX_TEST_HANG_AT_STEP") == str(step):
     threading.Event().wait()
+
+
+def _test_record(step: int, idx, steps) -> None:
+  """Test hook of the data tests: `TUNIX_TEST_PAIRS_DIR=D` appends to
+  `D/process_<i>.jsonl` the pairs this process read for each step."""
+  where = os.environ.get("TUNIX_TEST_PAIRS_DIR")
+  if where:
+    read = idx[steps.local_positions()].tolist()
+    with open(os.path.join(where, f"process_{jax.process_index()}.jsonl"), "a") as f:
+      f.write(json.dumps({"step": step, "pairs": read, "batch": idx.tolist()}) + "\n")
 
 
 def _every(n: int, step: int, last: int) -> bool:
@@ -179,8 +190,9 @@ def _train(cfg, devices, log, dog):
           dog.beat(f"train step {step - 1}")
         _test_hang(step)
         idx = it.next_indices()
-        batch = ref_cache.with_ref(data_lib.take_pairs(train_set, idx), train_ref, idx)
-        progress.count_tokens(int(batch["attention_mask"].sum()))
+        _test_record(step, idx, steps)
+        batch = ref_cache.host_batch(steps, train_set, idx, train_ref)
+        progress.count_tokens(train_set.num_tokens(idx))
         profiler.before(step)
         state, metrics = steps.train_step(state, ref_params, steps.put_batch(batch))
         profiler.after(step, state)

@@ -12,6 +12,7 @@ import json
 import os
 
 import jax
+from jax.experimental import multihost_utils
 
 from tunix_core import data as data_lib
 from tunix_core import model as model_lib
@@ -29,23 +30,45 @@ def tokenizer(cfg) -> data_lib.Tokenizer:
   return data_lib.with_chat_template(tok, cfg.chat_template)
 
 
+def data_cache_dir(cfg) -> str:
+  """Where the run's token stores and reference log-probs live (`--data_cache_dir`)."""
+  return cfg.data_cache_dir or paths.join(cfg.output_dir, "data_cache")
+
+
+def _pairs(cfg, path: str, tok, vocab_size: int, log) -> data_lib.PairStore:
+  """The token store of the JSONL `path` (`data.store`), found by its key or built:
+  by process 0, then by any process that cannot see it (a disk of its own)."""
+  key = data_lib.store_key(path, tok, cfg.max_length, cfg.max_prompt_length,
+                           cfg.skip_bad_lines)
+  where = paths.join(data_cache_dir(cfg), key)
+  for builder in (True, False):
+    if builder == (jax.process_index() == 0) and not data_lib.PairStore.complete(where):
+      log(f"{path}: tokenizing into the token store {where}")
+      data_lib.build_store(path, tok, where, cfg.max_length, cfg.max_prompt_length,
+                           cfg.skip_bad_lines, log=log)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"token store {key} {builder}")
+  pairs = data_lib.PairStore(where)
+  data_lib.check_vocab(pairs, vocab_size)
+  return pairs
+
+
 def load_data(cfg, log, vocab_size: int | None = None):
-  """`(train_set, eval_set or None)` of the run, encoded with its tokenizer (ids checked
-  against `vocab_size`, default the model's); logs their sizes."""
+  """`(train_set, eval_set or None)` of the run: token stores (`data.store`) of its
+  JSONL files, tokenized once with its tokenizer (ids checked against `vocab_size`,
+  default the model's); logs their sizes."""
   tok = tokenizer(cfg)
   vocab_size = vocab_size or cfg.model_config().vocab_size
-  def load(path):
-    return data_lib.load_dataset(path, tok, cfg.max_length, cfg.max_prompt_length,
-                                 cfg.skip_bad_lines, vocab_size=vocab_size, log=log)
-  train_set = load(cfg.train_data)
-  eval_set = load(cfg.eval_data) if cfg.eval_data else None
+  train_set = _pairs(cfg, cfg.train_data, tok, vocab_size, log)
+  eval_set = _pairs(cfg, cfg.eval_data, tok, vocab_size, log) if cfg.eval_data else None
   mismatches = train_set.num_prefix_mismatch + (eval_set.num_prefix_mismatch if eval_set
                                                 else 0)
   log(f"data: {len(train_set)} train pairs ({train_set.num_dropped} dropped, "
       f"{train_set.num_skipped_lines} bad lines skipped)"
       + (f", {len(eval_set)} eval pairs" if eval_set else "")
       + (f"; {mismatches} responses tokenized apart from their prompt (the joint "
-         "tokens did not start with the prompt's)" if mismatches else ""))
+         "tokens did not start with the prompt's)" if mismatches else "")
+      + f"; token stores in {data_cache_dir(cfg)}")
   return train_set, eval_set
 
 

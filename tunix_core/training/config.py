@@ -16,8 +16,7 @@ from tunix_core.training import optim
 from tunix_core.training import validation
 
 RESUME_MODES = ("auto", "never", "required")
-# Where the frozen reference's log-probs come from (`--reference`).
-REFERENCE_MODES = ("step", "precomputed", "none")
+REFERENCE_MODES = ("step", "precomputed", "none")  # `--reference`
 CHAT_TEMPLATES = validation.CHAT_TEMPLATES  # --chat_template values besides a file
 ConfigError = validation.ConfigError
 # What a step with a non-finite loss, metric or gradient norm does: end the run (its
@@ -46,7 +45,7 @@ class TrainConfig:
 
   # Run and output.
   output_dir: str = _flag("", "Directory for metrics.jsonl, checkpoints, trainer.log and the "
-                          "reference log-prob cache; created if missing. Required.", group="run")
+                          "data cache; created if missing. Required.", group="run")
   steps: int = _flag(100, "Number of optimizer steps.", group="run")
   batch_size: int = _flag(8, "Preference pairs per step over all devices (2x as many "
                           "responses); must divide by the data-parallel devices.", group="run")
@@ -103,6 +102,9 @@ class TrainConfig:
                                  "--max_length.", group="data")
   skip_bad_lines: bool = _flag(False, "Skip malformed JSONL lines and report their count "
                                "instead of failing.", group="data")
+  data_cache_dir: str = _flag("", "Token stores and precomputed reference log-probs (local "
+                              "or gs://, shareable between runs). Empty: "
+                              "{output_dir}/data_cache.", group="data")
   chat_template: str = _flag("auto", "For conversational pairs: auto (the tokenizer's "
                              "own), none (conversational pairs are an error), or a path to "
                              "a jinja template file.", group="data")
@@ -268,9 +270,9 @@ class TrainConfig:
   def resolved_compute_dtype(self, platform: str) -> str:
     """`--compute_dtype`, with auto: bfloat16 on TPU and GPU (tensor cores), float32 on
     CPU. `platform`: a `jax.Device.platform` ("gpu") or a backend ("cuda", "rocm")."""
-    if self.compute_dtype != "auto":
-      return self.compute_dtype
-    return "bfloat16" if platform in ("tpu", "gpu", "cuda", "rocm") else "float32"
+    if self.compute_dtype == "auto":
+      return "bfloat16" if platform in ("tpu", "gpu", "cuda", "rocm") else "float32"
+    return self.compute_dtype
 
   def model_config(self, platform: str = "cpu") -> model_lib.ModelConfig:
     """The preset's config, or with `--hf_model_dir` the checkpoint's (`hf.HFError` if it
@@ -286,10 +288,8 @@ class TrainConfig:
 
   def profile_range(self) -> tuple[int, int] | None:
     """`--profile_steps` as `(first, last)`, or None."""
-    if not self.profile_steps:
-      return None
     first, _, last = self.profile_steps.partition(":")
-    return int(first), int(last or first)
+    return (int(first), int(last or first)) if self.profile_steps else None
 
   def ref_param_dtype(self) -> str:
     return self.param_dtype if self.ref_dtype == "auto" else self.ref_dtype

@@ -17,7 +17,6 @@ import dataclasses
 
 import numpy as np
 
-from tunix_core import data as data_lib
 from tunix_core import model as model_lib
 from tunix_core.data import packing
 from tunix_core.model import lora as lora_lib
@@ -80,10 +79,9 @@ def pairs_per_group(cfg: TrainConfig, num_devices: int) -> int:
 
 
 def data_sizes(cfg: TrainConfig, splits) -> packing.Sizes:
-  """The `packing.Sizes` of every pair of `splits` (encoded `PreferenceDataset`s)."""
-  return packing.Sizes.join([
-      packing.pair_sizes(data_lib.take_pairs(d, np.arange(len(d))), cfg.prefix_sharing)
-      for d in splits])
+  """The `packing.Sizes` of every pair of `splits` (token stores, or
+  `PreferenceDataset`s), the same on every host."""
+  return packing.Sizes.join([d.sizes(cfg.prefix_sharing) for d in splits])
 
 
 def worst_case_sizes(cfg: TrainConfig) -> packing.Sizes:

@@ -24,6 +24,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tunix_core import model as model_lib
@@ -265,6 +266,14 @@ class StepFunctions:
     if (sums != sums[0]).any():
       raise RuntimeError(f"replicas diverged: per-device param checksums {sums.tolist()}")
 
+  def local_positions(self, B: int | None = None) -> np.ndarray:
+    """Positions in a global batch of `B` pairs (default `--batch_size`) of the pairs
+    this process's devices get: all its host needs to read (`put_batch` writes only
+    those)."""
+    B = B or self.cfg.batch_size
+    index = self.pairs.addressable_devices_indices_map((B,))
+    return np.unique(np.concatenate([np.arange(B)[i] for i in index.values()]))
+
   def put_batch(self, batch: dict) -> dict:
     """Host arrays `[B, 2, T]` of the global batch, with the plan's model rows and head
     slots added (`packing.pack`; a batch that does not fit the plan is a ValueError) ->
@@ -272,7 +281,8 @@ class StepFunctions:
     Each device gets the pairs the mesh assigns it, wherever its process sits in the
     mesh (a topology-ordered data axis may interleave hosts; a model axis may span
     them): only this process's devices are written."""
-    batch = packing.pack(batch, self.plan.rows)
+    batch = packing.pack(batch, self.plan.rows,
+                         self.local_positions(batch["tokens"].shape[0]))
     return {k: jax.make_array_from_callback(v.shape, self.pairs, lambda index, v=v: v[index])
             for k, v in batch.items()}
 

@@ -1,0 +1,241 @@
+"""JSONL preference pairs -> a token store (`data.store`), tokenized once on every core.
+
+The file is read as a stream, in chunks of `chunk_pairs` lines (a JSONL larger than RAM
+is fine); each chunk is parsed and encoded (`encode_pair`, which is `data.dataset`'s
+row rule) in a pool of worker processes (`spawn`: the parent may already run JAX's
+threads), at most two chunks per worker in flight, and the ids are appended to the store
+in file order, so the store is the same for any number of workers. A file of one chunk
+is encoded in the calling process. A bad line still raises `DataError` naming
+`path:line`, or is counted and skipped under `skip_bad_lines`.
+
+A store is found again by `store_key`: the JSONL's content digest, the tokenizer's
+fingerprint and special ids, the chat template and the length limits.
+"""
+
+import collections
+import hashlib
+import itertools
+import json
+import multiprocessing
+import os
+import shutil
+import tempfile
+
+import numpy as np
+
+from tunix_core.data import encode as data_encode
+from tunix_core.data import store as store_lib
+from tunix_core.storage import digest as content_digest
+from tunix_core.storage import paths
+
+
+class DataError(ValueError):
+  """Bad preference data; the message names the file and line."""
+
+
+def parse_line(path: str, lineno: int, raw: bytes) -> dict | None:
+  """The pair `{"prompt", "chosen", "rejected"}` of one JSONL line (None: blank), or a
+  `DataError` naming `path:lineno` (`data.dataset.read_jsonl` lists what is checked)."""
+  try:
+    line = raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise DataError(f"{path}:{lineno}: not UTF-8 text ({e})") from None
+  if not line.strip():
+    return None
+  try:
+    record = json.loads(line)
+  except json.JSONDecodeError as e:
+    raise DataError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
+  if not isinstance(record, dict):
+    raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+  error = data_encode.pair_error(record)
+  if error:
+    raise DataError(f"{path}:{lineno}: {error}")
+  return {k: record[k] for k in data_encode.FIELDS}
+
+
+def encode_pair(tok, pair: dict, max_length: int, max_prompt_length: int):
+  """`([prompt, chosen, rejected] id lists, mismatched responses)` as the store keeps
+  them (prompt with BOS, cut to its last `max_prompt_length` ids; responses cut to fit
+  `max_length + 1` ids with it), or None for a pair without a scored response id in
+  both rows (an empty or fully cut response: dropped). Raises `ValueError` (without the
+  line) for a message-list pair the tokenizer cannot render."""
+  responses = [pair["chosen"], pair["rejected"]]
+  chat = isinstance(pair["prompt"], list)
+  if chat and getattr(tok, "chat_template", None) is None:
+    raise ValueError("a conversational pair (message lists) needs a chat template and the "
+                     "tokenizer has none (set --chat_template=FILE.jinja, or write the "
+                     "pairs as strings)")
+  text = lambda r: r if isinstance(r, str) else r[0]["content"]
+  if not all(text(r) for r in responses):
+    return None
+  try:
+    encode = data_encode.encode_chat if chat else data_encode.encode_plain
+    bos, prompt, ids, mismatches = encode(tok, pair["prompt"], responses)
+  except data_encode.ChatTemplateError as e:
+    raise ValueError(f"the chat template failed ({e})") from None
+  prompt = bos + prompt[max(0, len(prompt) - max_prompt_length):]
+  ids = [r[:max_length + 1 - len(prompt)] for r in ids]
+  # A row scores from the prompt's last id on (or from the second id without a prompt).
+  if any(len(prompt) + len(r) - 1 <= max(len(prompt) - 1, 0) for r in ids):
+    return None
+  return [prompt] + ids, mismatches
+
+
+_WORKER = {}
+
+
+def _init(settings: dict):
+  _WORKER.update(settings)
+
+
+def _encode_chunk(chunk: list) -> tuple:
+  """One chunk `[(lineno, raw line)]` -> `(ids, lengths [k, 3], lines [k], dropped,
+  skipped, mismatches)`; runs in a worker (or here), with `_WORKER`'s settings."""
+  w = _WORKER
+  ids, lengths, lines, dropped, skipped, mismatches = [], [], [], 0, 0, 0
+  for lineno, raw in chunk:
+    try:
+      pair = parse_line(w["path"], lineno, raw)
+    except DataError:
+      if not w["skip_bad_lines"]:
+        raise
+      skipped += 1
+      continue
+    if pair is None:
+      continue
+    try:
+      encoded = encode_pair(w["tok"], pair, w["max_length"], w["max_prompt_length"])
+    except ValueError as e:
+      raise DataError(f"{w['path']}:{lineno}: {e}") from None
+    if encoded is None:
+      dropped += 1
+      continue
+    runs, n = encoded
+    ids += [i for run in runs for i in run]
+    lengths.append([len(r) for r in runs])
+    lines.append(lineno)
+    mismatches += n
+  return (np.array(ids, np.int32), np.array(lengths, np.int64).reshape(-1, 3),
+          np.array(lines, np.int32), dropped, skipped, mismatches)
+
+
+def _chunks(path: str, chunk_pairs: int):
+  """`(chunk, bytes read so far)` over the file's lines, streamed."""
+  try:
+    f = open(path, "rb") if not paths.is_remote(path) else paths.open_read(path)
+  except FileNotFoundError:
+    raise DataError(f"{path}: no such data file") from None
+  with f:
+    chunk, read = [], 0
+    for lineno, raw in enumerate(f, start=1):
+      chunk.append((lineno, raw))
+      read += len(raw)
+      if len(chunk) == chunk_pairs:
+        yield chunk, read
+        chunk = []
+    if chunk:
+      yield chunk, read
+
+
+def _encoded(path, settings, workers, chunk_pairs, log):
+  """The chunks' `_encode_chunk` results in file order, with a progress line at every
+  tenth of a file of 256 KiB or more."""
+  total, tenths, pairs = paths.getsize(path), 0, 0
+  chunks = _chunks(path, chunk_pairs)
+  head = list(itertools.islice(chunks, 2))
+  pool = None
+  if len(head) == 2 and workers > 1:
+    pool = multiprocessing.get_context("spawn").Pool(workers, _init, (settings,))
+  else:
+    _init(settings)
+  pending = collections.deque()
+
+  def take():
+    nonlocal pairs, tenths
+    result, done = pending.popleft()
+    result = result.get() if pool else result
+    pairs += len(result[2])
+    if log and total >= 256 << 10 and done * 10 // total > tenths:
+      tenths = done * 10 // total
+      log(f"{path}: tokenized {pairs:,} pairs ({done * 100 // total}% of the file)")
+    return result
+
+  try:
+    for chunk, read in itertools.chain(head, chunks):
+      pending.append((pool.apply_async(_encode_chunk, (chunk,)) if pool
+                      else _encode_chunk(chunk), read))
+      # Two chunks per worker in flight: the workers never wait, memory stays bounded.
+      while pending and (pool is None or len(pending) > 2 * workers):
+        yield take()
+    while pending:
+      yield take()
+  finally:
+    if pool is not None:
+      pool.terminate()
+
+
+def tokenizer_key(tok) -> dict:
+  """What of a tokenizer decides a store's ids."""
+  return {"tokenizer": tok.fingerprint, "bos": tok.bos_id, "eos": tok.eos_id,
+          "pad": tok.pad_id, "chat_template": getattr(tok, "chat_template", None)}
+
+
+def store_key(path: str, tok, max_length: int, max_prompt_length: int,
+              skip_bad_lines: bool) -> str:
+  """The name a store of this data, tokenizer and limits is kept under."""
+  if not paths.exists(path):
+    raise DataError(f"{path}: no such data file")
+  key = dict(tokenizer_key(tok), format=store_lib.FORMAT,
+             data=content_digest.content_digest(path), max_length=max_length,
+             max_prompt_length=max_prompt_length, skip_bad_lines=skip_bad_lines)
+  return "pairs-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _write_npy(dst: str, raw_path: str, count: int) -> None:
+  """`dst`: a 1-D int32 `.npy` of the `count` ids in the raw file `raw_path`."""
+  with open(dst, "wb") as f:
+    np.lib.format.write_array_header_1_0(
+        f, {"descr": "<i4", "fortran_order": False, "shape": (count,)})
+    with open(raw_path, "rb") as raw:
+      shutil.copyfileobj(raw, f, 16 << 20)
+
+
+def build(path: str, tok, out_dir: str, max_length: int, max_prompt_length: int,
+          skip_bad_lines: bool = False, workers: int | None = None,
+          chunk_pairs: int = 2000, log=None) -> store_lib.PairStore:
+  """Tokenizes the JSONL `path` into a store at `out_dir` (local or remote; `meta.json`
+  written last) and opens it. `workers`: processes (default: every core)."""
+  if not 0 < max_prompt_length < max_length:
+    raise ValueError(f"need 0 < max_prompt_length ({max_prompt_length}) < max_length "
+                     f"({max_length})")
+  workers = workers or os.cpu_count() or 1
+  settings = dict(tok=tok, path=path, max_length=max_length,
+                  max_prompt_length=max_prompt_length, skip_bad_lines=skip_bad_lines)
+  lengths, lines, counts, max_id = [], [], np.zeros(3, np.int64), 0
+  with tempfile.TemporaryDirectory(prefix="tunix-store-") as tmp, \
+      paths.staged_dir(out_dir) as local:
+    raw_path = os.path.join(tmp, "ids.raw")
+    with open(raw_path, "wb") as raw:
+      for ids, lens, lns, *n in _encoded(path, settings, workers, chunk_pairs, log):
+        raw.write(ids.tobytes())
+        max_id = max(max_id, int(ids.max(initial=0)))
+        lengths.append(lens)
+        lines.append(lns)
+        counts += n
+    lengths = np.concatenate(lengths or [np.zeros((0, 3), np.int64)])
+    if not len(lengths):
+      if counts[0]:
+        raise DataError(f"{path}: all {counts[0]} pairs were dropped (empty responses)")
+      raise DataError(f"{path}: no preference pairs" + (
+          f" ({counts[1]} bad lines skipped)" if counts[1] else " (empty file)"))
+    offsets = np.concatenate([[0], np.cumsum(lengths.reshape(-1))]).astype(np.int64)
+    _write_npy(os.path.join(local, "ids.npy"), raw_path, int(offsets[-1]))
+    np.save(os.path.join(local, "offsets.npy"), offsets)
+    np.save(os.path.join(local, "lines.npy"), np.concatenate(lines))
+  meta = store_lib.Meta(max_length=max_length, max_prompt_length=max_prompt_length,
+                        pad_id=tok.pad_id, max_id=max_id,
+                        num_dropped=int(counts[0]), num_skipped_lines=int(counts[1]),
+                        num_prefix_mismatch=int(counts[2]), source=path)
+  paths.write_text(paths.join(out_dir, "meta.json"), json.dumps(meta.__dict__))
+  return store_lib.PairStore(out_dir)
