@@ -187,8 +187,8 @@ def main():
                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
   mem = json.loads(child.stdout.strip().splitlines()[-1])
   print(f"resident memory: {mem['rss_loaded_gib']:.2f} GiB with JAX, the tiny model and "
-        f"the store loaded; +{mem['rss_peak_gib'] - mem['rss_loaded_gib']:.3f} GiB peak "
-        f"while drawing {args.draws} batches of {args.batch_size} pairs")
+        f"the store loaded; +{(mem['rss_peak_gib'] - mem['rss_loaded_gib']) * 1024:.1f} MiB "
+        f"peak while drawing {args.draws} batches of {args.batch_size} pairs")
   model_dir = tiny_model_dir(args, tok_dir) if tok_dir else None
   print(f"resumed tiny run: {resumed_startup(args, path, model_dir):.1f} s from start-up to "
         "compiling its first step (store found, no tokenization)")

@@ -184,10 +184,12 @@ def test_verify_checkpoint_detects_a_changed_array(tmp_path):
 
 
 def test_offline_export_of_an_fsdp_run_keeps_each_device_at_an_eighth(tmp_path,
-                                                                      monkeypatch):
+                                                                      monkeypatch, capsys):
   """`python -m tunix_core.hf export` (`export_step`) of an 8-device FSDP run: restored
   split as FSDP splits it, each device holds at most 1/8 of the params plus one layer's
-  tensor while every tensor is fetched, and the export is the run's last params."""
+  tensor while every tensor is fetched, and the export is the run's last params.
+  `python -m tunix_core.generate --output_dir` decodes with the params split the same
+  way, and completes as the gathered params do on one device."""
   pytest.importorskip("safetensors", reason="the export: needs the hf extra")
   import gc  # pylint: disable=g-import-not-at-top
   from tunix_core import hf  # pylint: disable=g-import-not-at-top
@@ -224,6 +226,27 @@ def test_offline_export_of_an_fsdp_run_keeps_each_device_at_an_eighth(tmp_path,
   assert len(peak) == 8 and max(peak.values()) <= total / 8 + layer, (peak, total, layer)
   jax.tree.map(np.testing.assert_array_equal,
                hf.load_params(str(tmp_path / "hf"), cfg.model_config()), trained)
+
+  from tunix_core import generate  # pylint: disable=g-import-not-at-top
+  from tunix_core.generate import __main__ as generate_cli  # pylint: disable=g-import-not-at-top
+  from tunix_core.model import generate as generate_lib  # pylint: disable=g-import-not-at-top
+  held, decode = {}, generate_lib.generate
+
+  def spy(params, *args, **kw):
+    for x in jax.tree.leaves(params):
+      for shard in getattr(x, "addressable_shards", ()):  # the gathered ones: NumPy
+        held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    return decode(params, *args, **kw)
+
+  monkeypatch.setattr(generate_lib, "generate", spy)
+  assert generate_cli.main(["--output_dir", str(tmp_path / "run"), "--prompt", "ab",
+                            "--max_new_tokens", "6"]) == 0
+  got = json.loads(capsys.readouterr().out.splitlines()[-1])
+  assert len(held) == 8 and max(held.values()) <= total / 8 + layer, (held, total, layer)
+  tok = data_lib.ByteTokenizer()
+  (want,) = generate.complete(trained, cfg.model_config(), tok, ["ab"], generate_lib.Sampling(
+      6, 0.0, 0, 1.0, (tok.eos_id,)), chat=False)
+  assert got["completion_ids"] == want["completion_ids"] and len(want["completion_ids"])
 
 
 def _free_port():

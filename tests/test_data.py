@@ -478,17 +478,17 @@ def test_token_store_sizes_equal_the_rows_and_it_holds_no_padding(tmp_path):
 
 @pytest.mark.slow  # starts two pools of worker processes
 def test_token_store_of_worker_processes_equals_one_process(tmp_path):
-  """Two workers on chunks of 500 lines write the very files one process writes, and a
+  """Two workers on chunks of 100 lines write the very files one process writes, and a
   bad line in a worker's chunk still names its path and line (or is skipped)."""
   from tunix_core.data import build  # pylint: disable=g-import-not-at-top
   from tunix_core.data import store  # pylint: disable=g-import-not-at-top
   lines = open(os.path.join(REPO, "data", "train.jsonl"), encoding="utf-8").read().splitlines()
   path = _write(tmp_path, lines[:1100] + ["{not json"] + lines[1100:1500])
   with pytest.raises(data.DataError, match=re.escape(f"{path}:1101: malformed JSON")):
-    build.build(path, TOK, str(tmp_path / "bad"), 64, 32, workers=2, chunk_pairs=500)
+    build.build(path, TOK, str(tmp_path / "bad"), 64, 32, workers=2, chunk_pairs=100)
   one = build.build(path, TOK, str(tmp_path / "one"), 64, 32, True, workers=1)
   two = build.build(path, TOK, str(tmp_path / "two"), 64, 32, True, workers=2,
-                    chunk_pairs=500)
+                    chunk_pairs=100)
   assert one.num_skipped_lines == two.num_skipped_lines == 1 and len(one) > 1000
   for f in store.FILES:
     assert filecmp.cmp(os.path.join(one.path, f), os.path.join(two.path, f), shallow=False)

@@ -4,8 +4,8 @@ The file is read as a stream, in chunks of `chunk_pairs` lines (a JSONL larger t
 is fine); each chunk is parsed and encoded (`encode_pair`, which is `data.dataset`'s
 row rule) in a pool of worker processes (`spawn`: the parent may already run JAX's
 threads), at most two chunks per worker in flight, and the ids are appended to the store
-in file order, so the store is the same for any number of workers. A file of one chunk
-is encoded in the calling process. A bad line still raises `DataError` naming
+in file order, so the store is the same for any number of workers. A file of fewer than
+four chunks per worker is encoded in the calling process. A bad line still raises `DataError` naming
 `path:line`, or is counted and skipped under `skip_bad_lines`.
 
 A store is found again by `store_key`: the JSONL's content digest, the tokenizer's
@@ -143,9 +143,11 @@ def _encoded(path, settings, workers, chunk_pairs, log):
   tenth of a file of 256 KiB or more."""
   total, tenths, pairs = paths.getsize(path), 0, 0
   chunks = _chunks(path, chunk_pairs)
-  head = list(itertools.islice(chunks, 2))
+  # A file of fewer than 4 chunks per worker is encoded here: starting the workers (each
+  # imports JAX) would cost more than they save.
+  head = list(itertools.islice(chunks, 4 * workers))
   pool = None
-  if len(head) == 2 and workers > 1:
+  if len(head) == 4 * workers and workers > 1:
     pool = multiprocessing.get_context("spawn").Pool(workers, _init, (settings,))
   else:
     _init(settings)

@@ -78,7 +78,7 @@ class Ragged:
       import fsspec  # pylint: disable=g-import-not-at-top  (gcsfs, as under epath)
       fs, name = fsspec.core.url_to_fs(self.path)
       blobs = paths.call("reading", self.path,
-                         lambda: fs.cat_ranges([name] * len(lo), lo, hi)) if lo else []
+                         lambda: fs.cat_ranges([name] * len(lo), lo, hi, on_error="raise")) if lo else []
     return [np.frombuffer(b, self.dtype) for b in blobs]
 
   def __del__(self):

@@ -1,14 +1,35 @@
 """Text in, text out: prompts encoded as training encodes them (chat template or BOS +
 text), left-padded, completed by `tunix_core.model.generate`, decoded. `python -m
-tunix_core.generate` is the command line (`generate/__main__.py`)."""
+tunix_core.generate` is the command line (`generate/__main__.py`).
+
+Params are split over every local device as FSDP splits them outside the step (each
+large array on its largest dimension, `parallel.fsdp.logical_specs`), whether read from
+an HF directory (`load_sharded`: each device reads its block) or restored from a run
+(`checkpoints.export.restore_step`); the jitted decoder then runs sharded (XLA gathers
+each weight where it is used), so a model that needs all the local devices to hold it
+decodes on them.
+"""
 
 import json
 
 import jax
 import numpy as np
 
+from tunix_core import model as model_lib
 from tunix_core.model import generate as generate_lib
+from tunix_core.parallel import fsdp
 from tunix_core.storage import paths
+
+
+def load_sharded(model_dir: str, cfg: model_lib.ModelConfig) -> dict:
+  """The params of an HF directory, split over every local device (module docstring)."""
+  from tunix_core import hf  # pylint: disable=g-import-not-at-top
+  devices = jax.local_devices()
+  mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+  shapes = jax.eval_shape(lambda: model_lib.init_params(jax.random.PRNGKey(0), cfg))
+  shardings = jax.tree.map(lambda spec: jax.sharding.NamedSharding(mesh, spec),
+                           fsdp.logical_specs(shapes, len(devices)))
+  return hf.load_params(model_dir, cfg, shardings=shardings)
 
 
 def eos_ids(model_dir: str, tok) -> tuple:

@@ -39,7 +39,8 @@ def main(argv=None) -> int:
   try:
     if a.hf_model_dir:
       cfg, tok = hf.read_config(a.hf_model_dir), hf.HFTokenizer(a.hf_model_dir)
-      params, eos = hf.load_params(a.hf_model_dir, cfg), generate.eos_ids(a.hf_model_dir, tok)
+      params = generate.load_sharded(a.hf_model_dir, cfg)
+      eos = generate.eos_ids(a.hf_model_dir, tok)
     else:
       saved = export.restore_step(a.output_dir, a.step)
       if saved.steps.plan.lora is not None:
