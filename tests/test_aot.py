@@ -18,6 +18,7 @@ from tunix_core.aot import compile as aot
 from tunix_core.run import loop
 from tunix_core.training import config as config_lib
 from tunix_core.training import step as step_lib
+from tunix_core.training import tpu_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "data", "train.jsonl")
@@ -249,6 +250,14 @@ def test_gradient_sync_compiles_to_reduce_scatters_and_all_gathers_on_tpu(tmp_pa
     kinds.setdefault(op["op"], []).append(op["bytes"])
   assert kinds.get("reduce-scatter") and kinds.get("all-gather"), kinds
   assert len(kinds.get("all-reduce", [])) <= 1 and max(kinds.get("all-reduce", [0])) < 1024, kinds
+  # Under the default --tpu_flags (every program of the step gets them); an unknown
+  # option is one line from --compile_only.
+  assert dict(steps.plan.compiler_options) == tpu_flags.parse(tpu_flags.DEFAULT) != {}
+  if layout == "fsdp":
+    with pytest.raises(config_lib.ConfigError, match="^--tpu_flags: the TPU compiler has "
+                       "no option 'xla_no_such_option'$"):
+      aot.compile_only(_config(tmp_path, tpu_flags="--xla_no_such_option=true"), "v5e-8",
+                       log=lambda *_: None)
 
 
 @needs_libtpu

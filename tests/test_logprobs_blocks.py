@@ -6,6 +6,7 @@ check the choice itself, on any host.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
@@ -78,3 +79,93 @@ def test_chip_of_the_mesh_being_compiled_for():
   with jax.sharding.use_abstract_mesh(AbstractMesh((2,), ("data",), (AxisType.Explicit,),
                                                    abstract_device=unknown)):
     assert tpu.target_chip() is None  # an unknown generation gets the safe tiles
+
+
+def _fetched_bytes(call) -> int:
+  """HBM bytes a `pallas_call` moves, counted from its grid and BlockSpecs alone: an
+  input block is fetched, and an output block written back, whenever its block index
+  changes between consecutive grid steps (the last axis the fastest), each time the
+  block's in-bounds part of its array."""
+  grid = call["grid"]
+  steps = np.stack(np.meshgrid(*[np.arange(g) for g in grid], indexing="ij"), -1)
+  steps = steps.reshape(-1, len(grid))
+  total = 0
+  for spec, operand in zip(call["in_specs"] + call["out_specs"],
+                           call["operands"] + call["out_shape"]):
+    index = spec.index_map(*[steps[:, a] for a in range(len(grid))])
+    index = np.stack([np.broadcast_to(np.asarray(x), len(steps)) for x in index], -1)
+    moved = np.ones(len(steps), bool)
+    moved[1:] = (index[1:] != index[:-1]).any(-1)
+    blocks, counts = np.unique(index[moved], axis=0, return_counts=True)
+    for block, count in zip(blocks, counts):
+      extent = [min(b, dim - i * b) for i, b, dim in
+                zip(block, spec.block_shape, operand.shape)]
+      total += int(count) * int(np.prod(extent)) * np.dtype(operand.dtype).itemsize
+  return total
+
+
+def _record_pallas_calls(module, monkeypatch) -> list:
+  """Makes `module`'s `pallas_call`s record their grid, specs, operands and estimate
+  (and return zeros) instead of compiling: the calls of whatever is traced next."""
+  from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
+  calls = []
+
+  def record(kernel, *, grid, in_specs, out_specs, out_shape, cost_estimate, name, **_):
+    del kernel
+
+    def run(*operands):
+      outs = list(out_shape) if isinstance(out_shape, (list, tuple)) else [out_shape]
+      calls.append(dict(name=name, grid=grid, in_specs=list(in_specs),
+                        out_specs=list(out_specs) if isinstance(out_specs, (list, tuple))
+                        else [out_specs], operands=list(operands), out_shape=outs,
+                        cost=cost_estimate))
+      zeros = [jnp.zeros(o.shape, o.dtype) for o in outs]
+      return zeros if isinstance(out_shape, (list, tuple)) else zeros[0]
+    return run
+
+  monkeypatch.setattr(module, "pl", type("Pallas", (), dict(
+      vars(pl), pallas_call=staticmethod(record))))
+  return calls
+
+
+@pytest.mark.parametrize("chip", ["v5e", "v5p", "v6e"])
+@pytest.mark.parametrize("n,d,v", [(8192, 4096, 128256), (4096, 8192, 128256),
+                                   (8192, 2304, 256000)])
+def test_cost_estimates_count_the_bytes_pallas_fetches(chip, n, d, v, monkeypatch):
+  """Each log-prob kernel's `cost_estimate` bytes equal the bytes its grid and
+  BlockSpecs make Pallas move at the default tiles of Llama-3-8B's, Llama-3-70B's and
+  Gemma-2-2B's heads (traced abstractly, nothing runs)."""
+  from tunix_kernels import logprobs_pallas  # pylint: disable=g-import-not-at-top
+  calls = _record_pallas_calls(logprobs_pallas, monkeypatch)
+  bs = BlockSizes.get_default(d, jnp.bfloat16, chip, num_tokens=n, vocab_size=v)
+  hidden = jax.ShapeDtypeStruct((n, d), jnp.bfloat16)
+  weight = jax.ShapeDtypeStruct((d, v), jnp.bfloat16)
+  targets = jax.ShapeDtypeStruct((n,), jnp.int32)
+
+  def fwd_bwd(h, w, t):
+    logp, lse = logprobs_pallas.forward(h, w, t, bs, None, False)
+    return logprobs_pallas.backward(h, w, t, lse, logp, bs, None, False)
+
+  jax.eval_shape(fwd_bwd, hidden, weight, targets)
+  assert [c["name"] for c in calls] == ["fused_logprobs_fwd", "fused_logprobs_dhidden",
+                                         "fused_logprobs_dweight"]
+  for c in calls:
+    assert c["cost"].bytes_accessed == _fetched_bytes(c), (c["name"], bs)
+
+
+@pytest.mark.parametrize("B,T", [(16, 1024), (64, 4096)])
+def test_dpo_loss_cost_estimates_count_the_bytes_pallas_fetches(B, T, monkeypatch):
+  """The same for the DPO loss kernels at their default tiles."""
+  from tunix_kernels import dpo_loss_pallas  # pylint: disable=g-import-not-at-top
+  calls = _record_pallas_calls(dpo_loss_pallas, monkeypatch)
+  bs = dpo_loss_pallas.BlockSizes.get_default()
+  rows = jax.ShapeDtypeStruct((B, T), jnp.float32)
+
+  def fwd_bwd(*x):
+    table = dpo_loss_pallas._forward(*x, 0.1, "sigmoid", 0.0, B, bs, False)  # pylint: disable=protected-access
+    return dpo_loss_pallas._backward(table, x[4], x[5], bs, False)  # pylint: disable=protected-access
+
+  jax.eval_shape(fwd_bwd, *[rows] * 6)
+  assert [c["name"] for c in calls] == ["dpo_loss_fwd", "dpo_loss_bwd"]
+  for c in calls:
+    assert c["cost"].bytes_accessed == _fetched_bytes(c), c["name"]

@@ -31,6 +31,7 @@ from tunix_core.run import source
 from tunix_core.training import flops
 from tunix_core.training import plan as plan_lib
 from tunix_core.training import step as step_lib
+from tunix_core.training.config import ConfigError
 
 GiB = 1 << 30
 
@@ -116,6 +117,10 @@ def compile_stats(plan: plan_lib.StepPlan, chip, devices) -> dict:
         compiled = lowered.compile({"xla_dump_to": dump_dir} if chip is not None else None)
     except Exception as e:  # noqa: BLE001 - the compiler's refusal is the answer
       message = str(e)
+      unknown = re.search(r"No such compile option: '([\w]+)'", message)
+      if unknown:
+        raise ConfigError(f"--tpu_flags: the TPU compiler has no option "
+                          f"{unknown.group(1)!r}") from None
       lines = [l for l in message.splitlines() if "exceeds" in l or "RESOURCE_EXHAUSTED" in l]
       out["error"] = (lines or message.splitlines() or [""])[0].strip()[:500]
       return out

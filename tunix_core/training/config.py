@@ -13,6 +13,7 @@ from tunix_core import model as model_lib
 from tunix_core.model import lora as lora_lib
 from tunix_core.parallel import collectives
 from tunix_core.training import optim
+from tunix_core.training import tpu_flags
 from tunix_core.training import validation
 
 RESUME_MODES = ("auto", "never", "required")
@@ -43,7 +44,6 @@ class TrainConfig:
   flag table (`training.flags.flag_table`, under the heading of `metadata["group"]`)
   cannot drift."""
 
-  # Run and output.
   output_dir: str = _flag("", "Directory for metrics.jsonl, checkpoints, trainer.log and the "
                           "data cache; created if missing. Required.", group="run")
   steps: int = _flag(100, "Number of optimizer steps.", group="run")
@@ -82,7 +82,6 @@ class TrainConfig:
                             "loss, metrics or gradient norm is NaN/Inf, without applying "
                             "or saving it; skip: skip such steps' updates and count them.",
                             group="run")
-  # Watching a run.
   tensorboard_dir: str = _flag("", "TensorBoard event files of the metrics (local or gs://; "
                                "needs the tensorboard extra). Empty: "
                                "{output_dir}/tensorboard; none: off.", group="observe")
@@ -92,7 +91,6 @@ class TrainConfig:
                              group="observe")
   profile_steps: str = _flag("", "N:M: write a JAX profiler trace of steps N to M to "
                              "{output_dir}/profile. Empty: off.", group="observe")
-  # Data.
   train_data: str = _flag("", "Training pairs, JSONL: prompt/chosen/rejected strings or "
                           "TRL conversational messages. Required, but for --compile_only.",
                           group="data")
@@ -117,7 +115,6 @@ class TrainConfig:
                         "micro-batch follow each other in one row (segment ids: attention "
                         "never crosses pairs, positions restart per pair), sized from the "
                         "data; exact and deterministic.", group="data")
-  # Model.
   model: str = _flag("tiny", "Model preset; ignored with --hf_model_dir.", group="model")
   hf_model_dir: str = _flag("", "A Hugging Face model directory (config.json, safetensors, "
                             "tokenizer.json): its config, tokenizer and weights are the "
@@ -139,7 +136,6 @@ class TrainConfig:
                              "files); empty: no export.", group="model")
   export_dtype: str = _flag("auto", "Dtype of the exported weights (auto: --param_dtype).",
                             group="model")
-  # LoRA.
   lora_rank: int = _flag(0, "Train LoRA adapters of this rank on --lora_targets, not every "
                          "weight; the frozen base (in --ref_dtype) is the reference. 0: "
                          "full fine-tuning.", group="lora")
@@ -153,7 +149,6 @@ class TrainConfig:
                          "replace --lora_*.", group="lora")
   export_merged: bool = _flag(False, "LoRA with --export_hf_dir: also write the merged "
                               "model to {export_hf_dir}/merged.", group="lora")
-  # Optimizer.
   optimizer: str = _flag("adamw", "adamw, rmsprop (the DPO paper's) or sgd.",
                          group="optimizer")
   learning_rate: float = _flag(1e-6, "Peak learning rate (TRL's default).", group="optimizer")
@@ -162,7 +157,6 @@ class TrainConfig:
                               group="optimizer")
   max_grad_norm: float = _flag(1.0, "Clip gradients to this global norm; 0 disables "
                                "clipping.", group="optimizer")
-  # Loss.
   beta: float = _flag(0.1, "DPO temperature (KL penalty strength).", group="loss")
   loss_type: str = _flag("sigmoid", "Preference loss, or a comma-separated list of them "
                          "summed with --loss_weights: TRL 1.16's DPO loss types (sigmoid = "
@@ -192,7 +186,6 @@ class TrainConfig:
                          "disk) or none (reference-free: its log-probs are taken as zero). "
                          "--precompute_ref_logps and --reference_free are deprecated "
                          "aliases.", group="loss")
-  # Parallelism and kernels.
   fsdp: bool = _flag(False, "Fully sharded data parallel (ZeRO-3): params, gradients, the "
                      "reference and the optimizer state split over all devices; each layer "
                      "all-gathered inside the layer scan and its gradient reduce-scattered "
@@ -228,7 +221,6 @@ class TrainConfig:
   loss_impl: str = _flag("auto", "tunix_kernels.dpo_loss impl: auto (pallas when compiled for "
                          "TPU, else xla), xla, pallas, interpret or naive (the oracle).",
                          group="parallel")
-  # Ahead-of-time compilation.
   compile_only: bool = _flag(False, "Compile the train step these flags would run (from "
                              "--train_data, else the flags' worst case) for "
                              "--target_topology, print its plan, per-device memory and "
@@ -238,6 +230,10 @@ class TrainConfig:
                                "host's), or any Cloud TPU slice name (v5e-8, v5e-256, "
                                "v6e-64, v5p-128, v4-8; 2xv5e-256 for two slices; needs "
                                "libtpu, works on any host).", group="aot")
+  tpu_flags: str = _flag(tpu_flags.DEFAULT, "XLA TPU compiler options of every step compiled "
+                         "for TPU (runs and --compile_only): --name=value separated by "
+                         "spaces; replaces the default (async collective fusion and "
+                         "compute/collective overlap, as MaxText's recipes).", group="aot")
 
   def validate(self, num_devices: int) -> None:
     """Raises ConfigError with one line naming the offending setting."""

@@ -21,6 +21,7 @@ from tunix_core import model as model_lib
 from tunix_core.data import packing
 from tunix_core.model import lora as lora_lib
 from tunix_core.parallel import mesh as mesh_lib
+from tunix_core.training import tpu_flags
 from tunix_core.training.config import ConfigError, TrainConfig
 
 
@@ -36,6 +37,7 @@ class StepPlan:
   num_slices: int = 1               # the "slice" axis (1: none); "data" is
                                     # data_shards / num_slices devices
   lora: lora_lib.LoraConfig | None = None  # adapters train, the base is frozen
+  compiler_options: tuple = ()      # (name, value) of --tpu_flags on TPU, else none
 
   @property
   def reference(self) -> str:
@@ -117,6 +119,8 @@ def make_plan(cfg: TrainConfig, devices, sizes: packing.Sizes | None = None,
   lora = cfg.lora_config()
   if lora is not None:
     mcfg = dataclasses.replace(mcfg, lora_scale=lora.scale)
+  options = tpu_flags.parse(cfg.tpu_flags) if platform == "tpu" else {}
   return StepPlan(cfg=cfg, model=mcfg, rows=rows,
                   data_shards=len(devices) // cfg.model_parallel,
-                  model_parallel=cfg.model_parallel, num_slices=slices, lora=lora)
+                  model_parallel=cfg.model_parallel, num_slices=slices, lora=lora,
+                  compiler_options=tuple(sorted(options.items())))

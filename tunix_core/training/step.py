@@ -90,19 +90,20 @@ class StepFunctions:
     state_specs = {"params": pspec, "opt_state": self.layout.row_spec, "step": P(),
                    "nonfinite": P()}
     smap = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
-    self.train_step = jax.jit(
+    # --tpu_flags on TPU (`training.tpu_flags`), for every program of the step.
+    jit = functools.partial(jax.jit, compiler_options=dict(plan.compiler_options) or None)
+    self.train_step = jit(
         smap(self._train_step, in_specs=(state_specs, frozen_spec, self.pairs.spec),
              out_specs=(state_specs, P())), donate_argnums=(0,))
-    self.eval_step = jax.jit(smap(self._eval_step,
-                                  in_specs=(pspec, frozen_spec, self.pairs.spec),
-                                  out_specs=P()))
-    self.ref_logps = jax.jit(smap(self._ref_logps, in_specs=(ref_spec, self.pairs.spec),
-                                  out_specs=self.pairs.spec))
-    self._init_opt = jax.jit(smap(
+    self.eval_step = jit(smap(self._eval_step, in_specs=(pspec, frozen_spec, self.pairs.spec),
+                              out_specs=P()))
+    self.ref_logps = jit(smap(self._ref_logps, in_specs=(ref_spec, self.pairs.spec),
+                              out_specs=self.pairs.spec))
+    self._init_opt = jit(smap(
         lambda params: jax.tree.map(lambda x: x[None], self.layout.init_opt(params)),
         in_specs=(pspec,), out_specs=self.layout.row_spec))
-    self._checksums = jax.jit(smap(self._checksum, in_specs=(pspec,),
-                                   out_specs=P(tuple(mesh.axis_names))))
+    self._checksums = jit(smap(self._checksum, in_specs=(pspec,),
+                               out_specs=P(tuple(mesh.axis_names))))
 
   def _shardings(self, specs) -> dict:
     """A tree of PartitionSpecs as NamedShardings on this mesh."""

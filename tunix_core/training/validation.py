@@ -7,6 +7,7 @@ import importlib.util
 from tunix_kernels import tpu
 from tunix_core.parallel import tensor_parallel
 from tunix_core.storage import paths
+from tunix_core.training import tpu_flags
 
 
 # --chat_template values besides a path to a jinja file.
@@ -48,6 +49,10 @@ def check(cfg, num_devices: int, choices: dict) -> None:
   need(cfg.bucket_mb > 0, f"--bucket_mb must be positive, got {cfg.bucket_mb}")
   need(cfg.check_replicas_every >= 0, "--check_replicas_every must be >= 0")
   need(cfg.step_timeout >= 0, "--step_timeout must be >= 0 (0 disables the watchdog)")
+  try:
+    tpu_flags.parse(cfg.tpu_flags)
+  except ValueError as e:
+    raise ConfigError(f"--tpu_flags: {e}") from None
   need(not (cfg.fsdp and cfg.check_replicas_every),
        "--check_replicas_every checks replicated params; under --fsdp no param is "
        "replicated (set it to 0)")
