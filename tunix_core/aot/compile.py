@@ -15,6 +15,7 @@ validated against the target's device count, and `impl="auto"` and
 `--target_topology=local` compiles for this host's devices instead.
 """
 
+import dataclasses
 import glob
 import os
 import re
@@ -140,8 +141,12 @@ def plan_for(cfg, devices, log=lambda *_: None) -> plan_lib.StepPlan:
   cfg.validate(len(devices))
   sizes = None
   if cfg.train_data:
-    splits = [d for d in source.load_data(cfg, log) if d is not None]
-    sizes = plan_lib.data_sizes(cfg, splits)
+    # Compiling leaves nothing behind: the data goes to a throwaway token store unless
+    # --data_cache_dir names a lasting one (then the run finds it there).
+    with tempfile.TemporaryDirectory(prefix="tunix-compile-data-") as tmp:
+      data_cfg = cfg if cfg.data_cache_dir else dataclasses.replace(cfg, data_cache_dir=tmp)
+      splits = [d for d in source.load_data(data_cfg, log) if d is not None]
+      sizes = plan_lib.data_sizes(cfg, splits)
   return plan_lib.make_plan(cfg, devices, sizes)
 
 

@@ -208,6 +208,10 @@ class Checkpointer:
       if not quiet:
         raise
     finally:
+      # The manager removes leftover temporary directories in the background from its
+      # start; let that finish first, or it can remove the step a later writer (a run
+      # resuming here) is saving. (orbax has no public wait for it.)
+      getattr(self.manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
       try:
         self.manager.close()
       except Exception:  # noqa: BLE001 - a failed save was already reported by wait

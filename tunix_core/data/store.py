@@ -104,6 +104,7 @@ class PairStore:
     self._prompt = lengths_Px3[:, 0]
     self._rows_Px2 = lengths_Px3[:, :1] + lengths_Px3[:, 1:] - 1
     self._first = np.maximum(self._prompt - 1, 0)  # each row's first scored position
+    self.last_read = np.zeros(0, np.int64)  # the pairs the last `take` read
 
   @staticmethod
   def complete(path: str) -> bool:
@@ -160,7 +161,8 @@ class PairStore:
              "targets": np.full((B, 2, T), data_encode.IGNORE_INDEX, np.int32),
              "loss_mask": np.zeros((B, 2, T), np.int32),
              "attention_mask": np.zeros((B, 2, T), np.int32)}
-    for b, (prompt, *responses) in zip(positions, self.runs(np.asarray(idx)[positions])):
+    self.last_read = np.asarray(idx)[positions]
+    for b, (prompt, *responses) in zip(positions, self.runs(self.last_read)):
       for c, response in enumerate(responses):
         row = data_encode.build_row([], list(prompt), list(response), self.meta.pad_id, T, T)
         for key, x in zip(("tokens", "targets", "loss_mask"), row):

@@ -56,14 +56,14 @@ def _test_hang(step: int) -> None:
     threading.Event().wait()
 
 
-def _test_record(step: int, idx, steps) -> None:
+def _test_record(step: int, idx, pairs) -> None:
   """Test hook of the data tests: `TUNIX_TEST_PAIRS_DIR=D` appends to
-  `D/process_<i>.jsonl` the pairs this process read for each step."""
+  `D/process_<i>.jsonl` the pairs this process read from the store for each step."""
   where = os.environ.get("TUNIX_TEST_PAIRS_DIR")
   if where:
-    read = idx[steps.local_positions()].tolist()
     with open(os.path.join(where, f"process_{jax.process_index()}.jsonl"), "a") as f:
-      f.write(json.dumps({"step": step, "pairs": read, "batch": idx.tolist()}) + "\n")
+      f.write(json.dumps({"step": step, "pairs": pairs.last_read.tolist(),
+                          "batch": idx.tolist()}) + "\n")
 
 
 def _every(n: int, step: int, last: int) -> bool:
@@ -190,8 +190,8 @@ def _train(cfg, devices, log, dog):
           dog.beat(f"train step {step - 1}")
         _test_hang(step)
         idx = it.next_indices()
-        _test_record(step, idx, steps)
         batch = ref_cache.host_batch(steps, train_set, idx, train_ref)
+        _test_record(step, idx, train_set)
         progress.count_tokens(train_set.num_tokens(idx))
         profiler.before(step)
         state, metrics = steps.train_step(state, ref_params, steps.put_batch(batch))
