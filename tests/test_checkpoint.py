@@ -262,7 +262,7 @@ def test_two_processes_then_one_process_resume(tmp_path, gcs, lora):
   each host; LoRA with --export_merged on 2 x 1 device, a model axis of 2 across both
   hosts. Both processes end with status 0 and the export (LoRA: the PEFT adapter and
   merged/) equals one process's on as many devices; one process resumes the full run
-  from the bucket on the curve of a run that never stopped. The full run starts from HF
+  from the bucket to step 20 on the curve of a run that never stopped. The full run starts from HF
   weights in the bucket, of which each process fetches only its devices' rows (at most
   55% of the bytes, as the process reports them)."""
   pytest.importorskip("safetensors", reason="the export: needs the hf extra")
@@ -323,9 +323,11 @@ def test_two_processes_then_one_process_resume(tmp_path, gcs, lora):
   jax.tree.map(close, hf.load_params(got, mcfg), hf.load_params(want, mcfg))
   if lora:
     return   # resuming from the bucket is the full run's claim
-  train.train(_config(out, steps=5, **layout), **QUIET)  # one process, 8 devices
-  train.train(_config(straight, steps=5, **layout), **QUIET)
+  # One process, 8 devices, resumes to step 20 on the curve of the run that never
+  # stopped (2 processes to step 3, then 1: the same pairs, the same losses).
+  train.train(_config(out, steps=20, **layout), **QUIET)
+  train.train(_config(straight, steps=20, **layout), **QUIET)
   got, want = _losses(out), _losses(straight)
-  assert sorted(got) == [1, 2, 3, 4, 5]
-  np.testing.assert_allclose([got[s] for s in range(1, 6)], [want[s] for s in range(1, 6)],
+  assert sorted(got) == list(range(1, 21))
+  np.testing.assert_allclose([got[s] for s in range(1, 21)], [want[s] for s in range(1, 21)],
                              rtol=1e-5, atol=1e-5)
