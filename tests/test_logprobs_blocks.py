@@ -161,9 +161,9 @@ def test_dpo_loss_cost_estimates_count_the_bytes_pallas_fetches(B, T, monkeypatc
   bs = dpo_loss_pallas.BlockSizes.get_default()
   rows = jax.ShapeDtypeStruct((B, T), jnp.float32)
 
-  def fwd_bwd(*x):
-    table = dpo_loss_pallas._forward(*x, 0.1, "sigmoid", 0.0, B, bs, False)  # pylint: disable=protected-access
-    return dpo_loss_pallas._backward(table, x[4], x[5], bs, False)  # pylint: disable=protected-access
+  def fwd_bwd(*x):  # pylint: disable=protected-access
+    table = dpo_loss_pallas._forward(*x, 0.1, "sigmoid", 0.0, B, bs, False)
+    return dpo_loss_pallas._backward(table, x[4], x[5], bs, False)
 
   jax.eval_shape(fwd_bwd, *[rows] * 6)
   assert [c["name"] for c in calls] == ["dpo_loss_fwd", "dpo_loss_bwd"]

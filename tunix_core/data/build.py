@@ -5,8 +5,8 @@ is fine); each chunk is parsed and encoded (`encode_pair`, which is `data.datase
 row rule) in a pool of worker processes (`spawn`: the parent may already run JAX's
 threads), at most two chunks per worker in flight, and the ids are appended to the store
 in file order, so the store is the same for any number of workers. A file of fewer than
-four chunks per worker is encoded in the calling process. A bad line still raises `DataError` naming
-`path:line`, or is counted and skipped under `skip_bad_lines`.
+four chunks per worker is encoded in the calling process. A bad line still raises
+`DataError` naming `path:line`, or is counted and skipped under `skip_bad_lines`.
 
 A store is found again by `store_key`: the JSONL's content digest, the tokenizer's
 fingerprint and special ids, the chat template and the length limits.
@@ -18,7 +18,6 @@ import itertools
 import json
 import multiprocessing
 import os
-import shutil
 import tempfile
 
 import numpy as np
@@ -52,6 +51,23 @@ def parse_line(path: str, lineno: int, raw: bytes) -> dict | None:
   if error:
     raise DataError(f"{path}:{lineno}: {error}")
   return {k: record[k] for k in data_encode.FIELDS}
+
+
+def parse_lines(path: str, lines, skip_bad_lines: bool) -> tuple[list, int]:
+  """`([(line number, pair)], bad lines skipped)` of numbered raw lines `[(lineno,
+  bytes)]` of `path` (`parse_line`; a bad line raises unless `skip_bad_lines`)."""
+  pairs, skipped = [], 0
+  for lineno, raw in lines:
+    try:
+      pair = parse_line(path, lineno, raw)
+    except DataError:
+      if not skip_bad_lines:
+        raise
+      skipped += 1
+      continue
+    if pair is not None:
+      pairs.append((lineno, pair))
+  return pairs, skipped
 
 
 def encode_pair(tok, pair: dict, max_length: int, max_prompt_length: int):
@@ -93,17 +109,9 @@ def _encode_chunk(chunk: list) -> tuple:
   """One chunk `[(lineno, raw line)]` -> `(ids, lengths [k, 3], lines [k], dropped,
   skipped, mismatches)`; runs in a worker (or here), with `_WORKER`'s settings."""
   w = _WORKER
-  ids, lengths, lines, dropped, skipped, mismatches = [], [], [], 0, 0, 0
-  for lineno, raw in chunk:
-    try:
-      pair = parse_line(w["path"], lineno, raw)
-    except DataError:
-      if not w["skip_bad_lines"]:
-        raise
-      skipped += 1
-      continue
-    if pair is None:
-      continue
+  ids, lengths, lines, dropped, mismatches = [], [], [], 0, 0
+  pairs, skipped = parse_lines(w["path"], chunk, w["skip_bad_lines"])
+  for lineno, pair in pairs:
     try:
       encoded = encode_pair(w["tok"], pair, w["max_length"], w["max_prompt_length"])
     except ValueError as e:
@@ -123,7 +131,7 @@ def _encode_chunk(chunk: list) -> tuple:
 def _chunks(path: str, chunk_pairs: int):
   """`(chunk, bytes read so far)` over the file's lines, streamed."""
   try:
-    f = open(path, "rb") if not paths.is_remote(path) else paths.open_read(path)
+    f = paths.open_read(path)
   except FileNotFoundError:
     raise DataError(f"{path}: no such data file") from None
   with f:
@@ -194,15 +202,6 @@ def store_key(path: str, tok, max_length: int, max_prompt_length: int,
   return "pairs-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def _write_npy(dst: str, raw_path: str, count: int) -> None:
-  """`dst`: a 1-D int32 `.npy` of the `count` ids in the raw file `raw_path`."""
-  with open(dst, "wb") as f:
-    np.lib.format.write_array_header_1_0(
-        f, {"descr": "<i4", "fortran_order": False, "shape": (count,)})
-    with open(raw_path, "rb") as raw:
-      shutil.copyfileobj(raw, f, 16 << 20)
-
-
 def build(path: str, tok, out_dir: str, max_length: int, max_prompt_length: int,
           skip_bad_lines: bool = False, workers: int | None = None,
           chunk_pairs: int = 2000, log=None) -> store_lib.PairStore:
@@ -232,7 +231,9 @@ def build(path: str, tok, out_dir: str, max_length: int, max_prompt_length: int,
       raise DataError(f"{path}: no preference pairs" + (
           f" ({counts[1]} bad lines skipped)" if counts[1] else " (empty file)"))
     offsets = np.concatenate([[0], np.cumsum(lengths.reshape(-1))]).astype(np.int64)
-    _write_npy(os.path.join(local, "ids.npy"), raw_path, int(offsets[-1]))
+    with open(raw_path, "rb") as raw:
+      store_lib.write_flat(os.path.join(local, "ids.npy"), np.int32, int(offsets[-1]),
+                           iter(lambda: raw.read(16 << 20), b""))
     np.save(os.path.join(local, "offsets.npy"), offsets)
     np.save(os.path.join(local, "lines.npy"), np.concatenate(lines))
   meta = store_lib.Meta(max_length=max_length, max_prompt_length=max_prompt_length,

@@ -106,19 +106,9 @@ def with_chat_template(tok: Tokenizer, chat_template: str) -> Tokenizer:
 
 def _read_records(path: str, skip_bad_lines: bool) -> tuple[list[tuple[int, dict]], int]:
   """`([(line number, pair)], bad lines skipped)`; see `read_jsonl`."""
-  records, skipped = [], 0
   try:
     with paths.open_read(path) as f:
-      for lineno, raw in enumerate(f, start=1):
-        try:
-          pair = data_build.parse_line(path, lineno, raw)
-        except DataError:
-          if not skip_bad_lines:
-            raise
-          skipped += 1
-          continue
-        if pair is not None:
-          records.append((lineno, pair))
+      records, skipped = data_build.parse_lines(path, enumerate(f, start=1), skip_bad_lines)
   except FileNotFoundError:
     raise DataError(f"{path}: no such data file") from None
   if not records:

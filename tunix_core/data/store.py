@@ -77,13 +77,23 @@ class Ragged:
     else:
       import fsspec  # pylint: disable=g-import-not-at-top  (gcsfs, as under epath)
       fs, name = fsspec.core.url_to_fs(self.path)
-      blobs = paths.call("reading", self.path,
-                         lambda: fs.cat_ranges([name] * len(lo), lo, hi, on_error="raise")) if lo else []
+      blobs = paths.call("reading", self.path, lambda: fs.cat_ranges(
+          [name] * len(lo), lo, hi, on_error="raise")) if lo else []
     return [np.frombuffer(b, self.dtype) for b in blobs]
 
   def __del__(self):
     if getattr(self, "_fd", None) is not None:
       os.close(self._fd)
+
+
+def write_flat(path: str, dtype, count: int, parts) -> None:
+  """Writes the local file `path`: a 1-D `.npy` of `count` elements of `dtype`, from the
+  byte strings `parts` (streamed: none is held beyond its write)."""
+  with open(path, "wb") as f:
+    np.lib.format.write_array_header_1_0(
+        f, {"descr": np.dtype(dtype).str, "fortran_order": False, "shape": (count,)})
+    for part in parts:
+      f.write(part)
 
 
 def _load_small(path: str) -> np.ndarray:

@@ -56,11 +56,8 @@ def host_batch(steps: step_lib.StepFunctions, pairs, idx, ref: RefTable | None =
 def _write_local(path: str, chunks: list[np.ndarray]) -> None:
   """`path` (local): the `.npy` of the concatenated float32 `chunks`, atomically."""
   tmp = f"{path}.{os.getpid()}.tmp"
-  with open(tmp, "wb") as f:
-    np.lib.format.write_array_header_1_0(f, {"descr": "<f4", "fortran_order": False,
-                                             "shape": (sum(map(len, chunks)),)})
-    for c in chunks:
-      f.write(np.ascontiguousarray(c, np.float32).tobytes())
+  store_lib.write_flat(tmp, np.float32, sum(map(len, chunks)),
+                       (np.ascontiguousarray(c, np.float32).tobytes() for c in chunks))
   os.replace(tmp, path)
 
 
