@@ -62,9 +62,8 @@ class Ragged:
       fmt = np.lib.format
       header = (fmt.read_array_header_1_0 if fmt.read_magic(f) == (1, 0)
                 else fmt.read_array_header_2_0)
-      shape, _, self.dtype = header(f)
+      _, _, self.dtype = header(f)
       self.start = f.tell()
-    self.size = shape[0]
     self._fd = None if paths.is_remote(path) else os.open(path, os.O_RDONLY)
 
   def read(self, starts, ends) -> list[np.ndarray]:
