@@ -14,9 +14,11 @@ import pytest
 import runs
 from tunix_kernels import tpu
 from tunix_core.aot import comms
+from tunix_core.aot import overlap
 from tunix_core.aot import compile as aot
 from tunix_core.run import loop
 from tunix_core.training import config as config_lib
+from tunix_core.training import flops
 from tunix_core.training import step as step_lib
 from tunix_core.training import tpu_flags
 
@@ -249,10 +251,23 @@ def test_gradient_sync_compiles_to_reduce_scatters_and_all_gathers_on_tpu(tmp_pa
   with jax.set_mesh(steps.mesh):
     text = lowered.compile().as_text()
   kinds = {}
-  for op in comms.ops(text, dict(steps.mesh.shape)):
+  ops = comms.ops(text, dict(steps.mesh.shape))
+  for op in ops:
     kinds.setdefault(op["op"], []).append(op["bytes"])
   assert kinds.get("reduce-scatter") and kinds.get("all-gather"), kinds
   assert len(kinds.get("all-reduce", [])) <= 1 and max(kinds.get("all-reduce", [0])) < 1024, kinds
+  # The schedule's replay (`aot.overlap`) meets every collective `comms.ops` counts (it
+  # unrolls the loops, `ops` multiplies by trip counts), pairs the asynchronous ones
+  # (FSDP's backward gathers one: TPU's start and done fusions) and finds the plan's
+  # matmuls: at least the model FLOPs, at most with the remat forward again and the
+  # kernels' causal upper bounds.
+  got = overlap.exposed(text, dict(steps.mesh.shape), "v5e")
+  assert got["unknown"] == [] and got["asynchronous"] >= (layout == "fsdp")
+  assert got["bytes"] == pytest.approx(sum(o["bytes"] * o["times"] for o in ops), rel=1e-9)
+  assert 0 < got["exposed_s"] <= got["comm_s"]
+  model_flops = flops.step_flops(steps.plan) / len(devices)
+  replayed = got["compute_s"] * comms.CHIP_RATES["v5e"][0]
+  assert model_flops <= replayed <= 2 * model_flops, (replayed, model_flops)
   # Under the default --tpu_flags (every program of the step gets them); an unknown
   # option is one line from --compile_only.
   assert dict(steps.plan.compiler_options) == tpu_flags.parse(tpu_flags.DEFAULT) != {}

@@ -46,10 +46,12 @@ _OP = re.compile(r"=\s*(\(.*?\)|[\w\[\],{}:()\-. ]+?)\s+([a-z\-]+)\(")
 _SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|bf16|f16|s32|u32|f32|s64|u64|f64)\[([\d,]*)\]")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4,
           "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
-# TPU's async collective fusion starts a collective before a loop and advances it in
-# fusions of this name inside the loop body, each holding the whole collective: it runs
-# once, counted at its start.
+# TPU's async collective fusion starts a collective in a fusion holding it and the
+# custom call `AsyncCollectiveStart`, advances it in fusions named `_CONTINUATION` and
+# ends it in one holding `AsyncCollectiveDone`: each holds the whole collective, which
+# runs once, counted at its start.
 _CONTINUATION = "async_collective_fusion"
+_DONE = 'custom_call_target="AsyncCollectiveDone"'
 _FACTOR = {"all-gather": lambda n: (n - 1) / n, "reduce-scatter": lambda n: n - 1,
            "all-reduce": lambda n: 2 * (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
            "collective-permute": lambda n: 1.0}
@@ -126,12 +128,48 @@ def _axes(groups, mesh_shape: dict) -> tuple:
   return tuple(n for n in names if n in spanned)
 
 
-def _trip_count(condition: list[str]) -> int:
-  """`N` of a loop condition `counter < N` (1 when it is not that simple)."""
+def _trip_count(condition: list[str]) -> int | None:
+  """`N` of a loop condition `counter < N` (None when it is not that simple)."""
   constants = [int(c) for line in condition
                for c in re.findall(r"[su]32\[\][^=]*?constant\((\d+)\)", line)]
   return constants[0] if len(constants) == 1 and any("direction=LT" in l
-                                                     for l in condition) else 1
+                                                     for l in condition) else None
+
+
+def trip_count(line: str, comps: dict) -> int | None:
+  """Executions of a `while` instruction's body: the compiler's `known_trip_count`, else
+  its condition's `counter < N`; None when neither can be read."""
+  known = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+  cond = re.search(r"condition=%([\w.\-]+)", line)
+  if known:
+    return int(known.group(1))
+  return _trip_count(comps.get(cond.group(1), [])) if cond else None
+
+
+def collective(line: str, op: str, shape: str, mesh_shape: dict) -> tuple | None:
+  """`(kind, mesh axes spanned, bytes one device sends)` of a collective instruction
+  (`op` as written, `-start` included; `shape` its result), None when its groups have
+  one member."""
+  base = op.removesuffix("-start")
+  named = _named_axes(line)
+  if named is not None:
+    n, axes = int(np.prod(list(named.values()))), tuple(a for a in mesh_shape if a in named)
+  else:
+    groups = _groups(line)
+    n = int(np.prod(list(mesh_shape.values()))) if groups is None else max(map(len, groups))
+    axes = _axes(groups, mesh_shape)
+  return (base, axes, _bytes(shape, op) * _FACTOR[base](n)) if n > 1 else None
+
+
+def dcn_transfer(line: str, op: str, shape: str, mesh_shape: dict) -> tuple | None:
+  """`(kind, ("slice",), bytes)` of a `send` a multi-slice TPU program hands to its
+  data-centre network runtime, else None."""
+  across = re.search(r'_xla_megascale_transfer_type="(\w+)"', line)
+  kind = across.group(1).lower().replace("_", "-") if across else None
+  n = mesh_shape.get("slice", 1)
+  if op != "send" or kind not in _FACTOR or n <= 1:
+    return None
+  return kind, ("slice",), _bytes(shape, "send-start") * _FACTOR[kind](n)
 
 
 def ops(hlo: str, mesh_shape: dict) -> list[dict]:
@@ -140,7 +178,7 @@ def ops(hlo: str, mesh_shape: dict) -> list[dict]:
   "times" (executions per step: the trip counts of the loops around it), "in_loop"}`.
   `mesh_shape`: the step's mesh, `{axis: size}` in order."""
   comps, entry = _computations(hlo)
-  num_devices = int(np.prod(list(mesh_shape.values())))
+  ends = {name for name, lines in comps.items() if any(_DONE in l for l in lines)}
   out = []
 
   def walk(name: str, times: int, in_loop: bool, seen: tuple):
@@ -153,36 +191,23 @@ def ops(hlo: str, mesh_shape: dict) -> list[dict]:
       shape, op = m.groups()
       base = op.removesuffix("-start")
       if base in _FACTOR and not op.endswith("-done"):
-        named = _named_axes(line)
-        if named is not None:
-          n, axes = int(np.prod(list(named.values()))), tuple(a for a in mesh_shape
-                                                                 if a in named)
-        else:
-          groups = _groups(line)
-          n = num_devices if groups is None else max(len(g) for g in groups)
-          axes = _axes(groups, mesh_shape)
-        if n > 1:
-          out.append({"op": base, "axes": axes, "times": times,
-                      "bytes": _bytes(shape, op) * _FACTOR[base](n), "in_loop": in_loop})
-      across = re.search(r'_xla_megascale_transfer_type="(\w+)"', line)
-      if op == "send" and across:  # a TPU multi-slice collective over the DCN
-        kind = across.group(1).lower().replace("_", "-")
-        n = mesh_shape.get("slice", 1)
-        if kind in _FACTOR and n > 1:
-          out.append({"op": kind, "axes": ("slice",), "times": times, "in_loop": in_loop,
-                      "bytes": _bytes(shape, "send-start") * _FACTOR[kind](n)})
+        found = collective(line, op, shape, mesh_shape)
+        if found is not None:
+          out.append({"op": base, "axes": found[1], "times": times, "bytes": found[2],
+                      "in_loop": in_loop})
+      found = dcn_transfer(line, op, shape, mesh_shape)
+      if found is not None:
+        out.append({"op": found[0], "axes": found[1], "times": times, "in_loop": in_loop,
+                    "bytes": found[2]})
       if op == "while":
         body = re.search(r"body=%([\w.\-]+)", line)
-        cond = re.search(r"condition=%([\w.\-]+)", line)
-        known = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-        trips = (int(known.group(1)) if known else
-                 _trip_count(comps.get(cond.group(1), [])) if cond else 1)
+        trips = trip_count(line, comps) or 1
         if body:
           walk(body.group(1), times * trips, True, seen + (name,))
       else:
         for callee in re.findall(r"(?:calls|to_apply|branch_computations)=\{?%([\w.\-]+)",
                                  line):
-          if not callee.startswith(_CONTINUATION):
+          if not callee.startswith(_CONTINUATION) and callee not in ends:
             walk(callee, times, in_loop, seen + (name,))
 
   walk(entry, 1, False, ())

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from tunix_kernels import tpu
 from tunix_core import model as model_lib
 from tunix_core.aot import comms
+from tunix_core.aot import overlap
 from tunix_core.data import packing
 from tunix_core.run import source
 from tunix_core.training import flops
@@ -102,7 +103,8 @@ def compile_stats(plan: plan_lib.StepPlan, chip, devices) -> dict:
   dump lacks it) and `"need"`, what the fit is judged on: `hbm`, else the compiler's
   `peak`, else `total`, but never less than the arguments and outputs the caller holds
   through the step; `"collectives"`, `comms.collectives` of the compiled HLO (bytes a
-  device sends per step, by the mesh axes they cross); `"model_flops"`, the plan's
+  device sends per step, by the mesh axes they cross); `"overlap"`, for a TPU target,
+  `overlap.exposed` of its schedule (None for local devices); `"model_flops"`, the plan's
   model FLOPs per device; `"error"` is the compiler's refusal or None.
 
   Why not `total`: on TPU `temp_size_in_bytes` can exceed the temporaries the buffer
@@ -127,7 +129,9 @@ def compile_stats(plan: plan_lib.StepPlan, chip, devices) -> dict:
       return out
     hbm = _allocated_in_hbm(dump_dir) if chip is not None else None
   stats = tpu.compiled_stats(compiled)
-  stats["collectives"] = comms.collectives(compiled.as_text(), dict(steps.mesh.shape))
+  text, mesh_shape = compiled.as_text(), dict(steps.mesh.shape)
+  stats["collectives"] = comms.collectives(text, mesh_shape)
+  stats["overlap"] = overlap.exposed(text, mesh_shape, chip.name) if chip else None
   stats["model_flops"] = flops.step_flops(plan) / len(devices)
   total = stats["argument"] + stats["output"] - stats["alias"] + stats["temp"]
   held = stats["argument"] + stats["output"] - stats["alias"]
@@ -193,8 +197,9 @@ def compile_only(cfg, target: str, log=print) -> int:
         f"{axes or 'none'}; {roof['ici_s'] * 1e3:.3g} ms over ICI and "
         f"{roof['dcn_s'] * 1e3:.3g} ms across slices against {roof['compute_s'] * 1e3:.3g}"
         f" ms of compute, not overlapped)")
-    if roof["share"] > comms.SHARE_LIMIT:
-      log(f"communication share over {comms.SHARE_LIMIT:.0%}: this step is bound by its "
+    log(overlap.describe(stats["overlap"]))
+    if stats["overlap"]["share"] > comms.SHARE_LIMIT and not stats["overlap"]["unknown"]:
+      log(f"exposed communication over {comms.SHARE_LIMIT:.0%}: this step is bound by its "
           f"collectives (FSDP moves the whole model every step whatever the batch; more "
           f"pairs per device, --batch_size, amortise it)")
   else:

@@ -232,8 +232,9 @@ class TrainConfig:
                                "libtpu, works on any host).", group="aot")
   tpu_flags: str = _flag(tpu_flags.DEFAULT, "XLA TPU compiler options of every step compiled "
                          "for TPU (runs and --compile_only): --name=value separated by "
-                         "spaces; replaces the default (async collective fusion and "
-                         "compute/collective overlap, as MaxText's recipes).", group="aot")
+                         "spaces; replaces the default (MaxText's async collective "
+                         "fusion and overlap set, plus the layer loop's weight gathers "
+                         "pipelined into the previous trip).", group="aot")
 
   def validate(self, num_devices: int) -> None:
     """Raises ConfigError with one line naming the offending setting."""

@@ -5,7 +5,9 @@ that compiles for CPU or GPU too is unaffected, and the options are part of the 
 
 The default is the overlap set of MaxText's TPU recipes: collectives run asynchronously
 and fused with the compute around them (`xla_tpu_enable_async_collective_fusion*`,
-`xla_tpu_overlap_compute_collective_tc`, `xla_enable_async_all_gather`), and the data-
+`xla_tpu_overlap_compute_collective_tc`, `xla_enable_async_all_gather`), the layer
+loop's weight gathers pipelined into the previous trip (`xla_tpu_enable_ici_ag_pipelining`:
+the forward's gather of layer i + 1 runs under layer i's matmuls), and the data-
 parallel all-reduce optimisation for what stays an all-reduce (the slice axis, small
 replicated leaves). Each name was checked against the TPU compiler of jax 0.10.2 and
 0.12 ahead of time; an unknown name aborts the compilation, which `--compile_only`
@@ -18,6 +20,7 @@ DEFAULT = " ".join([
     "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
     "--xla_tpu_overlap_compute_collective_tc=true",
     "--xla_enable_async_all_gather=true",
+    "--xla_tpu_enable_ici_ag_pipelining=true",
     "--xla_tpu_enable_data_parallel_all_reduce_opt=true",
     "--xla_tpu_data_parallel_opt_different_sized_ops=true",
 ])
