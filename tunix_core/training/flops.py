@@ -1,13 +1,19 @@
 """Model FLOPs of a planned DPO step, the devices' peak, and so MFU.
 
 **FLOPs** count the matmul work the planned step does (`plan.StepPlan`: its model rows
-and LM-head slots), never more: per model-row position of a row of `L` tokens,
+and LM-head slots), never more: per model-row position
 
     dense     = 2 * matmul params of all layers                       (qkv, o, MLP)
-    attention = 4 * num_layers * num_heads * head_dim * keys           (QK^T and PV)
 
-with `keys` the keys a query is scored against, at most the row (`L`) or, packed, its
-longest sequence (`band`); the LM head costs `2 d_model vocab` per head slot.
+and per row, per layer, attention `4 * num_heads * head_dim` per (query, key) pair the
+kernels compute (QK^T and PV): the tiles they visit times the tile's area. A tile none
+of whose entries is visible is skipped by the kernels and is not work: above the
+diagonal (causal), a rejected response's queries against the chosen one's keys (prefix
+sharing), another packed sequence's keys, keys past a sliding window
+(`attention_blocks.visible_tiles` on the row, tiles of `BlockSizes.get_default` for the
+smallest generation's VMEM). The row is the plan's worst case: full, a shared row a
+prompt of `--max_prompt_length` tokens and two equal responses, a packed row sequences
+of `band` tokens back to back. The LM head costs `2 d_model vocab` per head slot.
 A step runs the policy forward and backward (3 forwards: the backward costs two) plus
 the frozen reference's forward when it runs in the step. Norms, rope, softmax and the
 loss are left out (under 1% at these shapes), so MFU cannot pass 100%.
@@ -28,7 +34,9 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from tunix_kernels import attention_blocks
 from tunix_core.model import config as model_config_lib
 
 # Dense bfloat16 FLOP/s per chip, by a substring of `jax.Device.device_kind`: Google
@@ -59,12 +67,49 @@ def forward_flops(mcfg: model_config_lib.ModelConfig, positions: int, keys: int,
           + head_slots * 2.0 * mcfg.d_model * mcfg.vocab_size)
 
 
+def planned_row(rows, prompt: int) -> tuple:
+  """`(segments, branches, positions)` `[1, L]` int32 of a full planned row (`rows`, a
+  `data.packing.Spec`): one sequence (plain), or sequences of `rows.band` tokens back
+  to back (packed); with prefix sharing each is a prompt of up to `prompt` tokens and
+  two responses of equal length."""
+  L = rows.length
+  segments, branches, positions = (np.zeros((1, L), np.int32) for _ in range(3))
+  start, segment = 0, 1
+  while start < L:
+    n = min(rows.band or L, L - start)
+    p = min(prompt, max(n - 2, 0)) if rows.share else n
+    chosen = (n - p + 1) // 2
+    branch = np.repeat([0, 1, 2], [p, chosen, n - p - chosen])
+    at = slice(start, start + n)
+    segments[0, at], branches[0, at] = segment, branch
+    positions[0, at] = np.where(branch == 2, np.arange(n) - chosen, np.arange(n))
+    start, segment = start + n, segment + 1
+  return segments, branches, positions
+
+
+def attended_pairs(plan) -> int:
+  """(query, key) pairs one planned row's attention computes, summed over the layers:
+  per layer, the tiles the kernels visit (`attention_blocks.visible_tiles`, the window
+  of a sliding layer included) times the tile's area."""
+  mcfg, rows = plan.model, plan.rows
+  bq, bk = attention_blocks.BlockSizes.get_default(
+      mcfg.head_dim, jnp.dtype(mcfg.compute_dtype), seq_len=rows.length).tiles(rows.length)
+  segments, branches, positions = planned_row(rows, plan.cfg.max_prompt_length)
+  valid = np.ones_like(segments)
+  count = lambda window: int(np.sum(attention_blocks.visible_tiles(
+      segments, branches, positions, valid, window, bq, bk))) * bq * bk
+  windows = [mcfg.sliding_window if s else attention_blocks.NO_WINDOW
+             for s in mcfg.sliding_layers()]
+  return sum(count(w) * windows.count(w) for w in set(windows))
+
+
 def step_flops(plan) -> float:
   """Model FLOPs of one train step of `plan` (a `plan.StepPlan`) over all devices."""
-  rows, cfg = plan.rows, plan.cfg
-  groups = cfg.batch_size // rows.pairs
-  keys = min(rows.length, rows.band or rows.length)
-  forward = groups * forward_flops(plan.model, rows.rows * rows.length, keys, rows.head)
+  rows, mcfg = plan.rows, plan.model
+  groups = plan.cfg.batch_size // rows.pairs
+  attention = 4 * mcfg.num_heads * mcfg.head_dim * rows.rows * attended_pairs(plan)
+  forward = groups * (forward_flops(mcfg, rows.rows * rows.length, 0, rows.head)
+                      + attention)
   return (3 + (plan.reference == "step")) * forward
 
 
