@@ -73,7 +73,7 @@ def test_the_hf_fingerprint_sees_any_changed_byte_without_reading_again(tmp_path
   """A same-shape checkpoint whose middle tensor changed (beyond the first and last MiB
   of a 7 MiB file) changes the fingerprint; an unchanged one is not read again (locally
   the cached digest; on `gs://` the store's checksums, never the bytes)."""
-  from safetensors.numpy import save  # pylint: disable=g-import-not-at-top
+  save = pytest.importorskip("safetensors.numpy", reason="needs the hf extra").save
   from tunix_core.run import source  # pylint: disable=g-import-not-at-top
   from tunix_core.storage import digest  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(digest, "CACHE", str(tmp_path / "digests.json"))
