@@ -44,20 +44,20 @@ SHARE_LIMIT = 0.10
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{\s*$")
 _OP = re.compile(r"=\s*(\(.*?\)|[\w\[\],{}:()\-. ]+?)\s+([a-z\-]+)\(")
 _SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|bf16|f16|s32|u32|f32|s64|u64|f64)\[([\d,]*)\]")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4,
+BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4,
           "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 # TPU's async collective fusion starts a collective in a fusion holding it and the
-# custom call `AsyncCollectiveStart`, advances it in fusions named `_CONTINUATION` and
+# custom call `AsyncCollectiveStart`, advances it in fusions named `CONTINUATION` and
 # ends it in one holding `AsyncCollectiveDone`: each holds the whole collective, which
 # runs once, counted at its start.
-_CONTINUATION = "async_collective_fusion"
+CONTINUATION = "async_collective_fusion"
 _DONE = 'custom_call_target="AsyncCollectiveDone"'
-_FACTOR = {"all-gather": lambda n: (n - 1) / n, "reduce-scatter": lambda n: n - 1,
+FACTOR = {"all-gather": lambda n: (n - 1) / n, "reduce-scatter": lambda n: n - 1,
            "all-reduce": lambda n: 2 * (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
            "collective-permute": lambda n: 1.0}
 
 
-def _computations(hlo: str) -> tuple[dict, str]:
+def computations(hlo: str) -> tuple[dict, str]:
   """`({name: [instruction lines]}, entry name)` of an HLO module's text."""
   out, entry, name = {}, None, None
   for line in hlo.splitlines():
@@ -80,7 +80,7 @@ def _bytes(shape_text: str, op: str) -> int:
     count = 1
     for d in filter(None, dims.split(",")):
       count *= int(d)
-    sizes.append(count * _BYTES[dtype])
+    sizes.append(count * BYTES[dtype])
   if op.endswith("-start") and len(sizes) > 1:
     return max(sizes)
   return sum(sizes)
@@ -158,7 +158,7 @@ def collective(line: str, op: str, shape: str, mesh_shape: dict) -> tuple | None
     groups = _groups(line)
     n = int(np.prod(list(mesh_shape.values()))) if groups is None else max(map(len, groups))
     axes = _axes(groups, mesh_shape)
-  return (base, axes, _bytes(shape, op) * _FACTOR[base](n)) if n > 1 else None
+  return (base, axes, _bytes(shape, op) * FACTOR[base](n)) if n > 1 else None
 
 
 def dcn_transfer(line: str, op: str, shape: str, mesh_shape: dict) -> tuple | None:
@@ -167,9 +167,9 @@ def dcn_transfer(line: str, op: str, shape: str, mesh_shape: dict) -> tuple | No
   across = re.search(r'_xla_megascale_transfer_type="(\w+)"', line)
   kind = across.group(1).lower().replace("_", "-") if across else None
   n = mesh_shape.get("slice", 1)
-  if op != "send" or kind not in _FACTOR or n <= 1:
+  if op != "send" or kind not in FACTOR or n <= 1:
     return None
-  return kind, ("slice",), _bytes(shape, "send-start") * _FACTOR[kind](n)
+  return kind, ("slice",), _bytes(shape, "send-start") * FACTOR[kind](n)
 
 
 def ops(hlo: str, mesh_shape: dict) -> list[dict]:
@@ -177,7 +177,7 @@ def ops(hlo: str, mesh_shape: dict) -> list[dict]:
   "axes" (the mesh axes it spans, `_axes`), "bytes" (one device sends, per execution),
   "times" (executions per step: the trip counts of the loops around it), "in_loop"}`.
   `mesh_shape`: the step's mesh, `{axis: size}` in order."""
-  comps, entry = _computations(hlo)
+  comps, entry = computations(hlo)
   ends = {name for name, lines in comps.items() if any(_DONE in l for l in lines)}
   out = []
 
@@ -190,7 +190,7 @@ def ops(hlo: str, mesh_shape: dict) -> list[dict]:
         continue
       shape, op = m.groups()
       base = op.removesuffix("-start")
-      if base in _FACTOR and not op.endswith("-done"):
+      if base in FACTOR and not op.endswith("-done"):
         found = collective(line, op, shape, mesh_shape)
         if found is not None:
           out.append({"op": base, "axes": found[1], "times": times, "bytes": found[2],
@@ -207,7 +207,7 @@ def ops(hlo: str, mesh_shape: dict) -> list[dict]:
       else:
         for callee in re.findall(r"(?:calls|to_apply|branch_computations)=\{?%([\w.\-]+)",
                                  line):
-          if not callee.startswith(_CONTINUATION) and callee not in ends:
+          if not callee.startswith(CONTINUATION) and callee not in ends:
             walk(callee, times, in_loop, seen + (name,))
 
   walk(entry, 1, False, ())

@@ -44,7 +44,7 @@ class _Module(dict):
 
 def _parse(hlo: str) -> _Module:
   """The instructions of a module's text, computation by computation (`_Module`)."""
-  comps, entry = comms._computations(hlo)  # pylint: disable=protected-access
+  comps, entry = comms.computations(hlo)
   out = _Module()
   out.entry, out.lines = entry, comps
   for comp, lines in comps.items():
@@ -72,7 +72,7 @@ def _key(op: str, shape: str) -> tuple:
   """What pairs a collective's start with its done: its kind and its largest array (the
   result of a gather, reduce or permute; a start's tuple also holds its operand)."""
   arrays = re.findall(r"(\w+)\[([\d,]*)\]", shape)
-  size = lambda a: comms._BYTES.get(a[0], 0) * np.prod([int(d) for d in a[1].split(",") if d])  # pylint: disable=protected-access
+  size = lambda a: comms.BYTES.get(a[0], 0) * np.prod([int(d) for d in a[1].split(",") if d])
   largest = max(arrays, key=size, default=("", ""))
   return (op.removesuffix("-start").removesuffix("-done"), f"{largest[0]}[{largest[1]}]")
 
@@ -95,8 +95,8 @@ def _conv_flops(out_dims: list, shapes: dict, operands: list, line: str) -> floa
   if not labels or len(kernel) != len(labels.group(2)) or len(lhs) != len(labels.group(1)):
     return 0.0
   lhs_labels, kernel_labels, out_labels = labels.groups()
-  window = dict(re.findall(r"(\w+)=([\dx_]+)", (re.search(r"window=\{[^}]*\}", line)
-                                              or re.match("", "")).group(0)))
+  found = re.search(r"window=\{([^}]*)\}", line)
+  window = dict(re.findall(r"(\w+)=([\dx_]+)", found.group(1))) if found else {}
   per_dim = lambda key, d: [int(v.split("_")[0]) for v in window[key].split("x")][d]
   flops = 2.0 * kernel[kernel_labels.index("i")]
   flops *= np.prod([n for n, l in zip(out_dims, out_labels) if not l.isdigit()])
@@ -129,8 +129,8 @@ def _op_flops(instruction: tuple, shapes: dict, comps: dict, memo: dict) -> floa
     found = re.search(r'"cost_estimate":\{"flops":"(\d+)"', line)
     return float(found.group(1)) if found else 0.0
   if op == "while":
-    return (comms.trip_count(line, comps.lines) or 1) * _flops(_callees(line, "body")[0], comps,
-                                                         memo)
+    trips = comms.trip_count(line, comps.lines) or 1
+    return trips * _flops(_callees(line, "body")[0], comps, memo)
   if op == "conditional":
     return max((_flops(c, comps, memo) for c in _callees(line)), default=0.0)
   if op in ("fusion", "call", "async-start"):
@@ -145,20 +145,6 @@ def _flops(comp: str, comps: dict, memo: dict) -> float:
     shapes = {name: shape for name, shape, *_ in comps.get(comp, [])}
     memo[comp] = sum(_op_flops(i, shapes, comps, memo) for i in comps.get(comp, []))
   return memo[comp]
-
-
-def _inner_collective(comp: str, comps: dict):
-  """`(op, shape, line)` of the collective a fusion's computation holds, and whether it
-  starts or ends it: `(found, "start" | "done" | None)`."""
-  found, role = None, None
-  for _, shape, op, _, line in comps.get(comp, []):
-    if op.removesuffix("-start") in comms._FACTOR:  # pylint: disable=protected-access
-      found = (op, shape, line)
-    if 'custom_call_target="AsyncCollectiveStart"' in line:
-      role = "start"
-    if 'custom_call_target="AsyncCollectiveDone"' in line:
-      role = "done"
-  return found, role
 
 
 class _Replay:
@@ -178,7 +164,7 @@ class _Replay:
     if comp not in self.holds:
       self.holds[comp] = False
       self.holds[comp] = any(
-          op.removesuffix("-start") in comms._FACTOR or op == "send"  # pylint: disable=protected-access
+          op.removesuffix("-start") in comms.FACTOR or op == "send"
           or any(self.holds_collective(c) for c in _callees(line))
           for _, _, op, _, line in self.comps.get(comp, []))
     return self.holds[comp]
@@ -213,7 +199,7 @@ class _Replay:
     for instruction in self.comps.get(comp, []):
       name, shape, op, operands, line = instruction
       callees = _callees(line)
-      if not (op.removesuffix("-start").removesuffix("-done") in comms._FACTOR  # pylint: disable=protected-access
+      if not (op.removesuffix("-start").removesuffix("-done") in comms.FACTOR
               or op in ("send", "send-done")
               or any(self.holds_collective(c) for c in callees)):
         self.compute(_op_flops(instruction, shapes, self.comps, self.memo))
@@ -228,7 +214,7 @@ class _Replay:
       elif op == "call":
         self.run(callees[0])
       elif op in ("fusion", "async-start", "async-done"):
-        self.fused(instruction, callees[0] if callees else "")
+        self.fused(op, callees[0] if callees else "")
       elif op == "send":  # sends pair with their dones in order (a done holds no shape)
         self.start(("send",), op, shape, line)
         self.asynchronous += 1
@@ -243,19 +229,18 @@ class _Replay:
         self.start(("sync", name), op, shape, line)
         self.done(("sync", name))
 
-  def fused(self, instruction: tuple, callee: str):
+  def fused(self, op: str, callee: str):
     """A fusion or async wrapper holding a collective: TPU's start, continuation or
     done of an async collective, XLA's `async-start`/`-done`, or one run in place.
     Starts and dones pair by `_key`, oldest first."""
-    _, _, op, _, _ = instruction
     found, role = None, {"async-start": "start", "async-done": "done"}.get(op)
     for _, shape, inner, _, line in self.comps.get(callee, []):
-      if inner.removesuffix("-start") in comms._FACTOR:  # pylint: disable=protected-access
+      if inner.removesuffix("-start") in comms.FACTOR:
         found = (inner, shape, line)
       for marker, marked in (("AsyncCollectiveStart", "start"), ("AsyncCollectiveDone", "done")):
         role = marked if f'custom_call_target="{marker}"' in line else role
     self.compute(_flops(callee, self.comps, self.memo))
-    if found is None or callee.startswith(comms._CONTINUATION):  # pylint: disable=protected-access
+    if found is None or callee.startswith(comms.CONTINUATION):
       return
     key = _key(*found[:2])
     if role != "done":
