@@ -90,6 +90,33 @@ def test_single_leaf_and_bf16_wire():
     assert np.abs(got - want).max() > 0  # the wire really was bf16
 
 
+@pytest.mark.parametrize("stages", [(2, 4), (2, 2, 2)])
+def test_a_gather_in_stages_equals_one_gather(stages):
+  """FSDP's weight gather in stages of groups (`stage_groups`: torus rows, then the
+  next dimension, ...) leaves every shard where one gather over the axis does, and the
+  groups of each stage partition the devices."""
+  for i, groups in enumerate(collectives.stage_groups(stages, N)):
+    assert sorted(p for g in groups for p in g) == list(range(N))
+    assert {len(g) for g in groups} == {stages[i]}
+  stacked = _tree(jax.random.PRNGKey(2), False)
+  plan = collectives.BucketPlan.create(jax.tree.map(lambda x: x[0], stacked), N, 256)
+
+  def gather(stages_or_none):
+    @functools.partial(jax.shard_map, mesh=_mesh(), check_vma=False, in_specs=P("data"),
+                       out_specs=P())
+    def f(stacked):
+      local = jax.tree.map(lambda x: x[0], stacked)
+      shards = collectives.reduce_scatter(local, plan, "data", mean=True)
+      return collectives.all_gather(shards, plan, "data", stages=stages_or_none)
+    return jax.jit(f)(stacked)
+
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a, np.float32),
+                                                          np.asarray(b, np.float32)),
+               gather(stages), gather(None))
+  with pytest.raises(ValueError, match="do not multiply to the axis size 8"):
+    collectives.stage_groups((2, 3), N)
+
+
 def test_bucket_plan_covers_every_element_once():
   tree = jax.tree.map(lambda x: x[0], _tree(jax.random.PRNGKey(0), True))
   plan = collectives.BucketPlan.create(tree, N, 100)

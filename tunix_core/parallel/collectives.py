@@ -26,6 +26,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 IMPLS = ("xla", "ring")
 # Dtypes gradients may travel in (`comm_dtype=`).
@@ -232,8 +233,30 @@ def _reduce_scatter_rows(rows, axis_name, n, impl, comm_dtype):
                               tiled=True).reshape(-1)[:rows.shape[1]]
 
 
-def all_gather(shards, plan: BucketPlan, axis_name, *, impl="xla"):
-  """Gathers every device's shard of every bucket and unpacks them into a tree."""
+def stage_groups(stages: tuple, axis_size: int) -> list[list[list[int]]]:
+  """Per stage of a gather in `stages` (group sizes, innermost first, their product the
+  axis size), its `axis_index_groups`: a position's digits in the mixed radix `stages`
+  (the first digit fastest); stage i groups the positions that differ only in digit i,
+  ascending, so gathering the stages in order leaves every shard in position order."""
+  if int(np.prod(stages)) != axis_size:
+    raise ValueError(f"gather stages {stages} do not multiply to the axis size {axis_size}")
+  digits = np.array(np.unravel_index(np.arange(axis_size), stages[::-1]))[::-1]
+  out = []
+  for i in range(len(stages)):
+    others = np.delete(digits, i, axis=0)
+    keys = np.ravel_multi_index(others, [s for j, s in enumerate(stages) if j != i]) if (
+        len(stages) > 1) else np.zeros(axis_size, int)
+    out.append([np.flatnonzero(keys == k).tolist() for k in range(axis_size // stages[i])])
+  return out
+
+
+def all_gather(shards, plan: BucketPlan, axis_name, *, impl="xla", stages=None):
+  """Gathers every device's shard of every bucket and unpacks them into a tree.
+
+  `stages` (impl "xla"): gather in stages of these group sizes, innermost first
+  (`stage_groups`), e.g. the torus dimensions of a 3-D TPU slice, on which the compiler
+  turns one gather over the whole axis into an all-reduce (`parallel.mesh.gather_stages`).
+  """
   _check(plan, axis_name, impl)
   if len(shards) != plan.num_buckets:
     raise ValueError(f"got {len(shards)} shards for a plan of {plan.num_buckets} buckets")
@@ -242,7 +265,9 @@ def all_gather(shards, plan: BucketPlan, axis_name, *, impl="xla"):
     if impl == "ring":
       buckets.append(_ring_all_gather(shard, axis_name, plan.num_shards))
     else:
-      whole = jax.lax.all_gather(_pad_to_tile(shard), axis_name, tiled=True)
+      whole = _pad_to_tile(shard)
+      for groups in stage_groups(stages, plan.num_shards) if stages else [None]:
+        whole = jax.lax.all_gather(whole, axis_name, tiled=True, axis_index_groups=groups)
       buckets.append(whole.reshape(plan.num_shards, -1)[:, :shard.shape[0]].reshape(-1))
   return plan.unpack(buckets)
 

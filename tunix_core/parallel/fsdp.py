@@ -51,7 +51,7 @@ def _join(pieces, lead: tuple, shape: tuple):
   return flat[..., :math.prod(shape)].reshape(lead + shape)
 
 
-def _gather_op(plan_param, plan_compute, axis_name, impl, comm_dtype):
+def _gather_op(plan_param, plan_compute, axis_name, impl, comm_dtype, stages):
   """A differentiable all-gather of a tree of local pieces into full arrays in the
   compute dtype, whose VJP is the mean reduce-scatter back to pieces."""
   compute_dtypes = [jnp.dtype(d) for d in plan_compute.dtypes]
@@ -63,7 +63,7 @@ def _gather_op(plan_param, plan_compute, axis_name, impl, comm_dtype):
     leaves, treedef = jax.tree.flatten(jax.lax.optimization_barrier(pieces))
     cast = jax.tree.unflatten(treedef, [x.astype(d) for x, d in zip(leaves, compute_dtypes)])
     return collectives.all_gather(plan_compute.tree_to_shards(cast), plan_compute,
-                                  axis_name, impl=impl)
+                                  axis_name, impl=impl, stages=stages)
 
   def fwd(pieces):
     return gather(pieces), None  # no residuals: the backward needs only the cotangent
@@ -89,10 +89,12 @@ class Layout:
       subtree of `[L, ...]` leaves.
     compute_dtype: the dtype gathered weights travel and are used in.
     impl, comm_dtype: of the collectives (`--sync_impl`, `--grad_sync_dtype`).
+    gather_stages: the weight gathers' stages (`collectives.all_gather`), or None.
   """
 
   def __init__(self, param_shapes, num_shards: int, axis_name: str = "data", *,
-               compute_dtype=jnp.float32, impl: str = "xla", comm_dtype=None):
+               compute_dtype=jnp.float32, impl: str = "xla", comm_dtype=None,
+               gather_stages=None):
     self.num_shards, self.axis_name = num_shards, axis_name
     self.param_shapes = param_shapes
     self.treedef = jax.tree.structure(param_shapes)
@@ -107,14 +109,15 @@ class Layout:
               collectives.BucketPlan.create(as_compute, num_shards, limit))
 
     self.layer_plan, layer_compute = plans(one_layer, _ONE_BUCKET)
-    self.gather_layer = _gather_op(self.layer_plan, layer_compute, axis_name, impl, comm_dtype)
+    self.gather_layer = _gather_op(self.layer_plan, layer_compute, axis_name, impl, comm_dtype,
+                                   gather_stages)
     # The other params are gathered one by one, so the head's gradient is reduce-scattered
     # as soon as the head's backward made it, not kept until the embedding's is ready.
     self.rest_plans, self._gather_rest = {}, {}
     for name, shape in rest.items():
       self.rest_plans[name], compute_plan = plans(shape, _ONE_BUCKET)
       self._gather_rest[name] = _gather_op(self.rest_plans[name], compute_plan, axis_name,
-                                           impl, comm_dtype)
+                                           impl, comm_dtype, gather_stages)
 
   def gather_rest(self, local: dict) -> dict:
     """Inside `shard_map`: the full non-layer params (compute dtype) of a device's local

@@ -175,11 +175,11 @@ class FSDP(Zero1):
   name, replica_axis = "fsdp", None
 
   def __init__(self, param_shapes: dict, opt: zero.ShardedOptimizer, compute_dtype,
-               comm_dtype):
+               comm_dtype, gather_stages=None):
     self.param_shapes, self.opt = param_shapes, opt
     self.cut = fsdp_lib.Layout(param_shapes, opt.plan.num_shards, DATA,
                                compute_dtype=compute_dtype, impl=opt.impl,
-                               comm_dtype=comm_dtype)
+                               comm_dtype=comm_dtype, gather_stages=gather_stages)
     self.num_shards = self.cut.num_shards
     self.row_spec = P(DATA)
     self.param_specs = jax.tree.map(lambda _: self.row_spec, param_shapes)
@@ -279,12 +279,14 @@ class TensorParallel:
 def build(param_shapes: dict, local_shapes: dict, specs: dict, tx, *, data_shards: int,
           model_parallel: int = 1, fsdp: bool = False, compute_dtype=None,
           bucket_bytes: int = 25 << 20, sync_impl: str = "xla", comm_dtype=None,
-          max_grad_norm: float | None = None, slice_axis: str | None = None) -> Layout:
+          max_grad_norm: float | None = None, slice_axis: str | None = None,
+          gather_stages: tuple | None = None) -> Layout:
   """The layout of any params tree (`param_shapes`, logical) on `data_shards` x
   `model_parallel` devices of one slice: `local_shapes` are one model slice's, `specs`
   the logical params' PartitionSpecs over "model" (unused without TP). With
   `slice_axis` the layout is the same in every slice (replicated across it) and the
-  gradients are averaged across slices in the update (`zero.ShardedOptimizer`)."""
+  gradients are averaged across slices in the update (`zero.ShardedOptimizer`).
+  `gather_stages`: FSDP's weight gathers in stages (`mesh.gather_stages`)."""
   k = model_parallel
   split = None
   if k > 1:
@@ -294,7 +296,7 @@ def build(param_shapes: dict, local_shapes: dict, specs: dict, tx, *, data_shard
   opt = zero.ShardedOptimizer(tx, plan, DATA, max_grad_norm=max_grad_norm, impl=sync_impl,
                               comm_dtype=comm_dtype, model_axis=MODEL if k > 1 else None,
                               split=split, slice_axis=slice_axis)
-  inner = (FSDP(local_shapes, opt, compute_dtype, comm_dtype) if fsdp
+  inner = (FSDP(local_shapes, opt, compute_dtype, comm_dtype, gather_stages) if fsdp
            else Zero1(local_shapes, opt))
   return TensorParallel(inner, specs, k, param_shapes) if k > 1 else inner
 

@@ -81,6 +81,22 @@ def make_mesh(devices, model_parallel: int = 1, num_slices: int = 1) -> Mesh:
               tuple(name for name, k in zip(names, keep) if k))
 
 
+def gather_stages(mesh: Mesh) -> tuple[int, ...] | None:
+  """The stages of an FSDP weight gather over "data" (`collectives.all_gather`): the
+  x, y and z extents of a 3-D TPU slice that is the whole mesh, else None (one gather).
+  On such a slice (v4, v5p from 4x4x4: checked ahead of time on v5p-128) the TPU
+  compiler makes a gather over all its chips an all-reduce, twice the bytes, and keeps a
+  gather along each torus dimension in turn a gather; in `ici_order` the first stage's
+  groups are torus rows."""
+  devices = list(mesh.devices.reshape(-1))
+  if mesh.axis_names != (DATA,) or not all(hasattr(d, "coords") for d in devices):
+    return None
+  extents = tuple(len({d.coords[k] for d in devices}) for k in range(3))
+  if min(extents) == 1 or int(np.prod(extents)) != len(devices):
+    return None
+  return extents
+
+
 def batch_axes(mesh: Mesh):
   """The mesh axes a batch's pairs split over: every data-parallel device of every
   slice (`"data"`, or `("slice", "data")`)."""

@@ -65,7 +65,8 @@ class StepFunctions:
                      bucket_bytes=int(cfg.bucket_mb * 2**20), sync_impl=cfg.sync_impl,
                      comm_dtype=collectives.COMM_DTYPES[cfg.grad_sync_dtype],
                      max_grad_norm=cfg.max_grad_norm or None,
-                     slice_axis=mesh_lib.slice_axis(mesh))
+                     slice_axis=mesh_lib.slice_axis(mesh),
+                     gather_stages=mesh_lib.gather_stages(mesh))
     if plan.lora is None:
       self.layout = layout_lib.make(mcfg, self.tx, **layout_kw)
     else:  # the adapters train over a frozen base in the base's own layout
