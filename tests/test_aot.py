@@ -278,6 +278,27 @@ def test_gradient_sync_compiles_to_reduce_scatters_and_all_gathers_on_tpu(tmp_pa
                        log=lambda *_: None)
 
 
+@pytest.mark.slow  # a 64-chip TPU compile
+@needs_libtpu
+def test_weights_gather_along_the_torus_on_a_3d_slice(tmp_path):
+  """On a v5p-128 (4x4x4 chips) the tiny FSDP step gathers its weights in three stages
+  of 4 (`parallel.mesh.gather_stages`), which the compiler keeps all-gathers (one gather
+  over the 64 chips it makes an all-reduce); a 2-D v5e-16 gathers in one."""
+  from tunix_core.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  assert mesh_lib.gather_stages(mesh_lib.make_mesh(aot.target_devices("v5e-16")[1])) is None
+  chip, devices = aot.target_devices("v5p-128")
+  steps, lowered = aot.lower(aot.plan_for(_config(tmp_path, fsdp=True, batch_size=64),
+                                          devices), devices)
+  assert mesh_lib.gather_stages(steps.mesh) == (4, 4, 4)
+  with jax.set_mesh(steps.mesh):
+    lines = lowered.compile().as_text().splitlines()
+  gathers = [l for l in lines if re.search(r"= \S+ all-gather\(", l)]
+  assert gathers and all({len(g) for g in comms._groups(l)} == {4} for l in gathers)  # pylint: disable=protected-access
+  # What stays an all-reduce is float32: the gradients' reduce-scatters (the compiler's
+  # choice beyond a v5e-8, docs/tpu.md) and the metrics; no bf16 weight is all-reduced.
+  assert not [l for l in lines if re.search(r"= bf16\S* all-reduce\(", l)]
+
+
 @needs_libtpu
 @pytest.mark.parametrize("name", ["v4-32", "v5p-64", "2xv5p-16"])
 def test_mesh_neighbours_are_ici_neighbours_on_3d_tori(name):
