@@ -256,15 +256,16 @@ def _free_port():
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora-merged-tp-across"])
-def test_two_processes_then_one_process_resume(tmp_path, gcs, lora):
+def test_two_processes_killed_and_resumed_equal_one_process(tmp_path, gcs, lora):
   """The pod recipe on two processes (loopback) with no shared disk, checkpoints and the
   export on `gs://`: full fine-tuning on 2 x 4 devices, FSDP with a model axis of 2 on
   each host; LoRA with --export_merged on 2 x 1 device, a model axis of 2 across both
-  hosts. Both processes end with status 0 and the export (LoRA: the PEFT adapter and
-  merged/) equals one process's on as many devices; one process resumes the full run
-  from the bucket to step 20 on the curve of a run that never stopped. The full run starts from HF
-  weights in the bucket, of which each process fetches only its devices' rows (at most
-  55% of the bytes, as the process reports them)."""
+  hosts. The full run is killed (SIGKILL, both processes) before step 9 and the same
+  command resumes it from the bucket to step 20. Both end with status 0, every step's
+  loss on the curve of one process on as many devices that never stopped, and the
+  export (LoRA: the PEFT adapter and merged/) equal to that process's. The full run
+  starts from HF weights in the bucket, of which each process fetches only its devices'
+  rows (at most 55% of the bytes, as the process reports them)."""
   pytest.importorskip("safetensors", reason="the export: needs the hf extra")
   import gcs as gcs_lib  # pylint: disable=g-import-not-at-top
   from tunix_core import hf  # pylint: disable=g-import-not-at-top
@@ -283,27 +284,38 @@ def test_two_processes_then_one_process_resume(tmp_path, gcs, lora):
     for name in ("tokenizer.json", "tokenizer_config.json"):
       shutil.copy(os.path.join(REPO, "tests", "fixtures", "hf", "tokenizer", name), model_dir)
     gcs_lib.upload(gcs, str(model_dir), out + "/model")
-  cfg = _config(out, steps=3, save_every=3, export_hf_dir=out + "/export", **layout)
-  port = _free_port()
-  procs = [_spawn(cfg, devices=per_process,
-                  extra=[f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-                         f"--process_id={i}"], TUNIX_TEST_PAIRS_DIR=str(tmp_path))
-           for i in range(2)]
-  for i, p in enumerate(procs):
-    stdout, err = p.communicate(timeout=600)
-    assert p.returncode == 0, err[-3000:]
+  steps = 3 if lora else 20
+  cfg = _config(out, steps=steps, save_every=3, export_hf_dir=out + "/export", **layout)
+
+  def launch(**env):
+    port = _free_port()
+    procs = [_spawn(cfg, devices=per_process,
+                    extra=[f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+                           f"--process_id={i}"], TUNIX_TEST_PAIRS_DIR=str(tmp_path), **env)
+             for i in range(2)]
+    return [(p,) + p.communicate(timeout=600) for p in procs]
+
+  # Full: both processes are killed (SIGKILL) before step 9, then the same command
+  # resumes from the last checkpoint the bucket holds and runs to step 20.
+  first = launch(**({} if lora else {"TUNIX_TEST_KILL_AT_STEP": "9"}))
+  ends = first if lora else launch()
+  for i, (p, stdout, err) in enumerate(first):
+    assert (p.returncode == 0) if lora else (p.returncode != 0), err[-3000:]
     if not lora:
       said = re.search(rf"process {i}: weights: this process fetched ([\d,]+) of the "
                        r"checkpoint's ([\d,]+) bytes", stdout)
       assert said, stdout[-3000:]
       fetched, total = (int(x.replace(",", "")) for x in said.groups())
       assert fetched <= 0.55 * total, (i, fetched, total)
+  for p, _, err in ends:
+    assert p.returncode == 0, err[-3000:]
   # Each process read only its devices' pairs of the token store (on the bucket): full,
-  # two disjoint halves that together are each step's global batch; LoRA, whose model
-  # axis spans both hosts, the whole batch on each.
+  # two disjoint halves that together are each step's global batch (killed and resumed
+  # steps alike); LoRA, whose model axis spans both hosts, the whole batch on each.
   read = [[json.loads(line) for line in open(tmp_path / f"process_{i}.jsonl")]
           for i in range(2)]
-  assert [r["step"] for r in read[0]] == [r["step"] for r in read[1]] == [1, 2, 3]
+  assert [r["step"] for r in read[0]] == [r["step"] for r in read[1]]
+  assert sorted(set(r["step"] for r in read[0])) == list(range(1, steps + 1))
   for a, b in zip(*read):
     assert a["batch"] == b["batch"]
     if lora:
@@ -312,8 +324,9 @@ def test_two_processes_then_one_process_resume(tmp_path, gcs, lora):
       assert len(a["pairs"]) == len(b["pairs"]) == len(a["batch"]) // 2
       assert sorted(a["pairs"] + b["pairs"]) == sorted(a["batch"])
   straight = tmp_path / "straight"
-  train.train(_config(straight, steps=3, save_every=3, export_hf_dir=str(straight / "export"),
-                      **layout), devices=jax.devices()[:2 * per_process], **QUIET)
+  train.train(_config(straight, steps=steps, save_every=3,
+                      export_hf_dir=str(straight / "export"), **layout),
+              devices=jax.devices()[:2 * per_process], **QUIET)
   mcfg = cfg.model_config()
   close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
   got, want = out + "/export", str(straight / "export")
@@ -321,13 +334,9 @@ def test_two_processes_then_one_process_resume(tmp_path, gcs, lora):
     jax.tree.map(close, peft.read_adapter(got, mcfg)[1], peft.read_adapter(want, mcfg)[1])
     got, want = got + "/merged", want + "/merged"
   jax.tree.map(close, hf.load_params(got, mcfg), hf.load_params(want, mcfg))
-  if lora:
-    return   # resuming from the bucket is the full run's claim
-  # One process, 8 devices, resumes to step 20 on the curve of the run that never
-  # stopped (2 processes to step 3, then 1: the same pairs, the same losses).
-  train.train(_config(out, steps=20, **layout), **QUIET)
-  train.train(_config(straight, steps=20, **layout), **QUIET)
+  # Every step of the killed and resumed 2-process run on the curve of one process
+  # that never stopped.
   got, want = _losses(out), _losses(straight)
-  assert sorted(got) == list(range(1, 21))
-  np.testing.assert_allclose([got[s] for s in range(1, 21)], [want[s] for s in range(1, 21)],
-                             rtol=1e-5, atol=1e-5)
+  assert sorted(got) == list(range(1, steps + 1))
+  np.testing.assert_allclose([got[s] for s in range(1, steps + 1)],
+                             [want[s] for s in range(1, steps + 1)], rtol=1e-5, atol=1e-5)

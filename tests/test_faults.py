@@ -184,7 +184,7 @@ def test_a_step_that_never_finishes_ends_the_run_and_a_restart_resumes(tmp_path)
   assert len(lines) == 1 and "train step 4 has not finished after 1" in lines[0], err
   assert "--step_timeout=10" in lines[0] and "exiting with status 5" in lines[0]
   log = (out / "trainer.log").read_text()
-  assert "still running after" in log and "Thread MainThread" in log and "_test_hang" in log
+  assert "still running after" in log and "Thread MainThread" in log and "_test_fault" in log
   assert _steps(str(out)) == [2, 4]
   status, stdout, err = _watchdog_run(out, flags, {}, 240)
   assert status == 0 and "resumed from step 4" in stdout, err[-3000:]

@@ -10,6 +10,7 @@ last step always.
 
 import json
 import os
+import signal
 import threading
 
 import jax
@@ -49,11 +50,14 @@ def _precompute_refs(cfg, steps, ref_params, train_set, eval_set, log):
   return train_ref, eval_ref
 
 
-def _test_hang(step: int) -> None:
-  """Test hook of the watchdog's tests: `TUNIX_TEST_HANG_AT_STEP=N` blocks the loop for
-  good before step N, as a step that never finishes would."""
+def _test_fault(step: int) -> None:
+  """Test hooks of the fault tests, before step N: `TUNIX_TEST_HANG_AT_STEP=N` blocks the
+  loop for good, as a step that never finishes would; `TUNIX_TEST_KILL_AT_STEP=N` kills
+  the process (SIGKILL: nothing flushed, a save in flight cut short)."""
   if os.environ.get("TUNIX_TEST_HANG_AT_STEP") == str(step):
     threading.Event().wait()
+  if os.environ.get("TUNIX_TEST_KILL_AT_STEP") == str(step):
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _test_record(step: int, idx, pairs) -> None:
@@ -188,7 +192,7 @@ def _train(cfg, devices, log, dog):
       for step in range(start + 1, cfg.steps + 1):
         if step > start + 2:   # step start + 2 reads the first step's metrics
           dog.beat(f"train step {step - 1}")
-        _test_hang(step)
+        _test_fault(step)
         idx = it.next_indices()
         batch = ref_cache.host_batch(steps, train_set, idx, train_ref)
         _test_record(step, idx, train_set)
