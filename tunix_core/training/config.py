@@ -222,7 +222,7 @@ class TrainConfig:
                          "TPU, else xla), xla, pallas, interpret or naive (the oracle).",
                          group="parallel")
   compile_only: bool = _flag(False, "Compile the train step these flags would run (from "
-                             "--train_data, else the flags' worst case) for "
+                             "--train_data, else full rows of the flags) for "
                              "--target_topology, print its plan, per-device memory and "
                              "cost analysis, allocating nothing; exit 0 if it fits, 1 if "
                              "not.", group="aot")
