@@ -240,14 +240,9 @@ def stage_groups(stages: tuple, axis_size: int) -> list[list[list[int]]]:
   ascending, so gathering the stages in order leaves every shard in position order."""
   if int(np.prod(stages)) != axis_size:
     raise ValueError(f"gather stages {stages} do not multiply to the axis size {axis_size}")
-  digits = np.array(np.unravel_index(np.arange(axis_size), stages[::-1]))[::-1]
-  out = []
-  for i in range(len(stages)):
-    others = np.delete(digits, i, axis=0)
-    keys = np.ravel_multi_index(others, [s for j, s in enumerate(stages) if j != i]) if (
-        len(stages) > 1) else np.zeros(axis_size, int)
-    out.append([np.flatnonzero(keys == k).tolist() for k in range(axis_size // stages[i])])
-  return out
+  positions = np.arange(axis_size).reshape(stages[::-1])  # the last axis is digit 0
+  return [np.moveaxis(positions, len(stages) - 1 - i, -1).reshape(-1, size).tolist()
+          for i, size in enumerate(stages)]
 
 
 def all_gather(shards, plan: BucketPlan, axis_name, *, impl="xla", stages=None):
