@@ -1,17 +1,19 @@
 """`fused_logprobs` forward+backward compiled ahead of time for TPU generations, on a host
-without a TPU: Pallas (`impl="auto"`, default tiles) vs the xla path.
+without a TPU, against the 6 N D V roofline: ours (`impl="auto"`, default tiles), XLA's
+logits (`impl="naive"`, which holds `[N, V]`) where they fit the chip, and Tokamax's
+`linear_softmax_cross_entropy_loss` (`mosaic_tpu`) where it compiles.
 
-    python benchmarks/logprobs_tpu.py [--chips v4,v5e,v5p,v6e] [--n 8192]
-        [--d 2048,2304,3072,4096,5120,8192] [--v 32000,128256,151936,256000]
-        [--f32_max_d 4096] [--json out.jsonl]
+    python benchmarks/logprobs_tpu.py [--chips v4,v5e,v5p,v6e] [--n 4096,16384]
+        [--d 2048,4096,8192] [--v 32000,128256,256000] [--dtype bfloat16]
+        [--compare naive,tokamax] [--json out.jsonl]
 
-Needs `libtpu` (`pip install -e '.[tpu]'`); runs with `JAX_PLATFORMS=cpu`. Nothing is
-allocated or run: each case is lowered with `jax.ShapeDtypeStruct` inputs under a mesh
-of one device of the chip and compiled by the real TPU compiler, and the table prints
-its per-device memory analysis (arguments, temporaries) and cost analysis. A case whose
-arguments and outputs alone exceed the chip's HBM is reported as such, not compiled.
-The xla path's cost analysis counts its vocabulary `lax.scan` body once (XLA does not
-multiply loop bodies by their trip count), so its flops and bytes are per chunk.
+Needs `libtpu` (`pip install -e '.[tpu]'`); runs with `JAX_PLATFORMS=cpu`; Tokamax needs
+Python >= 3.12 (`pip install tokamax`). Nothing is allocated or run: each case is lowered
+with `jax.ShapeDtypeStruct` inputs under a mesh of one device of the chip and compiled by
+the real TPU compiler. Columns: FLOPs over N D V and HBM bytes from the compiled cost
+analysis (a Pallas kernel reports its `cost_estimate`); the roofline is
+`max(flops / peak, bytes / HBM bandwidth)` over the compute bound `6 N D V / peak`
+(`tpu.Chip`'s figures); temporaries from the memory analysis, per device.
 """
 
 import argparse
@@ -32,9 +34,14 @@ from tunix_kernels import tpu  # noqa: E402
 
 def _fwd_bwd(impl, logit_softcap=None):
   def f(h, w, t):
-    loss = lambda h, w: jnp.sum(tunix_kernels.fused_logprobs(h, w, t, impl=impl,
-                                                       logit_softcap=logit_softcap))
-    return jax.value_and_grad(loss, argnums=(0, 1))(h, w)
+    if impl == "tokamax":
+      import tokamax  # pylint: disable=g-import-not-at-top
+      logp = lambda h, w: -tokamax.linear_softmax_cross_entropy_loss(
+          h, t, w, reduction="none", implementation="mosaic_tpu")
+    else:
+      logp = lambda h, w: tunix_kernels.fused_logprobs(h, w, t, impl=impl,
+                                                       logit_softcap=logit_softcap)
+    return jax.value_and_grad(lambda h, w: jnp.sum(logp(h, w)), argnums=(0, 1))(h, w)
   return f
 
 
@@ -60,61 +67,78 @@ def compile_case(chip, n, d, v, dtype, impl, chip_known=True, logit_softcap=None
   return stats
 
 
-def _mib(x):
-  return f"{x / 2**20:.0f}"
+def roofline(stats, chip, n, d, v) -> dict:
+  """FLOPs over N D V, the milliseconds of FLOPs and of HBM bytes, and the roofline over
+  the 6 N D V bound, from a compiled case's cost analysis."""
+  chip = tpu.get_chip(chip)
+  flops_s = stats["flops"] / chip.peak_flops
+  bytes_s = stats["bytes_accessed"] / chip.hbm_bandwidth
+  return dict(flops_ndv=stats["flops"] / (n * d * v), flops_ms=1e3 * flops_s,
+              bytes_ms=1e3 * bytes_s,
+              ratio=max(flops_s, bytes_s) / (6 * n * d * v / chip.peak_flops))
+
+
+def _cell(r, chip, n, d, v):
+  if not r["ok"]:
+    return f"FAIL: {r['error'][:60]}"
+  if r["argument"] + r["output"] + r["temp"] > tpu.get_chip(chip).hbm_bytes:
+    return f"does not fit ({(r['argument'] + r['output'] + r['temp']) / 2**30:.0f} GiB)"
+  if not r["flops"]:
+    return f"{r['temp'] / 2**20:.0f} MiB, no cost estimate"
+  f = roofline(r, chip, n, d, v)
+  return f"{f['ratio']:.2f}x, {r['temp'] / 2**20:.0f} MiB"
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--chips", default=",".join(tpu.CHIPS))
-  parser.add_argument("--n", type=int, default=8192, help="tokens per device")
-  parser.add_argument("--d", default="2048,2304,3072,4096,5120,8192")
-  parser.add_argument("--v", default="32000,128256,151936,256000")
-  parser.add_argument("--f32_max_d", type=int, default=4096,
-                      help="also compile float32 for hidden sizes up to this")
+  parser.add_argument("--n", default="4096,16384", help="tokens per device")
+  parser.add_argument("--d", default="2048,4096,8192")
+  parser.add_argument("--v", default="32000,128256,256000")
+  parser.add_argument("--dtype", default="bfloat16")
+  parser.add_argument("--compare", default="naive,tokamax",
+                      help="also compile these: naive (XLA's logits), tokamax")
   parser.add_argument("--json", help="append one JSON object per case to this file")
   args = parser.parse_args()
   if not tpu.has_libtpu():
     sys.exit("benchmarks/logprobs_tpu.py needs libtpu: pip install -e '.[tpu]'")
-
-  print(f"# fused_logprobs fwd+bwd, N={args.n} per device, compiled ahead of time "
-        f"(jax {jax.__version__}); MiB per device; flops/bytes from the cost analysis")
-  print("| chip | dtype | D | V | pallas tiles | pallas | pallas temp | xla | xla temp | "
-        "args | pallas flops | pallas bytes | xla flops (1 chunk) |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-  failures = 0
+  dtype = jnp.dtype(args.dtype)
+  compare = [c for c in args.compare.split(",") if c]
+  print(f"# fused_logprobs fwd+bwd ({dtype.name}), compiled ahead of time for one chip "
+        f"(jax {jax.__version__}); roofline = max(FLOPs/peak, bytes/HBM) over 6 N D V / "
+        "peak, with temporaries per device")
+  print("| chip | N | D | V | tiles fwd / bwd | FLOPs / NDV | FLOP ms | HBM ms | roofline | "
+        "temp MiB | " + " | ".join({"naive": "XLA logits", "tokamax": "Tokamax"}[c]
+                                   for c in compare) + " |")
+  print("|---" * (10 + len(compare)) + "|")
+  worst = 0.0
   for chip in args.chips.split(","):
-    for dtype in (jnp.bfloat16, jnp.float32):
+    for n in map(int, args.n.split(",")):
       for d in map(int, args.d.split(",")):
-        if dtype == jnp.float32 and d > args.f32_max_d:
-          continue
         for v in map(int, args.v.split(",")):
-          name = jnp.dtype(dtype).name
-          head = f"| {chip} | {name} | {d} | {v} |"
-          if io_bytes(args.n, d, v, dtype) > tpu.get_chip(chip).hbm_bytes:
-            print(f"{head} - | exceeds HBM ({_mib(io_bytes(args.n, d, v, dtype))} MiB "
-                  "of arguments and outputs) | | | | | | | |", flush=True)
-            continue
-          bs = tunix_kernels.LogprobsBlockSizes.get_default(d, dtype, chip, num_tokens=args.n,
-                                                      vocab_size=v)
-          p = compile_case(chip, args.n, d, v, dtype, "auto")
-          x = compile_case(chip, args.n, d, v, dtype, "xla")
-          tiles = f"{bs.block_n}x{bs.block_v}x{bs.block_d or d}"
-          if bs.vmem_limit_bytes:
-            tiles += f" @{_mib(bs.vmem_limit_bytes)}M"
-          cell = lambda r, key: _mib(r[key]) if r["ok"] else "-"
-          ok = lambda r: "ok" if r["ok"] else f"FAIL: {r['error']}"
-          print(f"{head} {tiles} | {ok(p)} | {cell(p, 'temp')} | {ok(x)} | {cell(x, 'temp')}"
-                f" | {cell(p, 'argument') if p['ok'] else cell(x, 'argument')}"
-                f" | {p.get('flops', 0):.3g} | {p.get('bytes_accessed', 0):.3g}"
-                f" | {x.get('flops', 0):.3g} |", flush=True)
-          failures += not p["ok"] or (x["ok"] and p["temp"] > x["temp"])
+          head = f"| {chip} | {n} | {d} | {v} |"
+          bs = tunix_kernels.LogprobsBlockSizes.get_default(d, dtype, chip, num_tokens=n,
+                                                            vocab_size=v)
+          tiles = (f"{bs.block_n}x{bs.block_v} / " + ("{}x{}".format(*bs.backward_tiles)
+                                                      if bs.fused else f"split D {bs.block_d}"))
+          p = compile_case(chip, n, d, v, dtype, "auto")
+          others = {c: compile_case(chip, n, d, v, dtype, c) for c in compare}
+          if p["ok"]:
+            f = roofline(p, chip, n, d, v)
+            if chip != "v4":
+              worst = max(worst, f["ratio"])
+            ours = (f"{f['flops_ndv']:.2f} | {f['flops_ms']:.1f} | {f['bytes_ms']:.1f} | "
+                    f"{f['ratio']:.2f}x | {p['temp'] / 2**20:.0f}")
+          else:
+            ours = f"FAIL: {p['error'][:80]} | | | |"
+          print(f"{head} {tiles} | {ours} | " + " | ".join(
+              _cell(r, chip, n, d, v) for r in others.values()) + " |", flush=True)
           if args.json:
-            with open(args.json, "a") as f:
-              f.write(json.dumps(dict(chip=chip, dtype=name, d=d, v=v, n=args.n,
-                                      tiles=tiles, pallas=p, xla=x)) + "\n")
-  print(f"# {failures} case(s) where pallas does not compile or needs more temp than xla")
-  return 1 if failures else 0
+            with open(args.json, "a") as out:
+              out.write(json.dumps(dict(chip=chip, n=n, d=d, v=v, dtype=dtype.name,
+                                        tiles=tiles, ours=p, **others)) + "\n")
+  print(f"# worst roofline on v5e, v5p, v6e: {worst:.2f}x the 6 N D V bound")
+  return 0
 
 
 if __name__ == "__main__":

@@ -187,8 +187,9 @@ def _pallas(hidden_NxD, weight_DxV, targets_N, block_sizes, softcap, interpret):
     return logprobs_gspmd.logprobs(hidden_NxD, weight_DxV, targets_N, cfg)
   bs = block_sizes or logprobs_blocks.BlockSizes.get_default(
       d, hidden_NxD.dtype, chip, num_tokens=n, vocab_size=v)
+  cores = 1 if chip is None else chip.cores
   if not interpret:
     return logprobs_pallas.logprobs_pallas(hidden_NxD, weight_DxV, targets_N, bs, softcap,
-                                           False)
+                                           False, cores)
   return common.call_interpret(lambda params: logprobs_pallas.logprobs_pallas(
-      hidden_NxD, weight_DxV, targets_N, bs, softcap, params))
+      hidden_NxD, weight_DxV, targets_N, bs, softcap, params, cores))

@@ -3,6 +3,7 @@ from it per TPU generation, and the kernels' cost estimate."""
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
@@ -10,12 +11,20 @@ from tunix_kernels import tpu
 from tunix_kernels.dispatch import LANES
 
 SUBLANES = 8
-# Preferred (block_n, block_v), largest first; each is tried with the whole hidden size
-# before the hidden size is split. Fewer, larger tiles mean fewer re-reads of the
-# operand the inner grid axis walks (the weight per token block, and the hidden states
-# per vocabulary block once D is split).
+# Preferred forward (block_n, block_v), largest first. The forward keeps tokens outer,
+# so the weight is re-read once per token block: block_n buys its roofline.
 _CANDIDATES = ((512, 1024), (512, 512), (256, 512), (256, 256), (128, 256), (128, 128),
                (64, 128), (16, 128))
+# Preferred fused-backward (block_n, block_v): it keeps the vocabulary outer, so the
+# hidden states and the float32 d_hidden partials move once per vocabulary block and
+# block_v buys its roofline; 256 tokens keep the d_weight matmul's contraction as deep
+# as a v6e MXU.
+_BACKWARD_CANDIDATES = ((256, 2048), (256, 1024), (128, 1024), (256, 512), (128, 512),
+                        (128, 256), (128, 128), (64, 128), (16, 128))
+
+
+# The head the tiles are chosen for when the caller does not know N or V.
+_TYPICAL_N, _TYPICAL_V = 8192, 128256
 
 
 def _round_up(x, m):
@@ -31,22 +40,28 @@ class BlockSizes:
   """Tiles of the log-prob kernels (`tunix_kernels.LogprobsBlockSizes`), checked on construction.
 
   Attributes:
-    block_n: tokens per tile, a multiple of 8 (16 for 2-byte inputs, `check`).
-    block_v: vocabulary columns per tile, a multiple of 128.
+    block_n: tokens per forward tile, a multiple of 8 (16 for 2-byte inputs, `check`).
+    block_v: vocabulary columns per forward tile, a multiple of 128.
     block_d: hidden units per tile, a multiple of 128 dividing D, or None for all of D.
+      None selects the fused backward (one logit recompute, `logprobs_fused_bwd`); a
+      split D runs the forward and the two split backward kernels on these three tiles.
     vmem_limit_bytes: the kernels' scoped VMEM limit, or None for the compiler's default
       (16 MiB on v4, v5e and v5p; 32 MiB on v6e).
+    block_n_bwd, block_v_bwd: the fused backward's tiles (whole D); None: the forward's.
   """
 
   block_n: int
   block_v: int
   block_d: int | None = None
   vmem_limit_bytes: int | None = None
+  block_n_bwd: int | None = None
+  block_v_bwd: int | None = None
 
   def __post_init__(self):
-    for name, multiple in (("block_n", SUBLANES), ("block_v", LANES), ("block_d", LANES)):
+    for name, multiple in (("block_n", SUBLANES), ("block_v", LANES), ("block_d", LANES),
+                           ("block_n_bwd", SUBLANES), ("block_v_bwd", LANES)):
       value = getattr(self, name)
-      if name == "block_d" and value is None:
+      if value is None and name not in ("block_n", "block_v"):
         continue
       if not isinstance(value, int) or value <= 0 or value % multiple:
         raise ValueError(f"BlockSizes.{name}={value!r} must be a positive multiple of "
@@ -56,10 +71,21 @@ class BlockSizes:
       raise ValueError(f"BlockSizes.vmem_limit_bytes={self.vmem_limit_bytes!r} must be a "
                        "positive int or None")
 
+  @property
+  def fused(self) -> bool:
+    """Whether the backward is the fused kernel (whole D) rather than the split pair."""
+    return self.block_d is None
+
+  @property
+  def backward_tiles(self) -> tuple[int, int]:
+    """(block_n, block_v) of the fused backward."""
+    return self.block_n_bwd or self.block_n, self.block_v_bwd or self.block_v
+
   @classmethod
   def get_default(cls, d_model, dtype=jnp.bfloat16, chip=None, *, num_tokens=None,
                   vocab_size=None) -> "BlockSizes":
-    """The largest tiles whose VMEM footprint (`vmem_bytes`) fits the chip.
+    """The largest tiles whose VMEM footprint (`vmem_bytes`) fits the chip: whole-D
+    forward and fused-backward tiles when both fit, else split-D tiles for all kernels.
 
     Args:
       d_model: hidden size D.
@@ -67,7 +93,7 @@ class BlockSizes:
       chip: a TPU generation (`tunix_kernels.tpu.CHIPS` name or `Chip`), or None when unknown:
         then the tiles fit the smallest default scoped VMEM of any generation (16 MiB)
         and `vmem_limit_bytes` stays None, so the kernels compile everywhere. A known
-        chip may get larger tiles with the limit raised, never past its VMEM.
+        chip may get larger tiles with the limit raised, up to `VMEM_HEADROOM` of its VMEM.
       num_tokens, vocab_size: N and V when known; tiles never exceed them (rounded up to
         the TPU tiling), so small problems get small grids.
 
@@ -76,53 +102,61 @@ class BlockSizes:
     """
     chip = None if chip is None else tpu.get_chip(chip)
     scoped = tpu.MIN_SCOPED_VMEM_BYTES if chip is None else chip.scoped_vmem_bytes
-    budget = int((scoped if chip is None else max(scoped, chip.vmem_bytes // 2))
+    budget = int((scoped if chip is None else max(scoped, chip.vmem_bytes))
                  * tpu.VMEM_HEADROOM)
     n_cap = _round_up(num_tokens, _sublanes(dtype)) if num_tokens else None
     v_cap = _round_up(vocab_size, LANES) if vocab_size else None
+    capped = lambda bn, bv: (min(bn, n_cap or bn), min(bv, v_cap or bv))
+
+    def limited(bs):
+      need = bs.vmem_bytes(d_model, dtype)
+      limit = None if need <= scoped * tpu.VMEM_HEADROOM else _round_up(
+          int(need / tpu.VMEM_HEADROOM), 1 << 20)
+      return dataclasses.replace(bs, vmem_limit_bytes=limit)
+
+    s = jnp.dtype(dtype).itemsize
+    fwd = next((capped(*c) for c in _CANDIDATES
+                if _fwd_vmem(*capped(*c), d_model, s) <= budget), None)
+    bwd = next((capped(*c) for c in _BACKWARD_CANDIDATES
+                if _fused_vmem(*capped(*c), d_model, s) <= budget), None)
+    fused = cls(*fwd, None, None, *bwd) if fwd and bwd else None
     # Hidden blocks: multiples of 128 that divide D, largest first (none for D = 2880).
-    splits = [None] + [bd for bd in range(d_model // LANES * LANES, 0, -LANES)
-                       if d_model % bd == 0 and bd < d_model]
-    for min_block_d in (512, LANES):  # rather smaller tiles than a sliver of D
-      for bn, bv in _CANDIDATES:
-        bn, bv = min(bn, n_cap or bn), min(bv, v_cap or bv)
-        for bd in splits:
-          if bd is not None and bd < min(min_block_d, d_model):
-            break
-          bs = cls(bn, bv, bd)
-          need = bs.vmem_bytes(d_model, dtype)
-          if need <= budget:
-            limit = None if need <= scoped * tpu.VMEM_HEADROOM else _round_up(
-                int(need / tpu.VMEM_HEADROOM), 1 << 20)
-            return dataclasses.replace(bs, vmem_limit_bytes=limit)
-    # Nothing fits (a huge D, or one without a divisor that is a multiple of 128): the
-    # smallest tiles, so tracing never fails; the compiler has the last word.
-    return cls(_sublanes(dtype), LANES, splits[-1])
+    splits = [bd for bd in range(d_model // LANES * LANES, 0, -LANES)
+              if d_model % bd == 0 and bd < d_model]
+    split = next((cls(*capped(*c), bd)
+                  for min_block_d in (512, LANES)  # rather smaller tiles than a sliver of D
+                  for c in _CANDIDATES for bd in splits if bd >= min(min_block_d, d_model)
+                  if _split_vmem(*capped(*c), bd, d_model, s) <= budget), None)
+    plans = [bs for bs in (fused, split) if bs is not None]
+    if not plans:
+      # Nothing fits (a huge D, or one without a divisor that is a multiple of 128):
+      # the smallest tiles, so tracing never fails; the compiler has the last word.
+      return cls(_sublanes(dtype), LANES, splits[-1] if splits else None)
+    if chip is None:  # the fused backward's fewer flops, wherever it fits
+      return limited(plans[0])
+    # On a small VMEM (v4) the fused backward's narrow vocabulary tiles can cost more
+    # HBM time than the split kernels' extra recompute: the faster on the roofline wins.
+    shape = (num_tokens or _TYPICAL_N, d_model, vocab_size or _TYPICAL_V)
+    return limited(min(plans, key=lambda bs: roofline_seconds(bs, *shape, dtype, chip)))
 
   def vmem_bytes(self, d_model, dtype) -> int:
-    """VMEM the largest of the three kernels needs: double-buffered input and output
-    tiles, scratch, and the float32 tile temporaries of the softmax and matmuls."""
+    """VMEM the largest of the kernels these tiles run needs (`_fwd_vmem`,
+    `_fused_vmem`, `_split_vmem`)."""
     s = jnp.dtype(dtype).itemsize
-    bn, bv = self.block_n, self.block_v
-    bd = d_model if self.block_d is None else self.block_d
-    stats = bn * LANES * 4                  # one lane-replicated f32 (or int32) row tile
-    tiles = 2 * (bn * bd + bd * bv) * s     # hidden and weight, double-buffered
-    logits = bn * bv * 4                    # the logit accumulator
-    temps = 4 * bn * bv * 4                 # exp, onehot, select, cast of a logit tile
-    fwd = tiles + 2 * stats + 4 * stats + 3 * stats + logits + temps
-    common = tiles + 2 * 3 * stats + logits + bn * bv * s + temps
-    dh = common + 2 * bn * d_model * s + bn * d_model * 4 + bn * bd * 4 + bd * bv * s
-    acc = d_model * bv * 4 if s != 4 else 0  # a float32 d_weight accumulates in place
-    dw = common + 2 * d_model * bv * s + acc + bd * bv * 4 + bn * bd * s
-    return max(fwd, dh, dw)
+    if self.fused:
+      return max(_fwd_vmem(self.block_n, self.block_v, d_model, s),
+                 _fused_vmem(*self.backward_tiles, d_model, s))
+    return _split_vmem(self.block_n, self.block_v, self.block_d, d_model, s)
 
   def check(self, d_model, dtype, chip=None) -> None:
     """Raises ValueError naming the problem unless these tiles suit D, the dtype and the
     VMEM they may use: `vmem_limit_bytes` (at most the chip's VMEM when `chip` is
     known), else the default scoped VMEM of `chip`, or of the smallest chip."""
-    if self.block_n % _sublanes(dtype):
-      raise ValueError(f"BlockSizes.block_n={self.block_n} must be a positive multiple of "
-                       f"{_sublanes(dtype)} for {jnp.dtype(dtype).name} inputs")
+    for name in ("block_n", "block_n_bwd"):
+      value = getattr(self, name)
+      if value is not None and value % _sublanes(dtype):
+        raise ValueError(f"BlockSizes.{name}={value} must be a positive multiple of "
+                         f"{_sublanes(dtype)} for {jnp.dtype(dtype).name} inputs")
     if self.block_d is not None and d_model % self.block_d:
       raise ValueError(f"BlockSizes.block_d={self.block_d} must divide the hidden size "
                        f"D={d_model}")
@@ -132,28 +166,88 @@ class BlockSizes:
                    "BlockSizes.get_default(d_model, dtype, chip)")
 
 
-def cost_estimate(kernel, hidden, weight, bs, softcap=None) -> pl.CostEstimate:
-  """What `kernel` ("fwd", "dhidden" or "dweight") costs on `hidden [N, D]` and
-  `weight [D, V]` (arrays or `jax.ShapeDtypeStruct`s) with tiles `bs`.
+def roofline_seconds(bs, n, d, v, dtype, chip) -> float:
+  """Forward + backward time of tiles `bs` on `hidden [n, d] @ weight [d, v]` on `chip`
+  (a `tpu.Chip` or name) by the roofline: each kernel takes the longer of its flops at
+  the bf16 peak and its bytes at the HBM bandwidth (`cost_estimate`)."""
+  chip = tpu.get_chip(chip)
+  h, w = jax.ShapeDtypeStruct((n, d), dtype), jax.ShapeDtypeStruct((d, v), dtype)
+  kernels = ("fwd", "bwd") if bs.fused else ("fwd", "dhidden", "dweight")
+  costs = [cost_estimate(k, h, w, bs, cores=chip.cores) for k in kernels]
+  return sum(max(c.flops / chip.peak_flops, c.bytes_accessed / chip.hbm_bandwidth)
+             for c in costs)
 
-  Flops: the forward is one `2 N D V` matmul; each backward kernel recomputes the logits
-  and does one more matmul, `4 N D V`. Transcendentals: one exp per logit (plus, in the
-  forward, one rescale per row and vocabulary block), and one tanh per logit with a
-  `softcap`. Bytes: Pallas fetches an input
-  block again whenever its block index changes between grid steps, so the operand the
-  inner axes walk is re-read once per outer block (and twice, once per phase, where
-  the backward walks it in both); targets are int32 `[N]`, the row statistics (`lse`,
-  the cotangent) f32 `[N, 128]`; outputs are written once.
+
+def _stats(bn):
+  return bn * LANES * 4  # one lane-replicated (or lane-padded) f32 or int32 row tile
+
+
+def _fwd_vmem(bn, bv, d, s, bd=None):
+  """Forward: double-buffered hidden and weight tiles, row statistics in and out and in
+  scratch, the logit accumulator and the float32 temporaries of the softmax."""
+  bd = d if bd is None else bd
+  tiles = 2 * (bn * bd + bd * bv) * s
+  return tiles + 9 * _stats(bn) + bn * bv * 4 + 4 * bn * bv * 4
+
+
+def _fused_vmem(bn, bv, d, s):
+  """Fused backward: double-buffered hidden `[bn, D]` and weight `[D, bv]` tiles, the
+  float32 d_weight accumulator and its staging copy, two float32 d_hidden slots, the
+  three row statistics, the logit tile's float32 temporaries and one chunk of each
+  gradient matmul."""
+  chunk = 512 if d % 512 == 0 else d
+  tiles = 2 * (bn * d + d * bv) * s
+  return (tiles + d * bv * (4 + s) + 2 * bn * d * 4 + 6 * _stats(bn) + 6 * bn * bv * 4
+          + bn * bv * s + chunk * (bv + bn) * (4 + s))
+
+
+def _split_vmem(bn, bv, bd, d, s):
+  """The split kernels (forward, d_hidden, d_weight) over hidden blocks of `bd`."""
+  tiles = 2 * (bn * bd + bd * bv) * s
+  logits, temps = bn * bv * 4, 4 * bn * bv * 4
+  common = tiles + 6 * _stats(bn) + logits + bn * bv * s + temps
+  dh = common + 2 * bn * d * s + bn * d * 4 + bn * bd * 4 + bd * bv * s
+  acc = d * bv * 4 if s != 4 else 0  # a float32 d_weight accumulates in place
+  dw = common + 2 * d * bv * s + acc + bd * bv * 4 + bn * bd * s
+  return max(_fwd_vmem(bn, bv, d, s, bd), dh, dw)
+
+
+def cost_estimate(kernel, hidden, weight, bs, softcap=None, cores=1) -> pl.CostEstimate:
+  """What `kernel` ("fwd", "bwd" (fused), "dhidden" or "dweight") costs on `hidden
+  [N, D]` and `weight [D, V]` (arrays or `jax.ShapeDtypeStruct`s) with tiles `bs`, on a
+  chip of `cores` TensorCores (each walks its share of the leading grid axis).
+
+  Flops: a matmul is `2 N D V`; the forward does one, the fused backward three (the
+  logits once, then both gradients), each split backward kernel two (it recomputes the
+  logits). Transcendentals: one exp per logit (plus, in the forward, one rescale per row
+  and vocabulary block), and one tanh per logit with a `softcap`. Bytes: Pallas fetches
+  an input block again whenever its block index changes between a core's grid steps
+  (blocks clipped to the array), so an operand indexed by the outer axis alone is read
+  once, and one the inner axes walk is read once per outer block, unless those axes
+  have a single block; targets are int32 `[N]`, row statistics f32 `[N, 128]` (`[N]` in
+  the fused backward); outputs are written once (the fused backward's d_weight with its
+  columns padded to a multiple of 128), except the fused backward's float32 d_hidden
+  partials, written every step and read back on each core's later vocabulary blocks
+  (rows padded to whole blocks).
   """
   (n, d), v = hidden.shape, weight.shape[1]
+  s = hidden.dtype.itemsize
+  per_logit = n * v * (1 if softcap is None else 2)
+  h, w = n * d * s, d * v * weight.dtype.itemsize
+  if kernel == "bwd":  # grid (C, V blocks per core, N): token-indexed inputs per step
+    bn, bv = bs.backward_tiles
+    nb, vb = pl.cdiv(n, bn), pl.cdiv(v, bv)
+    rows_again = vb if nb > 1 else cores
+    partials = (2 * vb - cores) * nb * bn * d * 4
+    dw = d * _round_up(v, LANES) * weight.dtype.itemsize  # copied out lane-aligned
+    return pl.CostEstimate(flops=6 * n * d * v, transcendentals=per_logit,
+                           bytes_accessed=rows_again * (h + 3 * n * 4) + w + dw + partials)
   nb, vb = pl.cdiv(n, bs.block_n), pl.cdiv(v, bs.block_v)
   split = bs.block_d is not None and bs.block_d < d
-  h, w = n * d * hidden.dtype.itemsize, d * v * weight.dtype.itemsize
-  targets, stats = n * 4, n * LANES * 4
-  per_logit = n * v * (1 if softcap is None else 2)
-  # An operand walked by the inner axes is fetched once in all when those axes have a
-  # single block (its block index then never changes).
-  w_again = nb if split or vb > 1 else 1
+  targets, stats = n * 4, _stats(n)
+  # Tokens outer (fwd, dhidden): the weight is walked per token block, and once per core
+  # when the inner axes hold one block.
+  w_again = min(nb, cores) if not split and vb == 1 else nb
   if kernel == "fwd":  # grid (N, V, D)
     h_reads = vb * h if split else h
     return pl.CostEstimate(flops=2 * n * d * v, transcendentals=per_logit + n * vb,
@@ -163,7 +257,7 @@ def cost_estimate(kernel, hidden, weight, bs, softcap=None) -> pl.CostEstimate:
     return pl.CostEstimate(flops=4 * n * d * v, transcendentals=per_logit,
                            bytes_accessed=h_reads + w_reads + targets + 2 * stats + h)
   if kernel == "dweight":  # grid (V, N, steps): token-indexed inputs re-read per vocab block
-    rows_again = vb if split or nb > 1 else 1
+    rows_again = vb if split or nb > 1 else min(vb, cores)
     h_reads, w_reads = (2 * vb * h, nb * w) if split else (rows_again * h, w)
     return pl.CostEstimate(
         flops=4 * n * d * v, transcendentals=per_logit,

@@ -46,6 +46,10 @@ def _tiles(cfg: Config, hidden_NxD, weight_DxV):
                                                 num_tokens=n, vocab_size=v)
 
 
+def _cores(cfg: Config) -> int:
+  return 1 if cfg.chip is None else cfg.chip.cores
+
+
 def _local_targets(axes: gspmd.Axes, targets_N, vocab_slice: int):
   """Targets as ids of this device's slice (-1 where another slice owns them), and the
   owned mask (None when the vocabulary is whole)."""
@@ -60,7 +64,7 @@ def _forward_body(cfg: Config, axes: gspmd.Axes, hidden_NxD, weight_DxV, targets
   local_N, owned_N = _local_targets(axes, targets_N, weight_DxV.shape[1])
   logp_N, lse_NxL = logprobs_pallas.forward(hidden_NxD, weight_DxV, local_N,
                                             _tiles(cfg, hidden_NxD, weight_DxV),
-                                            cfg.softcap, cfg.interpret)
+                                            cfg.softcap, cfg.interpret, _cores(cfg))
   if owned_N is None:
     return logp_N, lse_NxL
   lse_N = lse_NxL[:, 0]
@@ -73,7 +77,7 @@ def _backward_body(cfg: Config, axes: gspmd.Axes, hidden_NxD, weight_DxV, target
   local_N, _ = _local_targets(axes, targets_N, weight_DxV.shape[1])
   dh_NxD, dw_DxV = logprobs_pallas.backward(hidden_NxD, weight_DxV, local_N, lse_NxL, g_N,
                                             _tiles(cfg, hidden_NxD, weight_DxV),
-                                            cfg.softcap, cfg.interpret)
+                                            cfg.softcap, cfg.interpret, _cores(cfg))
   psum = lambda x, names: jax.lax.psum(x.astype(F32), names).astype(x.dtype)
   if axes.vocab:
     dh_NxD = psum(dh_NxD, axes.vocab)

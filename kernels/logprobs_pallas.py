@@ -2,30 +2,25 @@
 
 Shapes: hidden `[N, D]`, weight `[D, V]`, tiles of `block_n` tokens, `block_v` vocabulary
 columns and `block_d` hidden units (`BlockSizes`). Nothing is padded or copied: the last
-token and vocabulary blocks may run past `N` and `V`; their out-of-range entries hold
-whatever the DMA left there and are masked inside the kernels (logit columns past `V`
-never enter the log-sum-exp, weight columns past `V` and hidden rows past `N` are zeroed
-before a matmul contracts over them), and writes past the edge are dropped. `D` must be
-a multiple of `block_d`.
+token and vocabulary blocks may run past `N` and `V` and are masked inside the kernels
+(`logprobs_tile`); writes past the edge are dropped. `D` must be a multiple of `block_d`.
 
 Forward, grid `(N/bn, V/bv, D/bd)`: float32 logits accumulate over hidden blocks in VMEM;
 after the last one they fold into an online log-sum-exp (running max, running sum,
 target logit) kept lane-replicated `[bn, 128]`, as flash attention keeps its row
 statistics.
 
-Backward: each kernel recomputes a logit tile from h and w (phase 0, over the hidden
-blocks), turns it into `g * (onehot - softmax)` with the saved log-sum-exp, then
-contracts that with every hidden block of the other operand (phase 1), accumulating in
-float32 VMEM:
-`fused_logprobs_dhidden` over grid `(N/bn, V/bv, steps)` into `[bn, D]`,
-`fused_logprobs_dweight` over grid `(V/bv, N/bn, steps)` into `[D, bv]`, where `steps`
-is 1 when `block_d == D` (both phases in one step) and `2 D / bd` otherwise. `d_weight`
-is written straight into an array of the weight's shape and dtype (a float32 one is its
-own accumulator). No `[N, V]` array
-exists in HBM in either pass.
+Backward, with whole-D tiles (`block_d=None`, the default wherever they fit): the fused
+kernel `fused_logprobs_bwd` (`logprobs_fused_bwd`), one logit recompute for both
+gradients. With a split D (tiles too large for VMEM otherwise, e.g. v4 at D = 8192), two
+kernels, each recomputing a logit tile from h and w (phase 0, over the hidden blocks),
+turning it into `g * (onehot - softmax)` with the saved log-sum-exp, then contracting
+that with every hidden block of the other operand (phase 1), accumulating in float32
+VMEM: `fused_logprobs_dhidden` over grid `(N/bn, V/bv, 2 D/bd)` into `[bn, D]`,
+`fused_logprobs_dweight` over grid `(V/bv, N/bn, 2 D/bd)` into `[D, bv]` (a float32
+`d_weight` is its own accumulator). No `[N, V]` array exists in HBM in either pass.
 
-The three `pallas_call`s are named `fused_logprobs_fwd`, `fused_logprobs_dhidden` and
-`fused_logprobs_dweight` and carry a `cost_estimate` of their real flops and HBM traffic.
+Every `pallas_call` is named and carries a `cost_estimate` of its flops and HBM traffic.
 """
 
 import functools
@@ -36,13 +31,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from tunix_kernels import logprobs_fused_bwd
+from tunix_kernels import logprobs_tile as tile
 from tunix_kernels.common import cotangent_for
 from tunix_kernels.common import out_struct
 from tunix_kernels.dispatch import LANES
 from tunix_kernels.logprobs_blocks import cost_estimate
 
-# A large finite negative instead of -inf keeps `m_old - m_new` free of inf - inf.
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 F32 = jnp.float32
 
 
@@ -69,43 +64,13 @@ def _dims(hidden, weight, bs, softcap):
   return _Dims(n, v, bs.block_n, bs.block_v, bd, nd, 1 if nd == 1 else 2 * nd, softcap)
 
 
-def _edge_split(is_edge, ragged, body):
-  """Runs `body(masked)`: with `masked=True` on the edge block when the axis is ragged,
-  so the other blocks skip the masking work."""
-  if not ragged:
-    body(False)
-    return
-  pl.when(is_edge)(lambda: body(True))
-  pl.when(jnp.logical_not(is_edge))(lambda: body(False))
-
-
-def _accumulate(acc_ref, part, first):
-  """`acc = part` on the first contribution, `acc += part` after."""
-  pl.when(first)(lambda: acc_ref.__setitem__(Ellipsis, part))
-  pl.when(jnp.logical_not(first))(lambda: acc_ref.__setitem__(Ellipsis, acc_ref[...] + part))
-
-
 def _accumulate_logits(logits_sc, h_ref, w_ref, k):
-  _accumulate(logits_sc, jnp.dot(h_ref[...], w_ref[...], preferred_element_type=F32), k == 0)
-
-
-def _vocab_cols(j, dims, shape):
-  return j * dims.bv + jax.lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
+  tile.accumulate(logits_sc, jnp.dot(h_ref[...], w_ref[...], preferred_element_type=F32),
+                  k == 0)
 
 
 def _masked_logits(logits_sc, j, dims):
-  """The finished float32 logit tile (soft-capped), columns past V set to MASK_VALUE;
-  its column ids; and d capped / d raw (None without a cap)."""
-  logits, dcap = logits_sc[...], None
-  if dims.softcap is not None:
-    tanh = jnp.tanh(logits * (1.0 / dims.softcap))
-    logits, dcap = dims.softcap * tanh, 1.0 - tanh * tanh
-  cols = _vocab_cols(j, dims, logits.shape)
-  if dims.v % dims.bv:
-    logits = jnp.where(cols < dims.v, logits, MASK_VALUE)
-    if dcap is not None:  # garbage there may be NaN, and 0 * NaN is NaN
-      dcap = jnp.where(cols < dims.v, dcap, 0.0)
-  return logits, cols, dcap
+  return tile.masked_logits(logits_sc[...], j, dims.bv, dims.v, dims.softcap)
 
 
 def _fwd_kernel(h_ref, w_ref, t_ref, logp_ref, lse_ref, logits_sc, m_sc, l_sc, t_sc, *, dims):
@@ -114,7 +79,7 @@ def _fwd_kernel(h_ref, w_ref, t_ref, logp_ref, lse_ref, logits_sc, m_sc, l_sc, t
 
   @pl.when((j == 0) & (k == 0))
   def _init():
-    m_sc[...] = jnp.full(m_sc.shape, MASK_VALUE, F32)
+    m_sc[...] = jnp.full(m_sc.shape, tile.MASK_VALUE, F32)
     l_sc[...] = jnp.zeros(l_sc.shape, F32)
     t_sc[...] = jnp.zeros(t_sc.shape, F32)
 
@@ -140,15 +105,9 @@ def _fwd_kernel(h_ref, w_ref, t_ref, logp_ref, lse_ref, logits_sc, m_sc, l_sc, t
 def _store_dlogits(dl_sc, logits_sc, t_ref, lse_ref, g_ref, i, j, dims, mask_rows):
   """`g * (onehot - softmax)` of the tile into `dl_sc`, in the input dtype for the MXU;
   rows past N zeroed when `mask_rows` (their statistics are garbage)."""
-  logits, cols, dcap = _masked_logits(logits_sc, j, dims)
-  p = jnp.exp(logits - lse_ref[:, :1])  # masked columns: exp(-huge) = 0
-  onehot = (cols == t_ref[...]).astype(F32)
-  dl = g_ref[:, :1] * (onehot - p)
-  if dcap is not None:
-    dl = dl * dcap
-  if mask_rows:
-    rows = i * dims.bn + jax.lax.broadcasted_iota(jnp.int32, dl.shape, 0)
-    dl = jnp.where(rows < dims.n, dl, 0.0)
+  rows = tile.index_from(i * dims.bn, (dims.bn, 1), 0) if mask_rows else None
+  dl = tile.dlogits(logits_sc[...], t_ref[...], lse_ref[:, :1], g_ref[:, :1], j, dims.bv,
+                    dims.v, dims.softcap, rows, dims.n)
   dl_sc[...] = dl.astype(dl_sc.dtype)
 
 
@@ -162,13 +121,13 @@ def _dh_kernel(h_ref, w_ref, t_ref, lse_ref, g_ref, dh_ref, logits_sc, dl_sc, ac
   def contract(mask_cols):
     w = w_ref[...]
     if mask_cols:  # the dlogits there are 0 already, but 0 * garbage may be NaN
-      w = jnp.where(_vocab_cols(j, dims, w.shape) < dims.v, w, 0)
+      w = jnp.where(tile.index_from(j * dims.bv, w.shape, 1) < dims.v, w, 0)
     # [bn, bv] x [bd, bv] contracted over bv -> [bn, bd]
     part = jax.lax.dot_general(dl_sc[...], w, (((1,), (1,)), ((), ())),
                                preferred_element_type=F32)
-    _accumulate(acc_sc.at[s - dims.use_from], part, j == 0)
+    tile.accumulate(acc_sc.at[s - dims.use_from], part, j == 0)
 
-  pl.when(s >= dims.use_from)(lambda: _edge_split(
+  pl.when(s >= dims.use_from)(lambda: tile.edge_split(
       j == pl.num_programs(1) - 1, dims.v % dims.bv, contract))
 
   @pl.when((j == pl.num_programs(1) - 1) & (s == dims.steps - 1))
@@ -182,27 +141,27 @@ def _dw_kernel(h_ref, w_ref, t_ref, lse_ref, g_ref, dw_ref, logits_sc, dl_sc, *a
   edge = i == pl.num_programs(1) - 1
   ragged = dims.n % dims.bn
   pl.when(s < dims.nd)(lambda: _accumulate_logits(logits_sc, h_ref, w_ref, s))
-  pl.when(s == dims.nd - 1)(lambda: _edge_split(edge, ragged, lambda mask: _store_dlogits(
+  pl.when(s == dims.nd - 1)(lambda: tile.edge_split(edge, ragged, lambda mask: _store_dlogits(
       dl_sc, logits_sc, t_ref, lse_ref, g_ref, i, j, dims, mask)))
 
   def contract(mask_rows):
     h = h_ref[...]
     if mask_rows:  # the dlogits there are 0 already, but 0 * garbage may be NaN
-      rows = i * dims.bn + jax.lax.broadcasted_iota(jnp.int32, h.shape, 0)
+      rows = tile.index_from(i * dims.bn, h.shape, 0)
       h = jnp.where(rows < dims.n, h, 0)
     # [bn, bd] x [bn, bv] contracted over bn -> [bd, bv]
     part = jax.lax.dot_general(h, dl_sc[...], (((0,), (0,)), ((), ())),
                                preferred_element_type=F32)
     k = s - dims.use_from
     if acc_sc:
-      _accumulate(acc_sc[0].at[k], part, i == 0)
+      tile.accumulate(acc_sc[0].at[k], part, i == 0)
     elif dims.nd == 1:  # a float32 d_weight accumulates in its resident output block
-      _accumulate(dw_ref, part, i == 0)
+      tile.accumulate(dw_ref, part, i == 0)
     else:
-      _accumulate(dw_ref.at[pl.ds(pl.multiple_of(k * dims.bd, dims.bd), dims.bd), :], part,
+      tile.accumulate(dw_ref.at[pl.ds(pl.multiple_of(k * dims.bd, dims.bd), dims.bd), :], part,
                   i == 0)
 
-  pl.when(s >= dims.use_from)(lambda: _edge_split(edge, ragged, contract))
+  pl.when(s >= dims.use_from)(lambda: tile.edge_split(edge, ragged, contract))
 
   if acc_sc:
     @pl.when(edge & (s == dims.steps - 1))
@@ -216,10 +175,11 @@ def _params(semantics, bs):
                               vmem_limit_bytes=bs.vmem_limit_bytes)
 
 
-def forward(hidden, weight, targets, bs, softcap, interpret):
+def forward(hidden, weight, targets, bs, softcap, interpret, cores=1):
   """`(logp [N], lse [N, LANES])` float32 (the log-sum-exp lane-replicated) of `[N, D]`
   hidden, `[D, V]` weight and `[N]` targets in `[0, V)`; a target of -1 matches no
-  column: its log-prob is `-lse` (a vocabulary slice that does not own the target)."""
+  column: its log-prob is `-lse` (a vocabulary slice that does not own the target).
+  `cores`: the chip's TensorCores, for the cost estimate."""
   dims = _dims(hidden, weight, bs, softcap)
   grid = (pl.cdiv(dims.n, dims.bn), pl.cdiv(dims.v, dims.bv), dims.nd)
   row = pl.BlockSpec((dims.bn, LANES), lambda i, j, k: (i, 0))
@@ -236,15 +196,19 @@ def forward(hidden, weight, targets, bs, softcap, interpret):
       compiler_params=_params(("parallel", "arbitrary", "arbitrary"), bs),
       interpret=interpret,
       name="fused_logprobs_fwd",
-      cost_estimate=cost_estimate("fwd", hidden, weight, bs, softcap),
+      cost_estimate=cost_estimate("fwd", hidden, weight, bs, softcap, cores),
   )(hidden, weight, targets[:, None])
   return logp[:, 0], lse
 
 
-def backward(hidden, weight, targets, lse, g, bs, softcap, interpret):
+def backward(hidden, weight, targets, lse, g, bs, softcap, interpret, cores=1):
   """`(d hidden, d weight)` in their dtypes of `sum(g * logp)`, given `forward`'s `lse`
   (or the log-sum-exp over the whole vocabulary, for a slice); a -1 target adds no
-  one-hot term."""
+  one-hot term. The fused kernel for whole-D tiles, else the split pair; `cores`: the
+  chip's TensorCores (the fused kernel keeps one `d_hidden` partial per core)."""
+  if bs.fused:
+    return logprobs_fused_bwd.backward(hidden, weight, targets, lse, g, bs, softcap,
+                                       interpret, cores)
   dims = _dims(hidden, weight, bs, softcap)
   nb, vb = pl.cdiv(dims.n, dims.bn), pl.cdiv(dims.v, dims.bv)
   g_rows = jnp.broadcast_to(g[:, None], (dims.n, LANES)).astype(F32)
@@ -275,7 +239,7 @@ def backward(hidden, weight, targets, lse, g, bs, softcap, interpret):
       compiler_params=_params(semantics, bs),
       interpret=interpret,
       name="fused_logprobs_dhidden",
-      cost_estimate=cost_estimate("dhidden", hidden, weight, bs, softcap),
+      cost_estimate=cost_estimate("dhidden", hidden, weight, bs, softcap, cores),
   )(*args)
   dw = pl.pallas_call(
       functools.partial(_dw_kernel, dims=dims),
@@ -287,31 +251,35 @@ def backward(hidden, weight, targets, lse, g, bs, softcap, interpret):
       compiler_params=_params(semantics, bs),
       interpret=interpret,
       name="fused_logprobs_dweight",
-      cost_estimate=cost_estimate("dweight", hidden, weight, bs, softcap),
+      cost_estimate=cost_estimate("dweight", hidden, weight, bs, softcap, cores),
   )(*args)
   return dh, dw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def logprobs_pallas(hidden_NxD, weight_DxV, targets_N, block_sizes, softcap, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def logprobs_pallas(hidden_NxD, weight_DxV, targets_N, block_sizes, softcap, interpret,
+                    cores=1):
   """Float32 `[N]` log-probs of in-range `targets_N` under `hidden_NxD @ weight_DxV`,
   soft-capped to `softcap * tanh(logits / softcap)` unless `softcap` is None.
 
   Any N and V; D a multiple of `block_sizes.block_d` (checked by the caller with
-  `BlockSizes.check`). `interpret` is False (Mosaic) or a `pltpu.InterpretParams`.
-  Differentiable in hidden and weight (gradients in their dtypes).
+  `BlockSizes.check`). `interpret` is False (Mosaic) or a `pltpu.InterpretParams`;
+  `cores` the TensorCores of the chip (`tpu.Chip.cores`). Differentiable in hidden and
+  weight (gradients in their dtypes).
   """
-  return forward(hidden_NxD, weight_DxV, targets_N, block_sizes, softcap, interpret)[0]
+  return forward(hidden_NxD, weight_DxV, targets_N, block_sizes, softcap, interpret,
+                 cores)[0]
 
 
-def _fwd(hidden, weight, targets, block_sizes, softcap, interpret):
-  logp, lse = forward(hidden, weight, targets, block_sizes, softcap, interpret)
+def _fwd(hidden, weight, targets, block_sizes, softcap, interpret, cores):
+  logp, lse = forward(hidden, weight, targets, block_sizes, softcap, interpret, cores)
   return logp, (hidden, weight, targets, lse)
 
 
-def _bwd(block_sizes, softcap, interpret, res, g):
+def _bwd(block_sizes, softcap, interpret, cores, res, g):
   hidden, weight, targets, lse = res
-  dh, dw = backward(hidden, weight, targets, lse, g, block_sizes, softcap, interpret)
+  dh, dw = backward(hidden, weight, targets, lse, g, block_sizes, softcap, interpret,
+                    cores)
   return cotangent_for(dh, hidden), cotangent_for(dw, weight), None
 
 

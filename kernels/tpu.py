@@ -31,6 +31,12 @@ class Chip:
     hbm_bytes: HBM per JAX device.
     topology: `(topology_name, chip_config_name, chips_per_host_bounds)` of an 8-chip
       (v5e, v6e) or 4-chip (v4, v5p megacore) slice for `aot_devices`.
+    peak_flops: dense bf16 flop/s per JAX device, and
+    hbm_bandwidth: HBM bytes/s per JAX device, both from the Cloud TPU documentation
+      (docs.cloud.google.com/tpu/docs/v4, v5e, v5p, v6e): the roofline the kernels'
+      tiles are chosen against.
+    cores: TensorCores per JAX device (2 on the v4 and v5p megacores, which split a
+      kernel's leading "parallel" grid axis between them).
   """
 
   name: str
@@ -39,22 +45,24 @@ class Chip:
   scoped_vmem_bytes: int
   hbm_bytes: int
   topology: tuple
+  peak_flops: float
+  hbm_bandwidth: float
+  cores: int = 1
 
 
 CHIPS = {
     "v4": Chip("v4", ("TPU v4",), 16 * MiB, 16 * MiB, 32 * GiB,
-               ("v4:2x2x1", "megacore", (2, 2, 1))),
+               ("v4:2x2x1", "megacore", (2, 2, 1)), 275e12, 1200e9, 2),
     "v5e": Chip("v5e", ("TPU v5 lite", "TPU v5e"), 128 * MiB, 16 * MiB, 16 * GiB,
-                ("v5e:2x4", "default", (2, 2, 1))),
+                ("v5e:2x4", "default", (2, 2, 1)), 197e12, 819e9),
     "v5p": Chip("v5p", ("TPU v5", "TPU v5p"), 64 * MiB, 16 * MiB, 95 * GiB,
-                ("v5p:2x2x1", "megacore", (2, 2, 1))),
+                ("v5p:2x2x1", "megacore", (2, 2, 1)), 459e12, 2765e9, 2),
     "v6e": Chip("v6e", ("TPU v6 lite", "TPU v6e"), 128 * MiB, 32 * MiB, 32 * GiB,
-                ("v6e:2x4", "default", (2, 2, 1))),
+                ("v6e:2x4", "default", (2, 2, 1)), 918e12, 1638e9),
 }
 # A TPU slice as Cloud TPU names it: `v5e-256`, `v6e-64`, `v5p-128`, `v4-8`, and `KxNAME`
 # for K slices of it (`2xv5e-256`). v4 and v5p names count TensorCores (two per chip).
 _SLICE = re.compile(r"(?:(\d+)x)?(v4|v5e|v5p|v6e)-(\d+)")
-_CORES_PER_CHIP = {"v4": 2, "v5p": 2, "v5e": 1, "v6e": 1}
 
 # What the kernels may assume when the generation is unknown at trace time.
 MIN_SCOPED_VMEM_BYTES = min(c.scoped_vmem_bytes for c in CHIPS.values())
@@ -153,11 +161,11 @@ def parse_topology(name: str) -> tuple[str, str, str, tuple, int]:
                      "such as v5e-8, v5e-256, v6e-64, v5p-128, v4-8, or 2xv5e-256 for "
                      "two slices")
   slices, chip, count = int(m.group(1) or 1), m.group(2), int(m.group(3))
-  chips, rest = divmod(count, _CORES_PER_CHIP[chip])
+  chips, rest = divmod(count, CHIPS[chip].cores)
   if rest or chips < 1 or chips & (chips - 1) or slices < 1:
     raise ValueError(f"TPU topology {name!r}: {chip} slices have a power of two of chips"
                      + (" (the name counts TensorCores, two per chip)"
-                        if _CORES_PER_CHIP[chip] > 1 else ""))
+                        if CHIPS[chip].cores > 1 else ""))
   bits = chips.bit_length() - 1
   if chip in ("v5e", "v6e"):
     dims = (2 ** (bits // 2), 2 ** (bits - bits // 2))

@@ -81,27 +81,47 @@ def test_chip_of_the_mesh_being_compiled_for():
     assert tpu.target_chip() is None  # an unknown generation gets the safe tiles
 
 
-def _fetched_bytes(call) -> int:
-  """HBM bytes a `pallas_call` moves, counted from its grid and BlockSpecs alone: an
-  input block is fetched, and an output block written back, whenever its block index
-  changes between consecutive grid steps (the last axis the fastest), each time the
-  block's in-bounds part of its array."""
+def _fetched_bytes(call, cores=1) -> int:
+  """HBM bytes a `pallas_call` moves through its BlockSpecs, counted from its grid and
+  index maps alone: an input block is fetched, and an output block written back,
+  whenever its block index changes between consecutive grid steps of a core (the last
+  axis the fastest; a megacore chip's `cores` take contiguous shares of the leading
+  axis, each starting afresh), each time the block's in-bounds part of its array.
+  Operands left in HBM (`memory_space=ANY`) are moved by hand and not counted here."""
   grid = call["grid"]
   steps = np.stack(np.meshgrid(*[np.arange(g) for g in grid], indexing="ij"), -1)
   steps = steps.reshape(-1, len(grid))
+  core = steps[:, 0] * cores // grid[0]
   total = 0
   for spec, operand in zip(call["in_specs"] + call["out_specs"],
                            call["operands"] + call["out_shape"]):
+    if spec.block_shape is None:
+      continue
     index = spec.index_map(*[steps[:, a] for a in range(len(grid))])
     index = np.stack([np.broadcast_to(np.asarray(x), len(steps)) for x in index], -1)
     moved = np.ones(len(steps), bool)
-    moved[1:] = (index[1:] != index[:-1]).any(-1)
+    moved[1:] = (index[1:] != index[:-1]).any(-1) | (core[1:] != core[:-1])
     blocks, counts = np.unique(index[moved], axis=0, return_counts=True)
     for block, count in zip(blocks, counts):
       extent = [min(b, dim - i * b) for i, b, dim in
                 zip(block, spec.block_shape, operand.shape)]
       total += int(count) * int(np.prod(extent)) * np.dtype(operand.dtype).itemsize
   return total
+
+
+def _fused_backward_dma_bytes(call, n, d, v, bs) -> int:
+  """What the fused backward moves by hand: each core walks its run of vocabulary
+  blocks over every token block, writing that block's float32 `[bn, D]` d_hidden partial
+  each step and reading it back first on every block after the core's first; and each
+  d_weight column is copied out once."""
+  cores, per, nb = call["grid"]
+  bn, bv = bs.backward_tiles
+  vb = -(-v // bv)
+  moved = d * v * 2
+  for c in range(cores):
+    for jj in range(min(per, vb - c * per)):
+      moved += nb * bn * d * 4 * (2 if jj else 1)
+  return moved
 
 
 def _record_pallas_calls(module, monkeypatch) -> list:
@@ -128,29 +148,42 @@ def _record_pallas_calls(module, monkeypatch) -> list:
   return calls
 
 
-@pytest.mark.parametrize("chip", ["v5e", "v5p", "v6e"])
+@pytest.mark.parametrize("chip", ["v4", "v5e", "v5p", "v6e"])
 @pytest.mark.parametrize("n,d,v", [(8192, 4096, 128256), (4096, 8192, 128256),
                                    (8192, 2304, 256000)])
 def test_cost_estimates_count_the_bytes_pallas_fetches(chip, n, d, v, monkeypatch):
   """Each log-prob kernel's `cost_estimate` bytes equal the bytes its grid and
-  BlockSpecs make Pallas move at the default tiles of Llama-3-8B's, Llama-3-70B's and
-  Gemma-2-2B's heads (traced abstractly, nothing runs)."""
+  BlockSpecs (and, in the fused backward, its hand-made copies) move at the default
+  tiles of Llama-3-8B's, Llama-3-70B's and Gemma-2-2B's heads (traced abstractly,
+  nothing runs); v4's small VMEM gets the split kernels at some of them."""
+  from tunix_kernels import logprobs_fused_bwd  # pylint: disable=g-import-not-at-top
   from tunix_kernels import logprobs_pallas  # pylint: disable=g-import-not-at-top
   calls = _record_pallas_calls(logprobs_pallas, monkeypatch)
+  calls_bwd = _record_pallas_calls(logprobs_fused_bwd, monkeypatch)
+  cores = tpu.get_chip(chip).cores
   bs = BlockSizes.get_default(d, jnp.bfloat16, chip, num_tokens=n, vocab_size=v)
   hidden = jax.ShapeDtypeStruct((n, d), jnp.bfloat16)
   weight = jax.ShapeDtypeStruct((d, v), jnp.bfloat16)
   targets = jax.ShapeDtypeStruct((n,), jnp.int32)
 
   def fwd_bwd(h, w, t):
-    logp, lse = logprobs_pallas.forward(h, w, t, bs, None, False)
-    return logprobs_pallas.backward(h, w, t, lse, logp, bs, None, False)
+    logp, lse = logprobs_pallas.forward(h, w, t, bs, None, False, cores)
+    return logprobs_pallas.backward(h, w, t, lse, logp, bs, None, False, cores)
 
   jax.eval_shape(fwd_bwd, hidden, weight, targets)
-  assert [c["name"] for c in calls] == ["fused_logprobs_fwd", "fused_logprobs_dhidden",
-                                         "fused_logprobs_dweight"]
+  calls += calls_bwd
+  assert [c["name"] for c in calls] == ["fused_logprobs_fwd"] + (
+      ["fused_logprobs_bwd"] if bs.fused else
+      ["fused_logprobs_dhidden", "fused_logprobs_dweight"])
+  if chip != "v4":  # the fused backward wherever whole-D tiles fit
+    assert bs.fused, bs
   for c in calls:
-    assert c["cost"].bytes_accessed == _fetched_bytes(c), (c["name"], bs)
+    moved = _fetched_bytes(c, cores)
+    if c["name"] == "fused_logprobs_bwd":
+      moved += _fused_backward_dma_bytes(c, n, d, v, bs)
+    assert c["cost"].bytes_accessed == moved, (c["name"], bs)
+    assert c["cost"].flops == (6 if c["name"] == "fused_logprobs_bwd" else
+                               2 if c["name"] == "fused_logprobs_fwd" else 4) * n * d * v
 
 
 @pytest.mark.parametrize("B,T", [(16, 1024), (64, 4096)])

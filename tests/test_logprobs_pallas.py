@@ -54,6 +54,34 @@ def test_hidden_size_split_into_blocks(dtype, block_n, d, block_d, tol):
   _check(h, w, t, g, BlockSizes(block_n, 128, block_d), tol)
 
 
+@pytest.mark.parametrize("n,v,cores,softcap", [
+    (13, 300, 2, 5.0), pytest.param(8, 1000, 2, None, marks=pytest.mark.slow),
+    pytest.param(24, 256, 1, None, marks=pytest.mark.slow)])
+def test_fused_backward_per_core_partials_without_races(n, v, cores, softcap):
+  """The fused backward as a megacore chip runs it: TPU interpret mode with `cores`
+  simulated TensorCores splitting the leading grid axis and its race detector on, so a
+  d_hidden row written by two cores, or a hand-made copy read before its write lands,
+  fails. Ragged N and V (NaN past the edges), a soft-cap, one token block (the rows
+  read back are the ones written the step before) and an odd number of vocabulary
+  blocks (the last core has fewer), against the float64 oracle."""
+  from jax._src.pallas.mosaic.interpret import interpret_pallas_call  # private: race state
+  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+  from tunix_kernels import logprobs_pallas  # pylint: disable=g-import-not-at-top
+  h, w, t, g = make_inputs(n, 128, v, jnp.float32, scale=3.0)
+  t = jnp.where(t == IGNORE_INDEX, 0, t)  # the kernel takes in-range ids
+  bs = BlockSizes(8, 128, block_n_bwd=8 if n > 8 else 16, block_v_bwd=256 if v > 300 else 128)
+  params = pltpu.InterpretParams(num_cores_or_threads=cores, detect_races=True)
+  f = lambda h, w: logprobs_pallas.logprobs_pallas(h, w, t, bs, softcap, params, cores)
+  out, vjp = jax.vjp(f, h, w)
+  dh, dw = vjp(g)
+  assert not interpret_pallas_call.races.races_found
+  h64, w64, t_np = np.asarray(h, np.float64), np.asarray(w, np.float64), np.asarray(t)
+  want = numpy_logprobs(h64, w64, t_np, softcap=softcap)[0]
+  want_dh, want_dw = numpy_logprob_grads(h64, w64, t_np, np.asarray(g), softcap=softcap)
+  for got, ref in ((out, want), (dh, want_dh), (dw, want_dw)):
+    assert rel_error(got, ref) <= 1e-5, rel_error(got, ref)
+
+
 def test_explicit_tiles_are_checked_before_compiling():
   h, w, t, _ = make_inputs(8, 256, 128, jnp.float32)
   with pytest.raises(ValueError, match="block_d=384 must divide the hidden size D=256"):

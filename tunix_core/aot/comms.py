@@ -32,11 +32,14 @@ import re
 
 import numpy as np
 
-# chip -> (bf16 flop/s, HBM bytes/s, ICI collective bytes/s, DCN bytes/s per chip)
-CHIP_RATES = {"v4": (275e12, 1200e9, 1.1e15 / 4096, 25e9 / 8),
-              "v5e": (197e12, 819e9, 400e9 / 2, 25e9 / 8),
-              "v5p": (459e12, 2765e9, 1200e9 / 2, 50e9 / 8),
-              "v6e": (918e12, 1638e9, 800e9 / 2, 100e9 / 8)}
+from tunix_kernels import tpu
+
+# chip -> (bf16 flop/s, HBM bytes/s, ICI collective bytes/s, DCN bytes/s per chip); the
+# first two are the kernels' chip facts (`tunix_kernels.tpu.Chip`).
+_LINKS = {"v4": (1.1e15 / 4096, 25e9 / 8), "v5e": (400e9 / 2, 25e9 / 8),
+          "v5p": (1200e9 / 2, 50e9 / 8), "v6e": (800e9 / 2, 100e9 / 8)}
+CHIP_RATES = {name: (chip.peak_flops, chip.hbm_bandwidth, *_LINKS[name])
+              for name, chip in tpu.CHIPS.items()}
 
 # The share of a step its collectives may take before `--compile_only` warns.
 SHARE_LIMIT = 0.10
