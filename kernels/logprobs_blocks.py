@@ -12,9 +12,10 @@ from tunix_kernels.dispatch import LANES
 
 SUBLANES = 8
 # Preferred forward (block_n, block_v), largest first. The forward keeps tokens outer,
-# so the weight is re-read once per token block: block_n buys its roofline.
-_CANDIDATES = ((512, 1024), (512, 512), (256, 512), (256, 256), (128, 256), (128, 128),
-               (64, 128), (16, 128))
+# so the weight is re-read once per token block: block_n buys its roofline (v6e needs
+# about 560 flops per HBM byte, 2 x block_n here).
+_CANDIDATES = ((1024, 512), (512, 1024), (512, 512), (256, 512), (256, 256), (128, 256),
+               (128, 128), (64, 128), (16, 128))
 # Preferred fused-backward (block_n, block_v): it keeps the vocabulary outer, so the
 # hidden states and the float32 d_hidden partials move once per vocabulary block and
 # block_v buys its roofline; 256 tokens keep the d_weight matmul's contraction as deep
