@@ -179,6 +179,17 @@ def roofline_seconds(bs, n, d, v, dtype, chip) -> float:
              for c in costs)
 
 
+def used_cores(cores, vocab_blocks):
+  """The TensorCores the fused backward uses: each takes `cdiv(blocks, cores)` vocabulary
+  blocks in turn, and a core left without one is not used."""
+  return pl.cdiv(vocab_blocks, pl.cdiv(vocab_blocks, max(1, min(cores, vocab_blocks))))
+
+
+def d_chunk(d):
+  """The piece of D the fused backward's gradient matmuls go by (bounds their temporaries)."""
+  return next((p for p in (512, 256, 128) if d % p == 0), d)
+
+
 def _stats(bn):
   return bn * LANES * 4  # one lane-replicated (or lane-padded) f32 or int32 row tile
 
@@ -194,12 +205,11 @@ def _fwd_vmem(bn, bv, d, s, bd=None):
 def _fused_vmem(bn, bv, d, s):
   """Fused backward: double-buffered hidden `[bn, D]` and weight `[D, bv]` tiles, the
   float32 d_weight accumulator and its staging copy, two float32 d_hidden slots, the
-  three row statistics, the logit tile's float32 temporaries and one chunk of each
-  gradient matmul."""
-  chunk = 512 if d % 512 == 0 else d
+  row statistics, the logit tile's float32 temporaries and one chunk of each gradient
+  matmul."""
   tiles = 2 * (bn * d + d * bv) * s
-  return (tiles + d * bv * (4 + s) + 2 * bn * d * 4 + 6 * _stats(bn) + 6 * bn * bv * 4
-          + bn * bv * s + chunk * (bv + bn) * (4 + s))
+  return (tiles + d * bv * (4 + s) + 2 * bn * d * 4 + 2 * _stats(bn) + 6 * bn * bv * 4
+          + bn * bv * s + d_chunk(d) * (bv + bn) * (4 + s))
 
 
 def _split_vmem(bn, bv, bd, d, s):
@@ -223,10 +233,11 @@ def cost_estimate(kernel, hidden, weight, bs, softcap=None, cores=1) -> pl.CostE
   logits). Transcendentals: one exp per logit (plus, in the forward, one rescale per row
   and vocabulary block), and one tanh per logit with a `softcap`. Bytes: Pallas fetches
   an input block again whenever its block index changes between a core's grid steps
-  (blocks clipped to the array), so an operand indexed by the outer axis alone is read
-  once, and one the inner axes walk is read once per outer block, unless those axes
-  have a single block; targets are int32 `[N]`, row statistics f32 `[N, 128]` (`[N]` in
-  the fused backward); outputs are written once (the fused backward's d_weight with its
+  (blocks clipped to the array, a minor dimension under 128 padded to 128 lanes as HBM
+  tiles lay it out), so an operand indexed by the outer axis alone is read once, and one
+  the inner axes walk is read once per outer block, unless those axes have a single
+  block; the targets `[N, 1]` and every row statistic take 512 bytes a row (the fused
+  backward's three share one `[N, 3]` array); outputs are written once (the fused backward's d_weight with its
   columns padded to a multiple of 128), except the fused backward's float32 d_hidden
   partials, written every step and read back on each core's later vocabulary blocks
   (rows padded to whole blocks).
@@ -238,14 +249,15 @@ def cost_estimate(kernel, hidden, weight, bs, softcap=None, cores=1) -> pl.CostE
   if kernel == "bwd":  # grid (C, V blocks per core, N): token-indexed inputs per step
     bn, bv = bs.backward_tiles
     nb, vb = pl.cdiv(n, bn), pl.cdiv(v, bv)
+    cores = used_cores(cores, vb)
     rows_again = vb if nb > 1 else cores
     partials = (2 * vb - cores) * nb * bn * d * 4
     dw = d * _round_up(v, LANES) * weight.dtype.itemsize  # copied out lane-aligned
     return pl.CostEstimate(flops=6 * n * d * v, transcendentals=per_logit,
-                           bytes_accessed=rows_again * (h + 3 * n * 4) + w + dw + partials)
+                           bytes_accessed=rows_again * (h + _stats(n)) + w + dw + partials)
   nb, vb = pl.cdiv(n, bs.block_n), pl.cdiv(v, bs.block_v)
   split = bs.block_d is not None and bs.block_d < d
-  targets, stats = n * 4, _stats(n)
+  targets, stats = _stats(n), _stats(n)
   # Tokens outer (fwd, dhidden): the weight is walked per token block, and once per core
   # when the inner axes hold one block.
   w_again = min(nb, cores) if not split and vb == 1 else nb

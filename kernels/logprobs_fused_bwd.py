@@ -15,10 +15,12 @@ the whole hidden size D in VMEM:
 the next vocabulary block runs. `dh` has one float32 partial per core (cores never touch
 each other's rows), moved by hand: the read of step t starts before its matmuls and is
 awaited after them; its write is awaited one step later, after the next step's
-matmuls. Two VMEM slots alternate so a read never lands in a buffer still being written
+matmuls (before them when there is a single token block, whose rows the next step
+reads back). Two VMEM slots alternate so a read never lands in a buffer still being written
 out. The caller sums the per-core partials (and drops padded rows) in one XLA fusion.
 
-HBM traffic: the hidden states (and three `[N]` statistics) once per vocabulary block,
+HBM traffic: the hidden states (and the `[N, 3]` row statistics, lane-padded to 512
+bytes a row) once per vocabulary block,
 the weight and its gradient once, and 8 bytes per `dh` element per vocabulary block:
 about `(s + 8) N D V / bv` for s-byte inputs, so `bv` is the tile that buys roofline.
 """
@@ -33,6 +35,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from tunix_kernels import logprobs_tile as tile
 from tunix_kernels.logprobs_blocks import cost_estimate
+from tunix_kernels.logprobs_blocks import d_chunk
+from tunix_kernels.logprobs_blocks import used_cores
 from tunix_kernels.common import out_struct
 from tunix_kernels.dispatch import LANES
 
@@ -67,16 +71,17 @@ class Dims(NamedTuple):
 
   @property
   def chunks(self):  # static (start, size) pieces of D the gradient matmuls go by
-    piece = next((p for p in (512, 256, 128) if self.d % p == 0), self.d)
+    piece = d_chunk(self.d)
     return tuple((lo, piece) for lo in range(0, self.d, piece))
 
 
 def dims_of(hidden, weight, bs, softcap, cores) -> Dims:
-  """`Dims` of `hidden [N, D]`, `weight [D, V]` under tiles `bs` (its backward tiles); the
-  core count never exceeds the vocabulary blocks (every core gets at least one)."""
+  """`Dims` of `hidden [N, D]`, `weight [D, V]` under tiles `bs` (its backward tiles) on
+  `cores` TensorCores, fewer when there are too few vocabulary blocks for each core to
+  get at least one (`used_cores`)."""
   (n, d), v = hidden.shape, weight.shape[1]
   bn, bv = bs.backward_tiles
-  return Dims(n, v, d, bn, bv, max(1, min(cores, pl.cdiv(v, bv))), softcap)
+  return Dims(n, v, d, bn, bv, used_cores(cores, pl.cdiv(v, bv)), softcap)
 
 
 def _count(dims, c):
@@ -94,8 +99,7 @@ def _vocab_block(dims, c, jj):
   return jnp.minimum(c * dims.per + jj, dims.vb - 1)
 
 
-def _kernel(h_ref, w_ref, t_ref, lse_ref, g_ref, dw_hbm, dh_hbm, acc_sc, stage_sc, dh_sc,
-            sems, *, dims):
+def _kernel(h_ref, w_ref, rows_ref, dw_hbm, dh_hbm, acc_sc, stage_sc, dh_sc, sems, *, dims):
   c, jj, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   count = _count(dims, c)
   j = c * dims.per + jj
@@ -128,8 +132,10 @@ def _kernel(h_ref, w_ref, t_ref, lse_ref, g_ref, dw_hbm, dh_hbm, acc_sc, stage_s
     pl.when(jj > 0)(read.start)
     row_ids = tile.index_from(i * dims.bn, (dims.bn, 1), 0) if dims.n % dims.bn else None
     logits = jnp.dot(h_ref[...], w_ref[...], preferred_element_type=F32)
-    dl = tile.dlogits(logits, t_ref[...], lse_ref[...], g_ref[...], j, dims.bv, dims.v,
-                      dims.softcap, row_ids, dims.n).astype(h_ref.dtype)
+    rows_stats = rows_ref[...]  # [bn, 3]: target id (exact in float32), lse, g
+    dl = tile.dlogits(logits, rows_stats[:, 0:1].astype(jnp.int32), rows_stats[:, 1:2],
+                      rows_stats[:, 2:3], j, dims.bv, dims.v, dims.softcap, row_ids,
+                      dims.n).astype(h_ref.dtype)
     for lo, size in dims.chunks:
       h = h_ref[:, lo:lo + size]
       if row_ids is not None:  # dl is 0 there already, but 0 * garbage may be NaN
@@ -168,15 +174,18 @@ def backward(hidden, weight, targets, lse, g, bs, softcap, interpret, cores=1):
   vocabulary (`[N, k]`, column 0 used), `g [N]`; tiles `bs.backward_tiles`, whole D."""
   dims = dims_of(hidden, weight, bs, softcap, cores)
   tok = lambda c, jj, i: (_token_block(dims, c, jj, i), 0)
-  stats = [pl.BlockSpec((dims.bn, 1), tok)] * 3
-  args = (hidden, weight, targets[:, None].astype(jnp.int32), lse[:, :1].astype(F32),
-          g[:, None].astype(F32))
+  # One array for the three row statistics: HBM tiles pad a narrow minor dimension to 128
+  # lanes, so each would cost 512 bytes per token per vocabulary block on its own. Target
+  # ids (< 2**24, or -1) are exact in float32.
+  rows = jnp.stack([targets.astype(F32), lse[:, 0].astype(F32), g.astype(F32)], axis=1)
+  args = (hidden, weight, rows)
   dw, dh_parts = pl.pallas_call(
       functools.partial(_kernel, dims=dims),
       grid=(dims.cores, dims.per, dims.nb),
       in_specs=[pl.BlockSpec((dims.bn, dims.d), tok),
                 pl.BlockSpec((dims.d, dims.bv),
-                             lambda c, jj, i: (0, _vocab_block(dims, c, jj)))] + stats,
+                             lambda c, jj, i: (0, _vocab_block(dims, c, jj))),
+                pl.BlockSpec((dims.bn, 3), tok)],
       out_specs=[pl.BlockSpec(memory_space=pl.ANY)] * 2,
       out_shape=[out_struct((dims.d, dims.v_out), weight.dtype, *args),
                  out_struct((dims.cores, dims.nb * dims.bn, dims.d), F32, *args)],

@@ -86,7 +86,8 @@ def _fetched_bytes(call, cores=1) -> int:
   index maps alone: an input block is fetched, and an output block written back,
   whenever its block index changes between consecutive grid steps of a core (the last
   axis the fastest; a megacore chip's `cores` take contiguous shares of the leading
-  axis, each starting afresh), each time the block's in-bounds part of its array.
+  axis, each starting afresh), each time the block's in-bounds part of its array, its
+  minor dimension padded to 128 lanes as HBM's (8, 128) tiles lay out a narrow one.
   Operands left in HBM (`memory_space=ANY`) are moved by hand and not counted here."""
   grid = call["grid"]
   steps = np.stack(np.meshgrid(*[np.arange(g) for g in grid], indexing="ij"), -1)
@@ -105,6 +106,7 @@ def _fetched_bytes(call, cores=1) -> int:
     for block, count in zip(blocks, counts):
       extent = [min(b, dim - i * b) for i, b, dim in
                 zip(block, spec.block_shape, operand.shape)]
+      extent[-1] = -(-extent[-1] // 128) * 128
       total += int(count) * int(np.prod(extent)) * np.dtype(operand.dtype).itemsize
   return total
 

@@ -94,20 +94,22 @@ def _kernels_in(mlir_text):
 def test_kernel_names_and_cost_estimates_in_the_tpu_module():
   # N=64, D=128, V=1000 in f32 with 32 x 256 tiles: a 2 x 4 grid, the last vocabulary
   # block ragged (masked, not padded). h = 64*128*4 = 32768 B, w = 128*1000*4 = 512000 B,
-  # targets 64*4 = 256 B, the two f32 [64, 128] row statistics 2*32768 = 65536 B.
+  # targets [64, 1] lane-padded in HBM to 64*128*4 = 32768 B, the two f32 [64, 128] row
+  # statistics 2*32768 = 65536 B.
   exported = _export_logprobs(64, 128, 1000, jnp.float32,
                               tunix_kernels.LogprobsBlockSizes(block_n=32, block_v=256))
   got = _kernels_in(exported.mlir_module())
   assert got == {
       # 2*64*128*1000 flops; 64*1000 exps + 64 rows * 4 vocab blocks of rescales;
       # h once, w once per token block (2), targets, logp and lse.
-      "fused_logprobs_fwd": (16384000, 64256, 32768 + 2 * 512000 + 256 + 65536),
-      # logits recomputed once + two gradient matmuls: 6*64*128*1000. h and the three
-      # [64] row statistics (targets, lse, g) once per vocabulary block (4); w read once,
+      "fused_logprobs_fwd": (16384000, 64256, 32768 + 2 * 512000 + 32768 + 65536),
+      # logits recomputed once + two gradient matmuls: 6*64*128*1000. h and the [64, 3]
+      # row statistics (targets, lse, g; lane-padded to 32768 B) once per vocabulary
+      # block (4); w read once,
       # dw written once with its columns padded to 1024 (128*1024*4 B); the float32
       # [64, 128] d_hidden partial written on each of the 4 vocabulary blocks and read
       # back on the last 3.
-      "fused_logprobs_bwd": (49152000, 64000, 4 * (32768 + 3 * 256) + 512000 + 524288
+      "fused_logprobs_bwd": (49152000, 64000, 4 * (32768 + 32768) + 512000 + 524288
                              + (4 + 3) * 32768),
   }
   # Splitting D=256 into 2 blocks (h = 65536 B, w = 1024000 B) re-reads h per
@@ -116,9 +118,9 @@ def test_kernel_names_and_cost_estimates_in_the_tpu_module():
                                                                             jnp.float32)
   split = tunix_kernels.LogprobsBlockSizes(block_n=32, block_v=256, block_d=128)
   cost = lambda k: logprobs_blocks.cost_estimate(k, h, w, split).bytes_accessed
-  assert cost("fwd") == 4 * 65536 + 2 * 1024000 + 256 + 65536
-  assert cost("dhidden") == 4 * 65536 + 2 * 2 * 1024000 + 256 + 65536 + 65536
-  assert cost("dweight") == 2 * 4 * 65536 + 2 * 1024000 + 4 * (256 + 65536) + 1024000
+  assert cost("fwd") == 4 * 65536 + 2 * 1024000 + 32768 + 65536
+  assert cost("dhidden") == 4 * 65536 + 2 * 2 * 1024000 + 32768 + 65536 + 65536
+  assert cost("dweight") == 2 * 4 * 65536 + 2 * 1024000 + 4 * (32768 + 65536) + 1024000
 
   # B=5, T=300 pads to 8 x 384 (one block); six f32 inputs of 8*384*4 = 12288 B, the
   # [8, 128] table 4096 B.
