@@ -47,12 +47,6 @@ def _fwd_bwd(impl, logit_softcap=None):
   return f
 
 
-def io_bytes(n, d, v, dtype) -> int:
-  """Arguments (hidden, weight, targets) plus outputs (loss, d_hidden, d_weight)."""
-  s = jnp.dtype(dtype).itemsize
-  return 2 * (n * d + d * v) * s + n * 4 + 4
-
-
 def compile_case(chip, n, d, v, dtype, impl, chip_known=True, logit_softcap=None) -> dict:
   """Compiles one case; returns `tpu.compiled_stats` plus `ok`, `seconds`, and `error`
   (the compiler's first line) when it does not compile."""

@@ -35,7 +35,7 @@ from jax.experimental.pallas import tpu as pltpu
 from tunix_kernels import attention_blocks
 from tunix_kernels import attention_tiles as tiles
 from tunix_kernels.attention_tiles import F32
-from tunix_kernels.attention_tiles import MASK_VALUE
+from tunix_kernels.common import MASK_VALUE
 from tunix_kernels.attention_tiles import Dims
 from tunix_kernels.common import cotangent_for
 from tunix_kernels.common import out_struct

@@ -7,8 +7,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-# A large finite negative instead of -inf keeps `m_old - m_new` free of inf - inf.
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 F32 = jnp.float32
 
 

@@ -6,7 +6,12 @@ state those types themselves; these helpers derive them from the inputs.
 """
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
+
+# The masked score of the kernels' online softmaxes: a large finite negative instead of
+# -inf keeps `m_old - m_new` free of inf - inf.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def _varying(x) -> frozenset:

@@ -237,10 +237,10 @@ def cost_estimate(kernel, hidden, weight, bs, softcap=None, cores=1) -> pl.CostE
   tiles lay it out), so an operand indexed by the outer axis alone is read once, and one
   the inner axes walk is read once per outer block, unless those axes have a single
   block; the targets `[N, 1]` and every row statistic take 512 bytes a row (the fused
-  backward's three share one `[N, 3]` array); outputs are written once (the fused backward's d_weight with its
-  columns padded to a multiple of 128), except the fused backward's float32 d_hidden
-  partials, written every step and read back on each core's later vocabulary blocks
-  (rows padded to whole blocks).
+  backward's three share one `[N, 3]` array); outputs are written once (the fused
+  backward's d_weight with its columns padded to a multiple of 128), except the fused
+  backward's float32 d_hidden partials, written every step and read back on each core's
+  later vocabulary blocks (rows padded to whole blocks).
   """
   (n, d), v = hidden.shape, weight.shape[1]
   s = hidden.dtype.itemsize
@@ -257,7 +257,7 @@ def cost_estimate(kernel, hidden, weight, bs, softcap=None, cores=1) -> pl.CostE
                            bytes_accessed=rows_again * (h + _stats(n)) + w + dw + partials)
   nb, vb = pl.cdiv(n, bs.block_n), pl.cdiv(v, bs.block_v)
   split = bs.block_d is not None and bs.block_d < d
-  targets, stats = _stats(n), _stats(n)
+  targets = stats = _stats(n)  # [N, 1] and [N, 128] alike in HBM
   # Tokens outer (fwd, dhidden): the weight is walked per token block, and once per core
   # when the inner axes hold one block.
   w_again = min(nb, cores) if not split and vb == 1 else nb

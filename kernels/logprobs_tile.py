@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-# A large finite negative instead of -inf keeps `m_old - m_new` free of inf - inf.
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+from tunix_kernels.common import MASK_VALUE
+
 F32 = jnp.float32
 
 
