@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from tunix_kernels import attention as attention_lib
 
-RematPolicy = Literal["none", "full", "dots", "dots_no_batch", "offload"]
+RematPolicy = Literal["none", "full", "full_prefetch", "dots", "dots_no_batch", "offload"]
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -34,6 +34,10 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
+    # "full", and under FSDP the backward gathers the layer before and reduce-scatters the
+    # layer after while it computes (`tunix_core.model.layer_stack.remat_scan`): its
+    # transfers hidden for one more layer of gathered weights and gradients in memory.
+    "full_prefetch": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
     # The layer's matmul outputs (our projections are 2-D dots) go to pinned host memory

@@ -17,6 +17,10 @@ from jax.sharding import PartitionSpec as P
 
 from tunix_kernels import attention as attention_lib
 from tunix_core.model import config as model_config
+from tunix_core.model import layer_stack
+from tunix_core.model.rope import apply_rope
+from tunix_core.model.rope import layer_settings
+from tunix_core.model.rope import rope_frequencies  # noqa: F401 (this module's API)
 
 # The config lives in its own module; these names are part of this module's API.
 ModelConfig = model_config.ModelConfig
@@ -106,46 +110,6 @@ def rms_norm(x_BxTxD: jax.Array, scale_D: jax.Array, eps: float, offset: float =
   x = x_BxTxD.astype(jnp.float32)
   x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
   return (x * (offset + scale_D.astype(jnp.float32))).astype(x_BxTxD.dtype)
-
-
-def rope_frequencies(cfg: ModelConfig, local: bool = False) -> np.ndarray:
-  """Float32 `[head_dim / 2]` rotary frequencies: `cfg.rope_type`'s scaling of
-  `rope_theta`, or for a local (sliding) layer with `rope_local_theta` set, that theta
-  unscaled."""
-  half = cfg.head_dim // 2
-  theta = cfg.rope_local_theta if local and cfg.rope_local_theta else cfg.rope_theta
-  freqs_K = (theta ** (-np.arange(half, dtype=np.float64) * 2 / cfg.head_dim)
-             ).astype(np.float32)
-  if local and cfg.rope_local_theta or cfg.rope_type == "default":
-    return freqs_K
-  if cfg.rope_type == "linear":
-    return freqs_K / np.float32(cfg.rope_factor)
-  wavelen_K = 2 * np.pi / freqs_K
-  low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
-  orig = cfg.rope_original_max_positions
-  smooth_K = (orig / wavelen_K - low) / (high - low)
-  blended_K = (1 - smooth_K) * freqs_K / cfg.rope_factor + smooth_K * freqs_K
-  return np.where(wavelen_K > orig / low, freqs_K / cfg.rope_factor,
-                  np.where(wavelen_K < orig / high, freqs_K, blended_K)).astype(np.float32)
-
-
-def layer_settings(cfg: ModelConfig) -> dict:
-  """What differs between layers, as arrays scanned with the layer params:
-  `window` int32 `[L]` (keys each query may see; 0: all) and `freqs` float32
-  `[L, head_dim / 2]` (rotary frequencies). Constants, not params."""
-  sliding = cfg.sliding_layers()
-  return {"window": np.array([cfg.sliding_window if s else 0 for s in sliding], np.int32),
-          "freqs": np.stack([rope_frequencies(cfg, local=s) for s in sliding])}
-
-
-def apply_rope(x_BxTxHxK: jax.Array, positions_BxT: jax.Array, freqs_K: jax.Array
-               ) -> jax.Array:
-  """Rotary embedding on the last axis, rotating its two halves against each other."""
-  angles_BxTxK = positions_BxT[..., None].astype(jnp.float32) * freqs_K
-  sin, cos = jnp.sin(angles_BxTxK)[:, :, None, :], jnp.cos(angles_BxTxK)[:, :, None, :]
-  x1, x2 = jnp.split(x_BxTxHxK.astype(jnp.float32), 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_BxTxHxK.dtype)
 
 
 def softcap(x: jax.Array, cap: float) -> jax.Array:
@@ -288,23 +252,19 @@ def decoder(params: dict, x_BxTxD: jax.Array, mask_BxT: jax.Array | None, cfg: M
     positions_BxT = default_positions(mask_BxT)
   compute, lcfg = DTYPES[cfg.compute_dtype], layer_cfg or cfg
   eps, offset = cfg.norm_eps, cfg.norm_offset
-  visibility = dict(segments_BxT=segments_BxT, branches_BxT=branches_BxT, band=band)
 
-  def layer_fn(x_BxTxD, layer_and_setting):
-    layer, setting = layer_and_setting
-    if gather_layer is not None:
-      layer = gather_layer(layer)
+  rows = (positions_BxT, mask_BxT, segments_BxT, branches_BxT)
+
+  def body(x_BxTxD, layer, setting, rows):
+    positions_BxT, mask_BxT, segments_BxT, branches_BxT = rows
     layer = jax.tree.map(lambda w: w.astype(compute), layer)
     attend = lambda h: (attention(h, layer, setting, positions_BxT, mask_BxT, lcfg,
-                                  **visibility), None)
-    return block(x_BxTxD, layer, attend, cfg, lcfg, enter, leave)
+                                  segments_BxT=segments_BxT, branches_BxT=branches_BxT,
+                                  band=band), None)
+    return block(x_BxTxD, layer, attend, cfg, lcfg, enter, leave)[0]
 
-  policy = REMAT_POLICIES[cfg.remat]
-  if gather_layer is not None and policy is None:
-    policy = jax.checkpoint_policies.checkpoint_dots  # no gathered weight is a dot output
-  if policy is not None:
-    layer_fn = jax.checkpoint(layer_fn, policy=policy)
-  x_BxTxD, _ = jax.lax.scan(layer_fn, x_BxTxD, (params["layers"], layer_settings(cfg)))
+  x_BxTxD = layer_stack.scan(body, x_BxTxD, params["layers"], layer_settings(cfg), rows,
+                             gather=gather_layer, remat=cfg.remat)
   return rms_norm(x_BxTxD, params["final_norm"], eps, offset)
 
 

@@ -24,7 +24,7 @@ from tunix_core.model.decoder import attention_scale
 from tunix_core.model.decoder import block
 from tunix_core.model.decoder import default_positions
 from tunix_core.model.decoder import embed
-from tunix_core.model.decoder import layer_settings
+from tunix_core.model.rope import layer_settings
 from tunix_core.model.decoder import lm_head
 from tunix_core.model.decoder import project
 from tunix_core.model.decoder import qkv

@@ -129,7 +129,10 @@ class TrainConfig:
                              "GPU, float32 on CPU); params keep --param_dtype.",
                              group="model")
   remat: str = _flag("none", "Rematerialisation policy of each layer in the backward "
-                     "(offload: matmul outputs to pinned host memory and back).",
+                     "(offload: matmul outputs to pinned host memory and back; "
+                     "full_prefetch: full, and under --fsdp the backward gathers the next "
+                     "layer and reduce-scatters the last one's gradient while it computes, "
+                     "for one more layer of weights and gradients in HBM).",
                      group="model")
   export_hf_dir: str = _flag("", "After the last step, write the policy here as a Hugging "
                              "Face directory (with --hf_model_dir's config and tokenizer "
