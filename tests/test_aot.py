@@ -238,24 +238,28 @@ def test_collective_bytes_are_read_from_the_hlo_with_loop_trip_counts():
   assert roof["share"] == pytest.approx(0.018 / 1.018)
 
 
-@pytest.mark.slow  # two TPU compiles
+@pytest.mark.slow  # three TPU compiles
 @needs_libtpu
-@pytest.mark.parametrize("layout", ["zero1", "fsdp"])
-def test_gradient_sync_compiles_to_reduce_scatters_and_all_gathers_on_tpu(tmp_path, layout):
-  """The tiny step compiled for a v5e-8: every bucket's reduce-scatter and all-gather
-  stays one (the TPU compiler turns one whose shards it cannot tile into an all-reduce,
-  twice the bytes: `parallel.collectives.TILE`); the only all-reduce left is the
-  metrics' mean, a few bytes."""
+@pytest.mark.parametrize("layout,sync", [("zero1", "auto"), ("fsdp", "auto"), ("fsdp", "xla")])
+def test_gradient_sync_compiles_to_reduce_scatters_and_all_gathers_on_tpu(tmp_path, layout,
+                                                                           sync):
+  """The tiny step compiled for a v5e-8: every bucket's reduce-scatter stays one, an
+  all-to-all under `--sync_impl=auto` (TPU: all_to_all) or a reduce-scatter under xla
+  (the TPU compiler turns one whose shards it cannot tile into an all-reduce, twice the
+  bytes: `parallel.collectives.TILE`), and every all-gather stays one; the only
+  all-reduce left is the metrics' mean, a few bytes."""
   chip, devices = aot.target_devices("v5e-8")
-  steps, lowered = aot.lower(aot.plan_for(_config(tmp_path, fsdp=layout == "fsdp"),
-                                          devices), devices)
+  steps, lowered = aot.lower(aot.plan_for(_config(tmp_path, fsdp=layout == "fsdp",
+                                                  sync_impl=sync), devices), devices)
+  assert steps.plan.sync_impl == {"auto": "all_to_all"}.get(sync, sync)
   with jax.set_mesh(steps.mesh):
     text = lowered.compile().as_text()
   kinds = {}
   ops = comms.ops(text, dict(steps.mesh.shape))
   for op in ops:
     kinds.setdefault(op["op"], []).append(op["bytes"])
-  assert kinds.get("reduce-scatter") and kinds.get("all-gather"), kinds
+  scatter = "all-to-all" if sync == "auto" else "reduce-scatter"
+  assert kinds.get(scatter) and kinds.get("all-gather"), kinds
   assert len(kinds.get("all-reduce", [])) <= 1 and max(kinds.get("all-reduce", [0])) < 1024, kinds
   # The schedule's replay (`aot.overlap`) meets every collective `comms.ops` counts (it
   # unrolls the loops, `ops` multiplies by trip counts), pairs the asynchronous ones
@@ -295,8 +299,9 @@ def test_weights_gather_along_the_torus_on_a_3d_slice(tmp_path):
     lines = lowered.compile().as_text().splitlines()
   gathers = [l for l in lines if re.search(r"= \S+ all-gather\(", l)]
   assert gathers and all({len(g) for g in comms._groups(l)} == {4} for l in gathers)  # pylint: disable=protected-access
-  # What stays an all-reduce is float32: the gradients' reduce-scatters (the compiler's
-  # choice beyond a v5e-8, docs/tpu.md) and the metrics; no bf16 weight is all-reduced.
+  # The gradients' sync is all-to-all (`--sync_impl=auto` on TPU: the compiler makes a
+  # psum_scatter beyond a v5e-8 an all-reduce, docs/tpu.md); no weight is all-reduced.
+  assert [l for l in lines if re.search(r"= \S+ all-to-all\(", l)]
   assert not [l for l in lines if re.search(r"= bf16\S* all-reduce\(", l)]
 
 

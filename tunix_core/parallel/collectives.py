@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-IMPLS = ("xla", "ring")
+IMPLS = ("xla", "ring", "all_to_all")
 # Dtypes gradients may travel in (`comm_dtype=`).
 COMM_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
 # Elements of a shard on the wire are a multiple of this: 16 sublanes x 128 lanes, whole
@@ -185,12 +185,13 @@ def reduce_scatter(tree, plan: BucketPlan, axis_name, *, impl="xla", mean=True,
     tree: local values (e.g. gradients) with the plan's structure; leaves may be in a
       narrower dtype than the plan's (bf16 cotangents of float32 params): each bucket is
       cast to its planned dtype before it is summed.
-    impl: "xla" (one tiled `lax.psum_scatter` per bucket) or "ring" (`num_shards - 1`
-      `lax.ppermute` steps per bucket, accumulating in float32).
+    impl: "xla" (one tiled `lax.psum_scatter` per bucket), "ring" (`num_shards - 1`
+      `lax.ppermute` steps per bucket, accumulating in float32) or "all_to_all" (one
+      `lax.all_to_all` per bucket and a float32 sum of the rows each device receives).
     mean: divide by the number of devices.
     comm_dtype: dtype on the wire, e.g. `jnp.bfloat16` to halve the bytes: "xla"
       reduce-scatters in it (the compiler's reduction sums in that dtype), "ring" sends
-      it and accumulates in float32.
+      it and accumulates in float32, "all_to_all" sends it and sums in float32.
     chunk_bytes: if set, each bucket is reduced in column chunks whose operand (all
       devices' rows, in the planned dtype) is at most this many bytes, so the cast copy
       of a large bucket never exists whole: a bf16 layer of a 7B model would otherwise
@@ -228,6 +229,11 @@ def _reduce_scatter_rows(rows, axis_name, n, impl, comm_dtype):
   wire = rows if comm_dtype is None else rows.astype(comm_dtype)
   if impl == "ring":
     return _ring_reduce_scatter(rows.astype(jnp.float32), axis_name, n, wire.dtype)
+  if impl == "all_to_all":
+    # Row j goes to device j, which sums the n rows it receives in float32: a
+    # reduce-scatter's bytes, where the TPU compiler makes `psum_scatter` an all-reduce.
+    got = jax.lax.all_to_all(_pad_to_tile(wire), axis_name, 0, 0, tiled=True)
+    return got.astype(jnp.float32).sum(0)[:rows.shape[1]]
   tiles = _pad_to_tile(wire).reshape(n, _SUBLANES, -1)
   return jax.lax.psum_scatter(tiles, axis_name, scatter_dimension=0,
                               tiled=True).reshape(-1)[:rows.shape[1]]

@@ -207,10 +207,15 @@ class TrainConfig:
                                 "step (under --fsdp: per micro-batch).", group="parallel")
   bucket_mb: float = _flag(25.0, "Gradient bucket size in MiB for the bucketed "
                            "reduce-scatter / all-gather.", group="parallel")
-  sync_impl: str = _flag("xla", "xla: one psum_scatter and all_gather per bucket; ring: "
-                         "hand-written ppermute ring.", group="parallel")
+  sync_impl: str = _flag("auto", "auto: all_to_all when compiled for TPU, else xla; xla: "
+                         "one psum_scatter and all_gather per bucket; ring: hand-written "
+                         "ppermute ring; all_to_all: each bucket reduce-scattered as one "
+                         "all_to_all and a float32 sum (the TPU compiler makes a "
+                         "psum_scatter an all-reduce, twice the bytes, beyond a v5e-8), "
+                         "gathered as xla.", group="parallel")
   grad_sync_dtype: str = _flag("float32", "Gradients on the wire; bfloat16 halves the bytes, "
-                               "summed in bfloat16 (ring: float32).", group="parallel")
+                               "summed in bfloat16 (ring, all_to_all: float32).",
+                               group="parallel")
   check_replicas_every: int = _flag(0, "Besides after step 1, check every N steps that all "
                                     "replicas hold identical params (0: only after step "
                                     "1).", group="parallel")
@@ -313,7 +318,7 @@ CHOICES = {
     "logprob_impl": tunix_kernels.LOGPROB_IMPLS,
     "attention_impl": attention_lib.ATTENTION_IMPLS,
     "loss_impl": tunix_kernels.DPO_LOSS_IMPLS,
-    "sync_impl": collectives.IMPLS,
+    "sync_impl": ("auto",) + collectives.IMPLS,
     "grad_sync_dtype": tuple(collectives.COMM_DTYPES),
     "resume": RESUME_MODES,
     "on_nonfinite": NONFINITE_ACTIONS,

@@ -38,6 +38,7 @@ class StepPlan:
                                     # data_shards / num_slices devices
   lora: lora_lib.LoraConfig | None = None  # adapters train, the base is frozen
   compiler_options: tuple = ()      # (name, value) of --tpu_flags on TPU, else none
+  sync_impl: str = "xla"            # --sync_impl resolved (`collectives.IMPLS`)
 
   @property
   def reference(self) -> str:
@@ -120,7 +121,10 @@ def make_plan(cfg: TrainConfig, devices, sizes: packing.Sizes | None = None,
   if lora is not None:
     mcfg = dataclasses.replace(mcfg, lora_scale=lora.scale)
   options = tpu_flags.parse(cfg.tpu_flags) if platform == "tpu" else {}
+  sync_impl = cfg.sync_impl
+  if sync_impl == "auto":  # TPU's compiler makes psum_scatter an all-reduce (docs/tpu.md)
+    sync_impl = "all_to_all" if platform == "tpu" else "xla"
   return StepPlan(cfg=cfg, model=mcfg, rows=rows,
                   data_shards=len(devices) // cfg.model_parallel,
                   model_parallel=cfg.model_parallel, num_slices=slices, lora=lora,
-                  compiler_options=tuple(sorted(options.items())))
+                  compiler_options=tuple(sorted(options.items())), sync_impl=sync_impl)

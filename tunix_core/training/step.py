@@ -62,7 +62,7 @@ class StepFunctions:
     self.tx, self.schedule = optim.make_optimizer(cfg)
     layout_kw = dict(data_shards=self.num_devices, model_parallel=self.model_parallel,
                      fsdp=cfg.fsdp,
-                     bucket_bytes=int(cfg.bucket_mb * 2**20), sync_impl=cfg.sync_impl,
+                     bucket_bytes=int(cfg.bucket_mb * 2**20), sync_impl=plan.sync_impl,
                      comm_dtype=collectives.COMM_DTYPES[cfg.grad_sync_dtype],
                      max_grad_norm=cfg.max_grad_norm or None,
                      slice_axis=mesh_lib.slice_axis(mesh),
