@@ -130,10 +130,8 @@ class TrainConfig:
                              group="model")
   remat: str = _flag("none", "Rematerialisation policy of each layer in the backward "
                      "(offload: matmul outputs to pinned host memory and back; "
-                     "full_prefetch: full, and under --fsdp the backward gathers the next "
-                     "layer and reduce-scatters the last one's gradient while it computes, "
-                     "for one more layer of weights and gradients in HBM).",
-                     group="model")
+                     "full_prefetch: full, with --fsdp's backward transfers under its "
+                     "compute, for one more layer in HBM).", group="model")
   export_hf_dir: str = _flag("", "After the last step, write the policy here as a Hugging "
                              "Face directory (with --hf_model_dir's config and tokenizer "
                              "files); empty: no export.", group="model")
@@ -207,15 +205,12 @@ class TrainConfig:
                                 "step (under --fsdp: per micro-batch).", group="parallel")
   bucket_mb: float = _flag(25.0, "Gradient bucket size in MiB for the bucketed "
                            "reduce-scatter / all-gather.", group="parallel")
-  sync_impl: str = _flag("auto", "auto: all_to_all when compiled for TPU, else xla; xla: "
-                         "one psum_scatter and all_gather per bucket; ring: hand-written "
-                         "ppermute ring; all_to_all: each bucket reduce-scattered as one "
-                         "all_to_all and a float32 sum (the TPU compiler makes a "
-                         "psum_scatter an all-reduce, twice the bytes, beyond a v5e-8), "
-                         "gathered as xla.", group="parallel")
-  grad_sync_dtype: str = _flag("float32", "Gradients on the wire; bfloat16 halves the bytes, "
-                               "summed in bfloat16 (ring, all_to_all: float32).",
-                               group="parallel")
+  sync_impl: str = _flag("auto", "auto: all_to_all on TPU, else xla; xla: a psum_scatter "
+                         "and all_gather per bucket; ring: a ppermute ring; all_to_all: an "
+                         "all_to_all and float32 sum per bucket (TPU's compiler makes "
+                         "psum_scatter an all-reduce beyond a v5e-8).", group="parallel")
+  grad_sync_dtype: str = _flag("float32", "Gradients on the wire; bfloat16 halves the "
+                               "bytes, summed in bfloat16 (xla) or float32.", group="parallel")
   check_replicas_every: int = _flag(0, "Besides after step 1, check every N steps that all "
                                     "replicas hold identical params (0: only after step "
                                     "1).", group="parallel")
