@@ -6,7 +6,8 @@ setup(
     description="Pallas TPU kernels, shard_map gradient sync and a compact DPO trainer for JAX",
     # The folder kernels/ is the package `tunix_kernels`: Hugging Face's `kernels` (a
     # dependency of transformers 5) owns the import name `kernels`.
-    packages=["tunix_kernels"] + find_packages(include=["tunix_core", "tunix_core.*"]),
+    packages=["tunix_kernels"] + [f"tunix_kernels.{op}" for op in ("attention", "dpo_loss", "logprobs")]
+    + find_packages(include=["tunix_core", "tunix_core.*"]),
     package_dir={"tunix_kernels": "kernels"},
     py_modules=["trainer"],
     python_requires=">=3.11",

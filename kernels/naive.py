@@ -2,7 +2,7 @@
 memory-hungry.
 
 `logprobs_naive` materialises the `[N, V]` logits; `dpo_sums_naive` reduces the loss
-inputs by plain masked sums for the formulas of `tunix_kernels.dpo_losses` (whose float64
+inputs by plain masked sums for the formulas of `tunix_kernels.dpo_loss.losses` (whose float64
 NumPy oracle, written from TRL's code, lives in the tests). Tests compare the fast paths
 against these; production code never calls them.
 """
@@ -10,7 +10,7 @@ against these; production code never calls them.
 import jax
 import jax.numpy as jnp
 
-from tunix_kernels import dpo_losses
+from tunix_kernels.dpo_loss import losses as dpo_losses
 from tunix_kernels.dispatch import IGNORE_INDEX
 
 

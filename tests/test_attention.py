@@ -15,7 +15,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import runs
 from tunix_kernels import attention
-from tunix_kernels import attention_blocks
+from tunix_kernels.attention import blocks as attention_blocks
 from tunix_kernels import tpu
 from oracles import numpy_attention
 from oracles import numpy_attention_mask

@@ -167,3 +167,18 @@ def test_no_module_far_over_300_lines():
   for path in _modules().values():
     with open(path, encoding="utf-8") as f:
       assert sum(1 for _ in f) <= 320, f"{path} is over ~300 lines: split it by concept"
+
+
+def test_round_3_module_names_import_as_the_modules_they_became():
+  """Code embedding the kernels by their former flat module names keeps working: each
+  name is the op sub-package's module, the very same object."""
+  import importlib  # pylint: disable=g-import-not-at-top
+  for former, module in (("logprobs_pallas", "logprobs.pallas"),
+                         ("logprobs_blocks", "logprobs.blocks"),
+                         ("dpo_losses", "dpo_loss.losses"),
+                         ("attention_xla", "attention.xla")):
+    assert (importlib.import_module(f"tunix_kernels.{former}")
+            is importlib.import_module(f"tunix_kernels.{module}"))
+  from tunix_kernels import attention_blocks, logprobs  # pylint: disable=g-import-not-at-top
+  assert attention_blocks.BlockSizes is importlib.import_module("tunix_kernels.attention").BlockSizes
+  assert callable(logprobs.fused_logprobs)

@@ -158,8 +158,8 @@ def test_cost_estimates_count_the_bytes_pallas_fetches(chip, n, d, v, monkeypatc
   BlockSpecs (and, in the fused backward, its hand-made copies) move at the default
   tiles of Llama-3-8B's, Llama-3-70B's and Gemma-2-2B's heads (traced abstractly,
   nothing runs); v4's small VMEM gets the split kernels at some of them."""
-  from tunix_kernels import logprobs_fused_bwd  # pylint: disable=g-import-not-at-top
-  from tunix_kernels import logprobs_pallas  # pylint: disable=g-import-not-at-top
+  from tunix_kernels.logprobs import fused_bwd as logprobs_fused_bwd  # pylint: disable=g-import-not-at-top
+  from tunix_kernels.logprobs import pallas as logprobs_pallas  # pylint: disable=g-import-not-at-top
   calls = _record_pallas_calls(logprobs_pallas, monkeypatch)
   calls_bwd = _record_pallas_calls(logprobs_fused_bwd, monkeypatch)
   cores = tpu.get_chip(chip).cores
@@ -191,7 +191,7 @@ def test_cost_estimates_count_the_bytes_pallas_fetches(chip, n, d, v, monkeypatc
 @pytest.mark.parametrize("B,T", [(16, 1024), (64, 4096)])
 def test_dpo_loss_cost_estimates_count_the_bytes_pallas_fetches(B, T, monkeypatch):
   """The same for the DPO loss kernels at their default tiles."""
-  from tunix_kernels import dpo_loss_pallas  # pylint: disable=g-import-not-at-top
+  from tunix_kernels.dpo_loss import pallas as dpo_loss_pallas  # pylint: disable=g-import-not-at-top
   calls = _record_pallas_calls(dpo_loss_pallas, monkeypatch)
   bs = dpo_loss_pallas.BlockSizes.get_default()
   rows = jax.ShapeDtypeStruct((B, T), jnp.float32)

@@ -66,7 +66,7 @@ def test_fused_backward_per_core_partials_without_races(n, v, cores, softcap):
   blocks (the last core has fewer), against the float64 oracle."""
   from jax._src.pallas.mosaic.interpret import interpret_pallas_call  # private: race state
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
-  from tunix_kernels import logprobs_pallas  # pylint: disable=g-import-not-at-top
+  from tunix_kernels.logprobs import pallas as logprobs_pallas  # pylint: disable=g-import-not-at-top
   h, w, t, g = make_inputs(n, 128, v, jnp.float32, scale=3.0)
   t = jnp.where(t == IGNORE_INDEX, 0, t)  # the kernel takes in-range ids
   bs = BlockSizes(8, 128, block_n_bwd=8 if n > 8 else 16, block_v_bwd=256 if v > 300 else 128)

@@ -1,4 +1,4 @@
-"""The preference-loss family (`tunix_kernels.dpo_losses` through `tunix_kernels.dpo_loss`) against a
+"""The preference-loss family (`tunix_kernels.dpo_loss.losses` through `tunix_kernels.dpo_loss`) against a
 float64 NumPy implementation written from TRL's code (`oracles.numpy_dpo_loss`)."""
 
 import chex

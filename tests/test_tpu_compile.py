@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import pytest
 
 import tunix_kernels
-from tunix_kernels import logprobs_blocks
-from tunix_kernels import logprobs_pallas
+from tunix_kernels.logprobs import blocks as logprobs_blocks
+from tunix_kernels.logprobs import pallas as logprobs_pallas
 from tunix_kernels import tpu
 
 # The benchmark script's compile, by path: the repository is not on sys.path (conftest.py).

@@ -14,8 +14,8 @@ from jax import export
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, PartitionSpec as P
 
 import tunix_kernels
-from tunix_kernels import logprobs_blocks
-from tunix_kernels import logprobs_pallas
+from tunix_kernels.logprobs import blocks as logprobs_blocks
+from tunix_kernels.logprobs import pallas as logprobs_pallas
 
 TPU_V5E = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
 

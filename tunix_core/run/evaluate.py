@@ -5,7 +5,7 @@ padded to the full size with copies of its first pair, and the copies are taken 
 again: with `m` the padded batch's means and `m1` the means of a batch of that pair
 alone, the `n` pairs' means are `(B m - (B - n) m1) / n`. This is exact for every metric
 and for every loss that is a mean of per-pair terms: all but the terms that couple a
-batch's pairs (`tunix_kernels.dpo_losses`: `aot` and `aot_unpaired` sort its log-ratios;
+batch's pairs (`tunix_kernels.dpo_loss.losses`: `aot` and `aot_unpaired` sort its log-ratios;
 `sft` and the NLL of `cpo` and `orpo` average over its chosen tokens), whose last batch
 it approximates.
 """

@@ -8,7 +8,7 @@ import dataclasses
 
 import tunix_kernels
 from tunix_kernels import attention as attention_lib
-from tunix_kernels import dpo_losses
+from tunix_kernels.dpo_loss import losses as dpo_losses
 from tunix_core import model as model_lib
 from tunix_core.model import lora as lora_lib
 from tunix_core.parallel import collectives

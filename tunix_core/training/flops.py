@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tunix_kernels import attention_blocks
+from tunix_kernels.attention import blocks as attention_blocks
 from tunix_core.model import config as model_config_lib
 
 # Dense bfloat16 FLOP/s per chip, by a substring of `jax.Device.device_kind`: Google

@@ -31,12 +31,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tunix_kernels import logprobs_fused_bwd
-from tunix_kernels import logprobs_tile as tile
+from tunix_kernels.logprobs import fused_bwd as logprobs_fused_bwd
+from tunix_kernels.logprobs import tile as tile
 from tunix_kernels.common import cotangent_for
 from tunix_kernels.common import out_struct
 from tunix_kernels.dispatch import LANES
-from tunix_kernels.logprobs_blocks import cost_estimate
+from tunix_kernels.logprobs.blocks import cost_estimate
 
 F32 = jnp.float32
 

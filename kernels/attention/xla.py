@@ -21,8 +21,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from tunix_kernels import attention_blocks
-from tunix_kernels import attention_tiles
+from tunix_kernels.attention import blocks as attention_blocks
+from tunix_kernels.attention import tiles as attention_tiles
 
 _FILL = -1e30  # a masked score: finite, so a query that sees nothing stays free of NaN
 

@@ -5,6 +5,9 @@ masks that select the scored (response) tokens. It is differentiable in the poli
 log-probs; the reference log-probs (of DPO's frozen reference model) are treated as
 constants by the loss formulas but are not wrapped in `stop_gradient` (the caller
 decides what is frozen). The implementation is picked through `tunix_kernels.dispatch`.
+
+The package is the op; its modules are every loss's formula and derivative, written
+once (`losses`), and the Pallas TPU kernel that evaluates them per batch tile (`pallas`).
 """
 
 import functools
@@ -14,8 +17,8 @@ import jax.numpy as jnp
 
 from tunix_kernels import common
 from tunix_kernels import dispatch
-from tunix_kernels import dpo_loss_pallas
-from tunix_kernels import dpo_losses
+from tunix_kernels.dpo_loss import pallas as dpo_loss_pallas
+from tunix_kernels.dpo_loss import losses as dpo_losses
 from tunix_kernels import naive
 from tunix_kernels.dispatch import LANES
 
@@ -88,7 +91,7 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps,
     beta: the KL-penalty temperature (IPO's tau, ORPO's lambda).
     loss_type: one name of `LOSS_TYPES`, a comma-separated list or a sequence of them:
       TRL 1.16's DPO loss types ("sigmoid" is DPO, cDPO with `label_smoothing`) and the
-      reference-free "simpo", "cpo", "orpo"; formulas in `tunix_kernels.dpo_losses`.
+      reference-free "simpo", "cpo", "orpo"; formulas in `tunix_kernels.dpo_loss.losses`.
     loss_weights: one weight per loss type (default 1.0 each); the loss is the weighted
       sum of each term's batch mean, as TRL combines them.
     label_smoothing, discopop_tau, f_divergence_type, f_alpha_divergence_coef,

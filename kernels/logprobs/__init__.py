@@ -4,7 +4,12 @@ The public op flattens leading axes, checks its inputs, routes ignored positions
 (`targets == ignore_index`) to a valid id with zero cotangent, and dispatches through
 `tunix_kernels.dispatch` to an implementation. The `[N, V]` logits are only ever built by
 `impl="naive"`. With `vocab_axis` the weight is one device's vocabulary slice and
-`tunix_kernels.logprobs_vocab` combines the slices' results across that `shard_map` axis.
+`tunix_kernels.logprobs.vocab` combines the slices' results across that `shard_map` axis.
+
+The package is the op; its modules are the chunked XLA path (`xla`), the Pallas TPU
+kernels (`pallas`: forward, split backward; `fused_bwd`: both gradients from one logit
+recompute) and their tile math (`tile`), the tiles, VMEM model and cost estimates
+(`blocks`), the vocabulary-parallel combine (`vocab`) and the GSPMD rule (`gspmd`).
 """
 
 import operator
@@ -14,12 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 from tunix_kernels import common
 from tunix_kernels import dispatch
-from tunix_kernels import gspmd
-from tunix_kernels import logprobs_blocks
-from tunix_kernels import logprobs_gspmd
-from tunix_kernels import logprobs_pallas
-from tunix_kernels import logprobs_vocab
-from tunix_kernels import logprobs_xla
+# Not `gspmd`: the package's own `gspmd` submodule owns that name in this namespace.
+from tunix_kernels import gspmd as gspmd_lib
+from tunix_kernels.logprobs import blocks as logprobs_blocks
+from tunix_kernels.logprobs import gspmd as logprobs_gspmd
+from tunix_kernels.logprobs import pallas as logprobs_pallas
+from tunix_kernels.logprobs import vocab as logprobs_vocab
+from tunix_kernels.logprobs import xla as logprobs_xla
 from tunix_kernels import naive
 from tunix_kernels import tpu
 from tunix_kernels.dispatch import IGNORE_INDEX
@@ -74,10 +80,10 @@ def fused_logprobs(hidden, weight, targets, *, impl="auto", block_sizes=None,
       trainer does), and also from outside under `check_vma=True`. (From outside a
       `check_vma=False` shard_map, JAX hands each device 1/K of the replicated output's
       cotangent, so the weight's gradient comes out divided by K; see
-      `tunix_kernels.logprobs_vocab`.)
+      `tunix_kernels.logprobs.vocab`.)
 
   Under plain `jax.jit` (outside any `shard_map`) the Pallas impls partition over the
-  operands' shardings (`tunix_kernels.logprobs_gspmd`): tokens and the weight's vocabulary stay
+  operands' shardings (`tunix_kernels.logprobs.gspmd`): tokens and the weight's vocabulary stay
   split where they arrive, D is gathered; see docs/embedding.md.
 
   Returns:
@@ -171,7 +177,7 @@ def _pallas(hidden_NxD, weight_DxV, targets_N, block_sizes, softcap, interpret):
   """Checks (or picks) the tiles for the chip being compiled for and runs the kernels;
   nothing is padded: ragged N and V are masked inside the kernels. Outside a
   `shard_map` the kernels run partitioned over the operands' shardings
-  (`tunix_kernels.logprobs_gspmd`), with default tiles picked for the local pieces."""
+  (`tunix_kernels.logprobs.gspmd`), with default tiles picked for the local pieces."""
   (n, d), v = hidden_NxD.shape, weight_DxV.shape[1]
   if hidden_NxD.dtype != weight_DxV.dtype:  # the tiles and VMEM budget assume one dtype
     raise ValueError(f"the Pallas kernels take hidden and weight of one dtype, got "
@@ -180,7 +186,7 @@ def _pallas(hidden_NxD, weight_DxV, targets_N, block_sizes, softcap, interpret):
   chip = tpu.target_chip()
   if block_sizes is not None:
     block_sizes.check(d, hidden_NxD.dtype, chip)
-  if not gspmd.in_manual_context():
+  if not gspmd_lib.in_manual_context():
     # Interpret mode here is Pallas' generic interpreter: custom partitioning cannot
     # carry the TPU interpreter's host callbacks.
     cfg = logprobs_gspmd.Config(block_sizes, softcap, interpret, chip)

@@ -32,11 +32,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tunix_kernels import attention_blocks
-from tunix_kernels import attention_tiles as tiles
-from tunix_kernels.attention_tiles import F32
+from tunix_kernels.attention import blocks as attention_blocks
+from tunix_kernels.attention import tiles as tiles
+from tunix_kernels.attention.tiles import F32
 from tunix_kernels.common import MASK_VALUE
-from tunix_kernels.attention_tiles import Dims
+from tunix_kernels.attention.tiles import Dims
 from tunix_kernels.common import cotangent_for
 from tunix_kernels.common import out_struct
 from tunix_kernels.dispatch import LANES

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tunix_kernels import dpo_losses
+from tunix_kernels.dpo_loss import losses as dpo_losses
 from tunix_kernels.common import cotangent_for
 from tunix_kernels.common import out_struct
 from tunix_kernels.dispatch import LANES

@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 
 from tunix_kernels import gspmd
-from tunix_kernels import logprobs_blocks
-from tunix_kernels import logprobs_pallas
-from tunix_kernels import logprobs_vocab
+from tunix_kernels.logprobs import blocks as logprobs_blocks
+from tunix_kernels.logprobs import pallas as logprobs_pallas
+from tunix_kernels.logprobs import vocab as logprobs_vocab
 
 F32 = jnp.float32
 _INS = ("n d", "d v", "n")

@@ -33,10 +33,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tunix_kernels import logprobs_tile as tile
-from tunix_kernels.logprobs_blocks import cost_estimate
-from tunix_kernels.logprobs_blocks import d_chunk
-from tunix_kernels.logprobs_blocks import used_cores
+from tunix_kernels.logprobs import tile as tile
+from tunix_kernels.logprobs.blocks import cost_estimate
+from tunix_kernels.logprobs.blocks import d_chunk
+from tunix_kernels.logprobs.blocks import used_cores
 from tunix_kernels.common import out_struct
 from tunix_kernels.dispatch import LANES
 

@@ -12,9 +12,9 @@ import functools
 
 import jax
 
-from tunix_kernels import attention_pallas
+from tunix_kernels.attention import pallas as attention_pallas
 from tunix_kernels import gspmd
-from tunix_kernels.attention_tiles import Dims
+from tunix_kernels.attention.tiles import Dims
 
 _SPLIT = {"b": "batch", "v": "heads"}
 

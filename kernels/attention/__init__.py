@@ -1,6 +1,6 @@
 """Causal grouped-query attention over the rows the trainer builds: `attention` and its
-two paths, the Pallas TPU kernels (`tunix_kernels.attention_pallas`) and a blockwise XLA
-path (`tunix_kernels.attention_xla`).
+two paths, the Pallas TPU kernels (`tunix_kernels.attention.pallas`) and a blockwise XLA
+path (`tunix_kernels.attention.xla`).
 
 Both take `q [B, T, H, K]`, `k, v [B, T, KV, K]` (H a multiple of KV). Which keys a query
 sees is a `Visibility`: the keys at or before it in the row that are real tokens, of its
@@ -11,6 +11,10 @@ per tile from the `[B, T]` row vectors, skip tiles with nothing visible and neve
 a `[T, T]` array. Under `impl="auto"` the kernels run whenever the computation is
 compiled for TPU, for every row layout, window and soft-cap, and the XLA path
 everywhere else (GPU, CPU).
+
+The package is the op; its modules are the blockwise XLA path (`xla`), the Pallas TPU
+kernels (`pallas`), the math of one tile (`tiles`), the tiles and VMEM model (`blocks`)
+and the GSPMD rule (`gspmd`).
 """
 
 from typing import NamedTuple
@@ -18,16 +22,17 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from tunix_kernels import attention_blocks
-from tunix_kernels import attention_gspmd
-from tunix_kernels import attention_pallas
-from tunix_kernels import attention_tiles
-from tunix_kernels import attention_xla
+from tunix_kernels.attention import blocks as attention_blocks
+from tunix_kernels.attention import gspmd as attention_gspmd
+from tunix_kernels.attention import pallas as attention_pallas
+from tunix_kernels.attention import tiles as attention_tiles
+from tunix_kernels.attention import xla as attention_xla
 from tunix_kernels import common
 from tunix_kernels import dispatch
-from tunix_kernels import gspmd
+# Not `gspmd`: the package's own `gspmd` submodule owns that name in this namespace.
+from tunix_kernels import gspmd as gspmd_lib
 from tunix_kernels import tpu
-from tunix_kernels.attention_blocks import BlockSizes
+from tunix_kernels.attention.blocks import BlockSizes
 
 ATTENTION_IMPLS = ("auto", "xla", "pallas", "interpret")
 # Bytes of one call's visit list (int32 per tile and row) in the 1 MiB of scalar memory
@@ -79,7 +84,7 @@ def attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis: Visibility, *, scale: float,
       layer's own window, 0 for a full-attention layer): keys that many rope positions
       back or more are hidden.
     impl: "pallas" (Mosaic TPU kernels), "interpret" (the same kernels in TPU interpret
-      mode, for CPU tests), "xla" (blockwise, `tunix_kernels.attention_xla`), or "auto"
+      mode, for CPU tests), "xla" (blockwise, `tunix_kernels.attention.xla`), or "auto"
       (pallas when compiled for TPU, else xla).
     block_sizes: tiles of the kernels; None picks `BlockSizes.get_default` for the TPU
       generation being compiled for (`tunix_kernels.tpu.target_chip`), fitting every
@@ -87,7 +92,7 @@ def attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis: Visibility, *, scale: float,
       a ValueError. "xla" takes its tiles from them too (None: 512 x 512).
 
   Under plain `jax.jit` (outside any `shard_map`) the kernels partition over the
-  operands' shardings (`tunix_kernels.attention_gspmd`): rows and KV heads stay split, the
+  operands' shardings (`tunix_kernels.attention.gspmd`): rows and KV heads stay split, the
   sequence and head dimension are gathered; see docs/embedding.md.
   """
   impl = resolve(impl)
@@ -144,7 +149,7 @@ def attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis: Visibility, *, scale: float,
                              groups=H // KV, scale=float(scale), softcap=float(softcap),
                              windowed=windowed, vmem_limit_bytes=bs.vmem_limit_bytes,
                              interpret=interpret)
-    if gspmd.in_manual_context():
+    if gspmd_lib.in_manual_context():
       return attention_pallas.flash_attention(
           d, q, k, v, attention_pallas.rows(*vectors, bq, bk))
     # Partitioned over the operands' shardings; interpret mode here is Pallas' generic
