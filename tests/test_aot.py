@@ -295,6 +295,11 @@ def test_weights_gather_along_the_torus_on_a_3d_slice(tmp_path):
   steps, lowered = aot.lower(aot.plan_for(_config(tmp_path, fsdp=True, batch_size=64),
                                           devices), devices)
   assert mesh_lib.gather_stages(steps.mesh) == (4, 4, 4)
+  # `--sync_impl=auto`: an all_to_all over these 64 chips, psum_scatter over 256 (whose
+  # all_to_all the compiler takes too long over).
+  assert steps.plan.sync_impl == "all_to_all"
+  assert aot.plan_for(_config(tmp_path, fsdp=True, batch_size=256),
+                      aot.target_devices("v5e-256")[1]).sync_impl == "xla"
   with jax.set_mesh(steps.mesh):
     lines = lowered.compile().as_text().splitlines()
   gathers = [l for l in lines if re.search(r"= \S+ all-gather\(", l)]

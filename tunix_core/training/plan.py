@@ -25,6 +25,11 @@ from tunix_core.training import tpu_flags
 from tunix_core.training.config import ConfigError, TrainConfig
 
 
+# The most data-parallel chips of one slice `--sync_impl=auto` reduce-scatters over with
+# an all_to_all on TPU (64: v5p-128 compiles; 256 did not).
+ALL_TO_ALL_MAX = 64
+
+
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
   """The static choices of a train step (hashable; see the module docstring)."""
@@ -122,8 +127,12 @@ def make_plan(cfg: TrainConfig, devices, sizes: packing.Sizes | None = None,
     mcfg = dataclasses.replace(mcfg, lora_scale=lora.scale)
   options = tpu_flags.parse(cfg.tpu_flags) if platform == "tpu" else {}
   sync_impl = cfg.sync_impl
-  if sync_impl == "auto":  # TPU's compiler makes psum_scatter an all-reduce (docs/tpu.md)
-    sync_impl = "all_to_all" if platform == "tpu" else "xla"
+  if sync_impl == "auto":
+    # TPU's compiler makes a psum_scatter beyond a v5e-8 an all-reduce, twice an
+    # all_to_all's bytes; but an all_to_all over 256 chips (v5e-256) did not compile in
+    # 18 minutes, against 71 s (docs/tpu.md#communication).
+    per_slice = len(devices) // cfg.model_parallel // slices
+    sync_impl = "all_to_all" if platform == "tpu" and per_slice <= ALL_TO_ALL_MAX else "xla"
   return StepPlan(cfg=cfg, model=mcfg, rows=rows,
                   data_shards=len(devices) // cfg.model_parallel,
                   model_parallel=cfg.model_parallel, num_slices=slices, lora=lora,
