@@ -240,25 +240,26 @@ def test_collective_bytes_are_read_from_the_hlo_with_loop_trip_counts():
 
 @pytest.mark.slow  # three TPU compiles
 @needs_libtpu
-@pytest.mark.parametrize("layout,sync", [("zero1", "auto"), ("fsdp", "auto"), ("fsdp", "xla")])
+@pytest.mark.parametrize("layout,sync", [("zero1", "auto"), ("fsdp", "auto"),
+                                         ("fsdp", "all_to_all")])
 def test_gradient_sync_compiles_to_reduce_scatters_and_all_gathers_on_tpu(tmp_path, layout,
                                                                            sync):
-  """The tiny step compiled for a v5e-8: every bucket's reduce-scatter stays one, an
-  all-to-all under `--sync_impl=auto` (TPU: all_to_all) or a reduce-scatter under xla
-  (the TPU compiler turns one whose shards it cannot tile into an all-reduce, twice the
-  bytes: `parallel.collectives.TILE`), and every all-gather stays one; the only
-  all-reduce left is the metrics' mean, a few bytes."""
+  """The tiny step compiled for a v5e-8: every bucket's reduce-scatter stays one, a
+  reduce-scatter under `--sync_impl=auto` (xla on 8 chips; the TPU compiler turns one
+  whose shards it cannot tile into an all-reduce, twice the bytes:
+  `parallel.collectives.TILE`) or an all-to-all under all_to_all, and every all-gather
+  stays one; the only all-reduce left is the metrics' mean, a few bytes."""
   chip, devices = aot.target_devices("v5e-8")
   steps, lowered = aot.lower(aot.plan_for(_config(tmp_path, fsdp=layout == "fsdp",
                                                   sync_impl=sync), devices), devices)
-  assert steps.plan.sync_impl == {"auto": "all_to_all"}.get(sync, sync)
+  assert steps.plan.sync_impl == {"auto": "xla"}.get(sync, sync)
   with jax.set_mesh(steps.mesh):
     text = lowered.compile().as_text()
   kinds = {}
   ops = comms.ops(text, dict(steps.mesh.shape))
   for op in ops:
     kinds.setdefault(op["op"], []).append(op["bytes"])
-  scatter = "all-to-all" if sync == "auto" else "reduce-scatter"
+  scatter = "all-to-all" if sync == "all_to_all" else "reduce-scatter"
   assert kinds.get(scatter) and kinds.get("all-gather"), kinds
   assert len(kinds.get("all-reduce", [])) <= 1 and max(kinds.get("all-reduce", [0])) < 1024, kinds
   # The schedule's replay (`aot.overlap`) meets every collective `comms.ops` counts (it
@@ -295,11 +296,13 @@ def test_weights_gather_along_the_torus_on_a_3d_slice(tmp_path):
   steps, lowered = aot.lower(aot.plan_for(_config(tmp_path, fsdp=True, batch_size=64),
                                           devices), devices)
   assert mesh_lib.gather_stages(steps.mesh) == (4, 4, 4)
-  # `--sync_impl=auto`: an all_to_all over these 64 chips, psum_scatter over 256 (whose
-  # all_to_all the compiler takes too long over).
+  # `--sync_impl=auto`: an all_to_all over these 64 chips and over 16, psum_scatter over
+  # 256 (whose all_to_all the compiler takes too long over) and over 8.
   assert steps.plan.sync_impl == "all_to_all"
-  assert aot.plan_for(_config(tmp_path, fsdp=True, batch_size=256),
-                      aot.target_devices("v5e-256")[1]).sync_impl == "xla"
+  for name, impl in (("v5e-256", "xla"), ("v5e-16", "all_to_all"), ("v5e-8", "xla")):
+    chips = aot.target_devices(name)[1]
+    assert aot.plan_for(_config(tmp_path, fsdp=True, batch_size=len(chips)),
+                        chips).sync_impl == impl, name
   with jax.set_mesh(steps.mesh):
     lines = lowered.compile().as_text().splitlines()
   gathers = [l for l in lines if re.search(r"= \S+ all-gather\(", l)]

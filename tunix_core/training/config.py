@@ -205,10 +205,10 @@ class TrainConfig:
                                 "step (under --fsdp: per micro-batch).", group="parallel")
   bucket_mb: float = _flag(25.0, "Gradient bucket size in MiB for the bucketed "
                            "reduce-scatter / all-gather.", group="parallel")
-  sync_impl: str = _flag("auto", "auto: all_to_all on TPU up to 64 data chips a slice, "
-                         "else xla; xla: a psum_scatter and all_gather per bucket; ring: a "
-                         "ppermute ring; all_to_all: an all_to_all and float32 sum per "
-                         "bucket (docs/tpu.md#communication).", group="parallel")
+  sync_impl: str = _flag("auto", "auto: all_to_all on TPU over 9 to 64 data chips a "
+                         "slice, else xla; xla: a psum_scatter and all_gather per bucket; "
+                         "ring: a ppermute ring; all_to_all: an all_to_all and float32 sum "
+                         "per bucket (docs/tpu.md#communication).", group="parallel")
   grad_sync_dtype: str = _flag("float32", "Gradients on the wire; bfloat16 halves the "
                                "bytes, summed in bfloat16 (xla) or float32.", group="parallel")
   check_replicas_every: int = _flag(0, "Besides after step 1, check every N steps that all "

@@ -26,7 +26,7 @@ from tunix_core.training.config import ConfigError, TrainConfig
 
 
 # The most data-parallel chips of one slice `--sync_impl=auto` reduce-scatters over with
-# an all_to_all on TPU (64: v5p-128 compiles; 256 did not).
+# an all_to_all on TPU (64: v5p-128 compiles; 256 did not); from 9 on.
 ALL_TO_ALL_MAX = 64
 
 
@@ -129,10 +129,12 @@ def make_plan(cfg: TrainConfig, devices, sizes: packing.Sizes | None = None,
   sync_impl = cfg.sync_impl
   if sync_impl == "auto":
     # TPU's compiler makes a psum_scatter beyond a v5e-8 an all-reduce, twice an
-    # all_to_all's bytes; but an all_to_all over 256 chips (v5e-256) did not compile in
-    # 18 minutes, against 71 s (docs/tpu.md#communication).
+    # all_to_all's bytes; on 8 chips it stays a reduce-scatter (and holds less than an
+    # all_to_all: the 7B v5e-8 step with bf16 sync fits only so), and an all_to_all
+    # over 256 chips did not compile in 18 minutes (docs/tpu.md#communication).
     per_slice = len(devices) // cfg.model_parallel // slices
-    sync_impl = "all_to_all" if platform == "tpu" and per_slice <= ALL_TO_ALL_MAX else "xla"
+    sync_impl = ("all_to_all" if platform == "tpu" and 8 < per_slice <= ALL_TO_ALL_MAX
+                 else "xla")
   return StepPlan(cfg=cfg, model=mcfg, rows=rows,
                   data_shards=len(devices) // cfg.model_parallel,
                   model_parallel=cfg.model_parallel, num_slices=slices, lora=lora,
