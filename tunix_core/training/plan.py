@@ -25,9 +25,9 @@ from tunix_core.training import tpu_flags
 from tunix_core.training.config import ConfigError, TrainConfig
 
 
-# The most data-parallel chips of one slice `--sync_impl=auto` reduce-scatters over with
-# an all_to_all on TPU (64: v5p-128 compiles; 256 did not); from 9 on.
-ALL_TO_ALL_MAX = 64
+# The data-parallel chips of one slice over which `--sync_impl=auto` reduce-scatters with
+# an all_to_all on TPU (8 keep a real reduce-scatter; 64, a v5p-128, compile; 256 did not).
+ALL_TO_ALL_CHIPS = range(9, 65)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,8 +133,7 @@ def make_plan(cfg: TrainConfig, devices, sizes: packing.Sizes | None = None,
     # all_to_all: the 7B v5e-8 step with bf16 sync fits only so), and an all_to_all
     # over 256 chips did not compile in 18 minutes (docs/tpu.md#communication).
     per_slice = len(devices) // cfg.model_parallel // slices
-    sync_impl = ("all_to_all" if platform == "tpu" and 8 < per_slice <= ALL_TO_ALL_MAX
-                 else "xla")
+    sync_impl = "all_to_all" if platform == "tpu" and per_slice in ALL_TO_ALL_CHIPS else "xla"
   return StepPlan(cfg=cfg, model=mcfg, rows=rows,
                   data_shards=len(devices) // cfg.model_parallel,
                   model_parallel=cfg.model_parallel, num_slices=slices, lora=lora,
