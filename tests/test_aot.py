@@ -180,11 +180,11 @@ def test_compile_only_lowers_the_very_step_the_run_trains(tmp_path, monkeypatch)
 @needs_libtpu
 def test_offload_remat_moves_activations_to_host_memory(tmp_path):
   """`--remat=offload` on a TPU target: less HBM than `--remat=none`, the difference in
-  pinned host memory, which the compiled stats report. Rows of 4,096 tokens, so the
+  pinned host memory, which the compiled stats report. Pairs of 3,072 tokens, so the
   tiny model's activations outweigh its LM head's temporaries."""
   chip, devices = aot.target_devices("v5e-8")
   stats = {remat: aot.compile_stats(aot.plan_for(_config(
-      tmp_path, train_data="", max_length=4096, max_prompt_length=2048,
+      tmp_path, train_data="", max_length=3072, max_prompt_length=1536,
       compute_dtype="bfloat16", remat=remat), devices), chip, devices)
       for remat in ("none", "offload")}
   assert stats["offload"]["need"] < stats["none"]["need"]

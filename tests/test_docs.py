@@ -5,7 +5,6 @@ import glob
 import os
 import re
 
-from tunix_core.training import config as config_lib
 from tunix_core.training import flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -6,6 +6,7 @@ where it makes sense the run is compared with an uninterrupted one.
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 
@@ -215,8 +216,8 @@ def test_a_storage_server_that_never_answers_ends_the_run(tmp_path):
   threading.Thread(target=accept, daemon=True).start()
   url = f"http://127.0.0.1:{listener.getsockname()[1]}"
   try:
-    status, _, err = _watchdog_run("gs://silent/run", ["--steps=2", "--step_timeout=5"],
-                                   gcs_lib.env(url), 5 * 4 + 60)
+    status, _, err = _watchdog_run("gs://silent/run", ["--steps=2", "--step_timeout=3"],
+                                   gcs_lib.env(url), 3 * 4 + 60)
   finally:
     stop.set()
     for conn in held:
@@ -224,4 +225,5 @@ def test_a_storage_server_that_never_answers_ends_the_run(tmp_path):
     listener.close()
   assert status == 5, err[-3000:]
   lines = [l for l in err.splitlines() if l.startswith("trainer.py: error:")]
-  assert len(lines) == 1 and "has not finished after 2" in lines[0], err
+  # start-up's deadline, 4 x 3 s
+  assert len(lines) == 1 and re.search(r"has not finished after 1[2-9] s", lines[0]), err

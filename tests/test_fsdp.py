@@ -116,9 +116,9 @@ def test_fsdp_on_8_matches_zero1_on_1(tmp_path, zero1_one_device):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kw", [dict(grad_accum_steps=2, batch_size=16), dict(sync_impl="ring"),
-                                dict(reference="precomputed"), dict(remat="full_prefetch"),
-                                dict(max_grad_norm=0.05)])
+@pytest.mark.parametrize("kw", [dict(grad_accum_steps=2, batch_size=16, max_grad_norm=0.05),
+                                dict(sync_impl="ring", reference="precomputed"),
+                                dict(remat="full_prefetch")])
 def test_fsdp_matches_zero1_on_8(tmp_path, kw):
   runs.assert_agree(_run(_config(tmp_path / "f", fsdp=True, **kw), 8),
                 _run(_config(tmp_path / "z", **kw), 8))

@@ -129,14 +129,14 @@ def test_peft_directories_round_trip_and_unsupported_adapters_are_named(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.parametrize("base,kw", [
-    ("zero1", {}), ("fsdp", dict(reference="precomputed")),
+    ("zero1", dict(reference="precomputed")),
     ("fsdp", dict(model_parallel=2, model="tiny_tp", max_grad_norm=0.05, remat="full_prefetch"))],
-                         ids=["zero1", "fsdp-precomputed", "fsdp-tp-clipped-remat"])
+                         ids=["zero1-precomputed", "fsdp-tp-clipped-remat"])
 def test_lora_steps_on_8_devices_equal_one_device_from_ln2(tmp_path, base, kw):
-  """Adapters over a frozen base held replicated (ZeRO-1), in FSDP pieces, or in FSDP
-  pieces of a 2-way tensor-parallel split (adapters split as their projections, the
-  global norm clipped over both axes, the layer stack's hand-written backward of
-  `--remat=full_prefetch`), with the reference in the step or precomputed:
+  """Adapters over a frozen base held replicated (ZeRO-1, the reference precomputed) or
+  in FSDP pieces of a 2-way tensor-parallel split (adapters split as their projections,
+  the global norm clipped over both axes, the layer stack's hand-written backward of
+  `--remat=full_prefetch`, the reference in the step):
   5 steps on 8 devices equal 1 device; step 1 starts at ln 2 (fresh adapters leave the
   base as it is: the policy is the reference)."""
   cfg = runs.config(tmp_path, steps=5, batch_size=8, lora_rank=4, lora_alpha=8.0,

@@ -335,11 +335,8 @@ def test_storage_failures_end_in_one_line_and_keep_the_last_checkpoint(tmp_path)
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
   try:
-    line = _one_error_line(spawn(server.url, "gs://no-such-bucket/run", "--steps=2"),
-                           ERROR_SECONDS, [1])
-    # The first write under the output directory (the token store) names its path.
-    assert "gs://no-such-bucket/run/" in line and "no such bucket" in line
-
+    # The missing bucket and the denied writes run side by side (the server outlives both).
+    no_bucket = spawn(server.url, "gs://no-such-bucket/run", "--steps=2")
     denied = "gs://pod/denied"
     proc = spawn(proxy.url, denied, "--steps=500")
     _until(lambda: _committed(server, denied) == [2], proc)
@@ -349,6 +346,9 @@ def test_storage_failures_end_in_one_line_and_keep_the_last_checkpoint(tmp_path)
     assert line.endswith("newest complete checkpoint: step 2 (library messages in "
                          + line.split("(library messages in ")[-1])
     assert _committed(server, denied) == [2]
+    line = _one_error_line(no_bucket, ERROR_SECONDS, [1])
+    # The first write under the output directory (the token store) names its path.
+    assert "gs://no-such-bucket/run/" in line and "no such bucket" in line
 
     killed = "gs://pod/killed"
     proc = spawn(server.url, killed, "--steps=500")

@@ -146,10 +146,9 @@ def _losses(rows):
   return [r["loss"] for r in rows if "loss" in r]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("sync_impl", ["xla", "ring"])
-def test_8_devices_match_1_device(tmp_path, sync_impl):
-  cfg = _config(tmp_path / "eight", steps=10, sync_impl=sync_impl, bucket_mb=0.25)
+@pytest.mark.slow  # the ring's sync against one device: test_model_parallel's FSDP case
+def test_8_devices_match_1_device(tmp_path):
+  cfg = _config(tmp_path / "eight", steps=10, sync_impl="xla", bucket_mb=0.25)
   train.train(cfg, log=lambda *_: None)
   one = dataclasses.replace(cfg, output_dir=str(tmp_path / "one"))
   train.train(one, log=lambda *_: None, devices=jax.devices()[:1])
