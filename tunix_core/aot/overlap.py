@@ -77,6 +77,13 @@ def _key(op: str, shape: str) -> tuple:
   return (op.removesuffix("-start").removesuffix("-done"), f"{largest[0]}[{largest[1]}]")
 
 
+def _is_collective(op: str) -> bool:
+  """A collective (synchronous, or its start or done) or a cross-slice transfer's send or
+  its done."""
+  return (op.removesuffix("-start").removesuffix("-done") in comms.FACTOR
+          or op in ("send", "send-done"))
+
+
 def _callees(line: str, kind: str = "calls|to_apply|body|branch_computations|"
              "true_computation|false_computation") -> list[str]:
   """The computations an instruction names after `kind=`."""
@@ -164,8 +171,7 @@ class _Replay:
     if comp not in self.holds:
       self.holds[comp] = False
       self.holds[comp] = any(
-          op.removesuffix("-start") in comms.FACTOR or op == "send"
-          or any(self.holds_collective(c) for c in _callees(line))
+          _is_collective(op) or any(self.holds_collective(c) for c in _callees(line))
           for _, _, op, _, line in self.comps.get(comp, []))
     return self.holds[comp]
 
@@ -199,9 +205,7 @@ class _Replay:
     for instruction in self.comps.get(comp, []):
       name, shape, op, operands, line = instruction
       callees = _callees(line)
-      if not (op.removesuffix("-start").removesuffix("-done") in comms.FACTOR
-              or op in ("send", "send-done")
-              or any(self.holds_collective(c) for c in callees)):
+      if not (_is_collective(op) or any(self.holds_collective(c) for c in callees)):
         self.compute(_op_flops(instruction, shapes, self.comps, self.memo))
       elif op == "while":
         trips = comms.trip_count(line, self.comps.lines)

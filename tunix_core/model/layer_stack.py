@@ -136,8 +136,8 @@ def _backward(body, gather, trained, xs, pieces, settings, rows, g):
   weights = jax.tree.leaves(gather(tree(layer(num_layers - 1))))
   grads = [jnp.zeros_like(v) for v in pick(leaves, True)]
   carry = (g, weights, [jnp.zeros_like(w) for w in pick(weights, True)], grads)
-  (g, _, d_first, grads), _ = jax.lax.scan(trip, carry, (jnp.arange(num_layers), xs, settings),
-                                               reverse=True)
+  trips = (jnp.arange(num_layers), xs, settings)
+  (g, _, d_first, grads), _ = jax.lax.scan(trip, carry, trips, reverse=True)
   grads = [jax.lax.dynamic_update_index_in_dim(acc, d, 0, 0)
            for acc, d in zip(grads, scatter(0, d_first))]
   return g, tree(merge(grads, [None] * len(leaves)))

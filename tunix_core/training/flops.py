@@ -108,6 +108,7 @@ def step_flops(plan) -> float:
   rows, mcfg = plan.rows, plan.model
   groups = plan.cfg.batch_size // rows.pairs
   attention = 4 * mcfg.num_heads * mcfg.head_dim * rows.rows * attended_pairs(plan)
+  # keys=0: the attention is the kernels' visited tiles above, not a key count per position
   forward = groups * (forward_flops(mcfg, rows.rows * rows.length, 0, rows.head)
                       + attention)
   return (3 + (plan.reference == "step")) * forward
