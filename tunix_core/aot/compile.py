@@ -169,7 +169,8 @@ def compile_only(cfg, target: str, log=print) -> int:
   log(plan.describe())
   stats = compile_stats(plan, chip, devices)
   if stats["error"] is not None:
-    log(f"does not fit: {stats['error']}")
+    memory = "RESOURCE_EXHAUSTED" in stats["error"] or "exceeds" in stats["error"]
+    log(f"{'does not fit' if memory else 'the compiler refused the step'}: {stats['error']}")
     return 1
   need = stats["need"]
   log(f"per device: arguments {_gib(stats['argument'])}, outputs {_gib(stats['output'])} "

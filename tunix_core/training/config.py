@@ -233,11 +233,11 @@ class TrainConfig:
                                "host's), or any Cloud TPU slice name (v5e-8, v5e-256, "
                                "v6e-64, v5p-128, v4-8; 2xv5e-256 for two slices; needs "
                                "libtpu, works on any host).", group="aot")
-  tpu_flags: str = _flag(tpu_flags.DEFAULT, "XLA TPU compiler options of every step compiled "
-                         "for TPU (runs and --compile_only): --name=value separated by "
-                         "spaces; replaces the default (MaxText's async collective "
-                         "fusion and overlap set, plus the layer loop's weight gathers "
-                         "pipelined into the previous trip).", group="aot")
+  tpu_flags: str = _flag(tpu_flags.AUTO, "XLA TPU compiler options of every step compiled for "
+                         "TPU (runs and --compile_only): --name=value separated by spaces, "
+                         "or auto: MaxText's async collective fusion and overlap set (its "
+                         "all-gather fusion on v5e only), the layer loop's weight gathers "
+                         "pipelined into the previous trip.", group="aot")
 
   def validate(self, num_devices: int) -> None:
     """Raises ConfigError with one line naming the offending setting."""

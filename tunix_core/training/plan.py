@@ -125,7 +125,7 @@ def make_plan(cfg: TrainConfig, devices, sizes: packing.Sizes | None = None,
   lora = cfg.lora_config()
   if lora is not None:
     mcfg = dataclasses.replace(mcfg, lora_scale=lora.scale)
-  options = tpu_flags.parse(cfg.tpu_flags) if platform == "tpu" else {}
+  options = tpu_flags.options(cfg.tpu_flags, devices[0]) if platform == "tpu" else {}
   sync_impl = cfg.sync_impl
   if sync_impl == "auto":
     # TPU's compiler makes a psum_scatter beyond a v5e-8 an all-reduce, twice an

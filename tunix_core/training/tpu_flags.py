@@ -3,20 +3,26 @@ TPU and `--compile_only` for a TPU target alike), passed per compilation
 (`jax.jit(..., compiler_options=...)`), never through `LIBTPU_INIT_ARGS`: a process
 that compiles for CPU or GPU too is unaffected, and the options are part of the plan.
 
-The default is the overlap set of MaxText's TPU recipes: collectives run asynchronously
-and fused with the compute around them (`xla_tpu_enable_async_collective_fusion*`,
-`xla_tpu_overlap_compute_collective_tc`, `xla_enable_async_all_gather`), the layer
-loop's weight gathers pipelined into the previous trip (`xla_tpu_enable_ici_ag_pipelining`:
-the forward's gather of layer i + 1 runs under layer i's matmuls), and the data-
-parallel all-reduce optimisation for what stays an all-reduce (the slice axis, small
-replicated leaves). Each name was checked against the TPU compiler of jax 0.10.2 and
-0.12 ahead of time; an unknown name aborts the compilation, which `--compile_only`
-reports in one line.
+The default, `auto`, is the overlap set of MaxText's TPU recipes for the chip compiled
+for: collectives run asynchronously and fused with the compute around them
+(`xla_tpu_enable_async_collective_fusion*`, `xla_tpu_overlap_compute_collective_tc`,
+`xla_enable_async_all_gather`), the layer loop's weight gathers pipelined into the
+previous trip (`xla_tpu_enable_ici_ag_pipelining`: the forward's gather of layer i + 1
+runs under layer i's matmuls), and the data-parallel all-reduce optimisation for what
+stays an all-reduce (the slice axis, small replicated leaves). All-gathers fused into
+their continuation (`..._fuse_all_gather`) only on v5e: jax 0.12's TPU compiler refuses
+it elsewhere as "not supported/recommended on platforms other than TPU v5e" (it may give
+wrong results or hang), and jax 0.10.2's accepted it silently. Each name was checked
+against the TPU compiler of jax 0.10.2 and 0.12 ahead of time; an unknown name aborts
+the compilation, which `--compile_only` reports in one line.
 """
 
-DEFAULT = " ".join([
+from tunix_kernels import tpu
+
+AUTO = "auto"
+V5E_ONLY = "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true"
+OVERLAP = " ".join([
     "--xla_tpu_enable_async_collective_fusion=true",
-    "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
     "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
     "--xla_tpu_overlap_compute_collective_tc=true",
     "--xla_enable_async_all_gather=true",
@@ -35,6 +41,16 @@ def _value(text: str):
     except ValueError:
       pass
   return text
+
+
+def options(flags: str, device) -> dict:
+  """Compiler options of `--tpu_flags` for a step compiled for TPU `device` (a
+  `jax.Device`): `auto` is `OVERLAP`, plus `V5E_ONLY` on a v5e."""
+  if flags == AUTO:
+    kind = getattr(device, "device_kind", "")
+    v5e = kind in tpu.CHIPS["v5e"].device_kinds
+    flags = OVERLAP + (" " + V5E_ONLY if v5e else "")
+  return parse(flags)
 
 
 def parse(flags: str) -> dict:

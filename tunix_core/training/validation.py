@@ -50,7 +50,8 @@ def check(cfg, num_devices: int, choices: dict) -> None:
   need(cfg.check_replicas_every >= 0, "--check_replicas_every must be >= 0")
   need(cfg.step_timeout >= 0, "--step_timeout must be >= 0 (0 disables the watchdog)")
   try:
-    tpu_flags.parse(cfg.tpu_flags)
+    if cfg.tpu_flags != tpu_flags.AUTO:
+      tpu_flags.parse(cfg.tpu_flags)
   except ValueError as e:
     raise ConfigError(f"--tpu_flags: {e}") from None
   need(not (cfg.fsdp and cfg.check_replicas_every),
