@@ -105,7 +105,8 @@ def compile_stats(plan: plan_lib.StepPlan, chip, devices) -> dict:
   through the step; `"collectives"`, `comms.collectives` of the compiled HLO (bytes a
   device sends per step, by the mesh axes they cross); `"overlap"`, for a TPU target,
   `overlap.exposed` of its schedule (None for local devices); `"model_flops"`, the plan's
-  model FLOPs per device; `"error"` is the compiler's refusal or None.
+  model FLOPs per device; `"error"` is the compiler's refusal or None, and with a refusal
+  `"memory"` says whether it was over memory.
 
   Why not `total`: on TPU `temp_size_in_bytes` can exceed the temporaries the buffer
   assignment allocates (for the 7B FSDP step of the README: 7.25 GiB, against one
@@ -126,6 +127,7 @@ def compile_stats(plan: plan_lib.StepPlan, chip, devices) -> dict:
                           f"{unknown.group(1)!r}") from None
       lines = [l for l in message.splitlines() if "exceeds" in l or "RESOURCE_EXHAUSTED" in l]
       out["error"] = (lines or message.splitlines() or [""])[0].strip()[:500]
+      out["memory"] = bool(lines)  # a refusal over memory, not another precondition
       return out
     hbm = _allocated_in_hbm(dump_dir) if chip is not None else None
   stats = tpu.compiled_stats(compiled)
@@ -169,8 +171,8 @@ def compile_only(cfg, target: str, log=print) -> int:
   log(plan.describe())
   stats = compile_stats(plan, chip, devices)
   if stats["error"] is not None:
-    memory = "RESOURCE_EXHAUSTED" in stats["error"] or "exceeds" in stats["error"]
-    log(f"{'does not fit' if memory else 'the compiler refused the step'}: {stats['error']}")
+    said = "does not fit" if stats["memory"] else "the compiler refused the step"
+    log(f"{said}: {stats['error']}")
     return 1
   need = stats["need"]
   log(f"per device: arguments {_gib(stats['argument'])}, outputs {_gib(stats['output'])} "
