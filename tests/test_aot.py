@@ -276,7 +276,7 @@ def test_gradient_sync_compiles_to_reduce_scatters_and_all_gathers_on_tpu(tmp_pa
   # Under the default --tpu_flags (every program of the step gets them); an unknown
   # option is one line from --compile_only.
   assert dict(steps.plan.compiler_options) == tpu_flags.parse(
-      tpu_flags.OVERLAP + " " + tpu_flags.V5E_ONLY)  # on a v5e, with the all-gather fusion
+      tpu_flags.OVERLAP + " " + tpu_flags.BY_CHIP["v5e"])  # on a v5e: the all-gather fusion
   if layout == "fsdp":
     with pytest.raises(config_lib.ConfigError, match="^--tpu_flags: the TPU compiler has "
                        "no option 'xla_no_such_option'$"):
@@ -296,8 +296,10 @@ def test_weights_gather_along_the_torus_on_a_3d_slice(tmp_path):
   steps, lowered = aot.lower(aot.plan_for(_config(tmp_path, fsdp=True, batch_size=64),
                                           devices), devices)
   assert mesh_lib.gather_stages(steps.mesh) == (4, 4, 4)
-  # Off v5e, --tpu_flags=auto leaves out the all-gather fusion jax 0.12's compiler refuses.
-  assert dict(steps.plan.compiler_options) == tpu_flags.parse(tpu_flags.OVERLAP)
+  # Off v5e, --tpu_flags=auto leaves out the all-gather fusion jax 0.12's compiler
+  # refuses; on v5p the gathers run on the SparseCores (async `call-start`s).
+  assert dict(steps.plan.compiler_options) == tpu_flags.parse(
+      tpu_flags.OVERLAP + " " + tpu_flags.BY_CHIP["v5p"])
   # `--sync_impl=auto`: an all_to_all over these 64 chips and over 16, psum_scatter over
   # 256 (whose all_to_all the compiler takes too long over) and over 8.
   assert steps.plan.sync_impl == "all_to_all"
@@ -309,6 +311,8 @@ def test_weights_gather_along_the_torus_on_a_3d_slice(tmp_path):
     lines = lowered.compile().as_text().splitlines()
   gathers = [l for l in lines if re.search(r"= \S+ all-gather\(", l)]
   assert gathers and all({len(g) for g in comms._groups(l)} == {4} for l in gathers)  # pylint: disable=protected-access
+  assert [l for l in lines if " call-start(" in l
+          and 'async_execution_thread="sparsecore"' in l]  # the gathers, offloaded
   # The gradients' sync is all-to-all (`--sync_impl=auto` on TPU: the compiler makes a
   # psum_scatter beyond a v5e-8 an all-reduce, docs/tpu.md); no weight is all-reduced.
   assert [l for l in lines if re.search(r"= \S+ all-to-all\(", l)]

@@ -143,3 +143,38 @@ def test_a_collective_in_a_loop_of_unknown_trip_count_is_reported_not_counted_on
   assert got["unknown"] == ["loop"]
   assert overlap.describe(got) == ("exposed communication: unknown (collectives in loops "
                                    "whose trip count cannot be read: loop)")
+
+
+SPARSECORE = f"""HloModule sparsecore, is_scheduled=true
+
+%sc_gather (p0: bf16[262144], p1: token[]) -> bf16[1048576] {{
+  %p1 = token[] parameter(1)
+  %p0 = bf16[262144]{{0}} parameter(0)
+  ROOT %ag = bf16[1048576]{{0}} all-gather(%p0), channel_id=7, {GROUP}, dimensions={{0}}
+}}, execution_thread="sparsecore"
+
+ENTRY %main (a: bf16[262144], x: f32[512,1024], m: f32[1024,1024]) -> bf16[1048576] {{
+  %a = bf16[262144]{{0}} parameter(0)
+  %x = f32[512,1024]{{1,0}} parameter(1)
+  %m = f32[1024,1024]{{1,0}} parameter(2)
+  %tok = token[] after-all()
+  %g1 = ((bf16[262144]{{0}}, token[]), bf16[1048576]{{0}}) call-start(%a, %tok), async_execution_thread="sparsecore", to_apply=%sc_gather
+  %d = f32[512,1024]{{1,0}} dot(%x, %m), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+  %g1d = bf16[1048576]{{0}} call-done(%g1)
+  %g2 = ((bf16[262144]{{0}}, token[]), bf16[1048576]{{0}}) call-start(%a, %tok), async_execution_thread="sparsecore", to_apply=%sc_gather
+  %g2d = bf16[1048576]{{0}} call-done(%g2)
+  ROOT %out = bf16[1048576]{{0}} add(%g1d, %g2d)
+}}
+"""
+
+
+def test_gathers_offloaded_to_the_sparsecores_are_asynchronous():
+  """v5p/v6e under `--tpu_flags=auto`: an all-gather runs on the SparseCores as an async
+  `call-start`/`call-done` of a computation holding it. The first is half hidden by a
+  512x1024x1024 dot; the second has nothing between its start and done: all exposed."""
+  gather, dot = 2 * 2**20 * 3 / 4 / ICI, 2 * 512 * 1024 * 1024 / PEAK
+  assert 0 < dot < gather
+  got = overlap.exposed(SPARSECORE, {"data": 4}, "v5e")
+  assert got["asynchronous"] == 2 and got["bytes"] == 2 * 2 * 2**20 * 3 / 4
+  assert got["compute_s"] == pytest.approx(dot, rel=1e-9)
+  assert got["exposed_s"] == pytest.approx(2 * gather - dot, rel=1e-9)

@@ -165,6 +165,7 @@ class _Replay:
     self.link_free = {"ici": 0.0, "dcn": 0.0}
     self.flight = collections.defaultdict(collections.deque)  # key -> its transfers' ends
     self.unknown, self.memo, self.holds, self.asynchronous = [], {}, {}, 0
+    self.calls = {}  # call-start -> its computation, till its call-done
 
   def holds_collective(self, comp: str) -> bool:
     """Whether a computation, or one it names, holds a collective or a transfer."""
@@ -205,7 +206,9 @@ class _Replay:
     for instruction in self.comps.get(comp, []):
       name, shape, op, operands, line = instruction
       callees = _callees(line)
-      if not (_is_collective(op) or any(self.holds_collective(c) for c in callees)):
+      if op == "call-done" and operands and operands[0] in self.calls:
+        self.fused("async-done", self.calls.pop(operands[0]))
+      elif not (_is_collective(op) or any(self.holds_collective(c) for c in callees)):
         self.compute(_op_flops(instruction, shapes, self.comps, self.memo))
       elif op == "while":
         trips = comms.trip_count(line, self.comps.lines)
@@ -217,6 +220,9 @@ class _Replay:
         self.run(max(callees, key=lambda c: _flops(c, self.comps, self.memo)))
       elif op == "call":
         self.run(callees[0])
+      elif op == "call-start":  # an async call on another thread: SparseCore's offload
+        self.calls[name] = callees[0]
+        self.fused("async-start", callees[0])
       elif op in ("fusion", "async-start", "async-done"):
         self.fused(op, callees[0] if callees else "")
       elif op == "send":  # sends pair with their dones in order (a done holds no shape)

@@ -235,9 +235,9 @@ class TrainConfig:
                                "libtpu, works on any host).", group="aot")
   tpu_flags: str = _flag(tpu_flags.AUTO, "XLA TPU compiler options of every step compiled for "
                          "TPU (runs and --compile_only): --name=value separated by spaces, "
-                         "or auto: MaxText's async collective fusion and overlap set (its "
-                         "all-gather fusion on v5e only), the layer loop's weight gathers "
-                         "pipelined into the previous trip.", group="aot")
+                         "or auto: MaxText's async collective fusion and overlap set, weight "
+                         "gathers fused (v5e) or on the SparseCores (v5p, v6e) and pipelined "
+                         "into the previous layer (docs/tpu.md).", group="aot")
 
   def validate(self, num_devices: int) -> None:
     """Raises ConfigError with one line naming the offending setting."""

@@ -9,18 +9,21 @@ for: collectives run asynchronously and fused with the compute around them
 `xla_enable_async_all_gather`), the layer loop's weight gathers pipelined into the
 previous trip (`xla_tpu_enable_ici_ag_pipelining`: the forward's gather of layer i + 1
 runs under layer i's matmuls), and the data-parallel all-reduce optimisation for what
-stays an all-reduce (the slice axis, small replicated leaves). All-gathers fused into
-their continuation (`..._fuse_all_gather`) only on v5e: jax 0.12's TPU compiler refuses
-it elsewhere as "not supported/recommended on platforms other than TPU v5e" (it may give
-wrong results or hang), and jax 0.10.2's accepted it silently. Each name was checked
-against the TPU compiler of jax 0.10.2 and 0.12 ahead of time; an unknown name aborts
-the compilation, which `--compile_only` reports in one line.
+stays an all-reduce (the slice axis, small replicated leaves). Per generation
+(`BY_CHIP`), what makes the weight gathers asynchronous there: on v5e, all-gathers fused
+into their continuation (`..._fuse_all_gather`); on v5p and v6e, all-gathers offloaded to
+the SparseCores (`xla_tpu_enable_sparse_core_collective_offload_all_gather`), which run
+them beside the TensorCores' matmuls. Not the fusion there: jax 0.12's TPU compiler
+refuses it off v5e as "not supported/recommended on platforms other than TPU v5e" (it may
+give wrong results or hang), and jax 0.10.2's accepted it silently. v4 gets neither (its
+compilers ignore the offload). Each name was checked against the TPU compiler of jax
+0.10.2 and 0.12 ahead of time; an unknown name aborts the compilation, which
+`--compile_only` reports in one line.
 """
 
 from tunix_kernels import tpu
 
 AUTO = "auto"
-V5E_ONLY = "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true"
 OVERLAP = " ".join([
     "--xla_tpu_enable_async_collective_fusion=true",
     "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
@@ -30,6 +33,12 @@ OVERLAP = " ".join([
     "--xla_tpu_enable_data_parallel_all_reduce_opt=true",
     "--xla_tpu_data_parallel_opt_different_sized_ops=true",
 ])
+# What `auto` adds on a generation: the flag that makes its weight gathers asynchronous.
+BY_CHIP = {
+    "v5e": "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
+    "v5p": "--xla_tpu_enable_sparse_core_collective_offload_all_gather=true",
+    "v6e": "--xla_tpu_enable_sparse_core_collective_offload_all_gather=true",
+}
 
 
 def _value(text: str):
@@ -45,11 +54,11 @@ def _value(text: str):
 
 def options(flags: str, device) -> dict:
   """Compiler options of `--tpu_flags` for a step compiled for TPU `device` (a
-  `jax.Device`): `auto` is `OVERLAP`, plus `V5E_ONLY` on a v5e."""
+  `jax.Device`): `auto` is `OVERLAP` plus its generation's `BY_CHIP` entry."""
   if flags == AUTO:
     kind = getattr(device, "device_kind", "")
-    v5e = kind in tpu.CHIPS["v5e"].device_kinds
-    flags = OVERLAP + (" " + V5E_ONLY if v5e else "")
+    chip = next((c.name for c in tpu.CHIPS.values() if kind in c.device_kinds), None)
+    flags = " ".join([OVERLAP] + ([BY_CHIP[chip]] if chip in BY_CHIP else []))
   return parse(flags)
 
 
