@@ -14,8 +14,9 @@ chip)` replays it on one clock:
   rates of `comms.CHIP_RATES`); collectives in flight together queue on the link in the
   order they start, so two in flight share one window of compute;
 - an asynchronous collective starts at its start (`all-gather-start`, `async-start`,
-  TPU's fusion holding `AsyncCollectiveStart`, a multi-slice `send`) and the clock waits
-  at its done for what is left of it; a synchronous one waits at once;
+  TPU's fusion holding `AsyncCollectiveStart`, a SparseCore offload's `call-start`, a
+  multi-slice `send`) and the clock waits at its done for what is left of it; a
+  synchronous one waits at once;
 - loops run their body once per trip (`comms.trip_count`), so a collective started in
   one iteration can be hidden by the next; a loop holding no collective is its
   compute times its trips. A loop holding a collective whose trip count cannot be read
