@@ -90,6 +90,30 @@ def test_single_leaf_and_bf16_wire():
     assert np.abs(got - want).max() > 0  # the wire really was bf16
 
 
+def test_a_leaf_of_whole_tiles_moves_as_its_rows():
+  """A bucket of one `[n r, c]` leaf, r a multiple of 16 and c of 128, is reduce-scattered
+  and gathered as its `[n, r, c]` view (`leaf_rows`: on TPU the flat `[n, piece]` rows
+  are a relayout copy of the whole leaf), in column chunks too: each device's shard is
+  its piece of the flat layout, and the gather gives back the mean."""
+  x = np.round(np.asarray(jax.random.normal(jax.random.PRNGKey(3), (N, N * 16, 384))) * 8)
+  plan = collectives.BucketPlan.create({"w": jnp.zeros(x.shape[1:])}, N, 256)
+  assert plan.leaf_rows(0) == (16, 384)
+  for shape in ((N * 16, 200), (N * 8, 384), (N * 16 + 1, 384), (N * 16, 2, 128)):
+    assert collectives.BucketPlan.create({"w": jnp.zeros(shape)}, N).leaf_rows(0) is None
+  want = x.mean(0)
+  for impl in collectives.IMPLS:
+    for chunk_bytes in (None, N * 16 * 128 * 4):  # three chunks of 128 columns
+      @functools.partial(jax.shard_map, mesh=_mesh(), check_vma=False, in_specs=P("data"),
+                         out_specs=(P("data"), P()))
+      def f(stacked):
+        shards = collectives.reduce_scatter({"w": stacked[0]}, plan, "data", impl=impl,
+                                            chunk_bytes=chunk_bytes)  # pylint: disable=cell-var-from-loop
+        return shards[0][None], collectives.all_gather(shards, plan, "data", impl=impl)["w"]  # pylint: disable=cell-var-from-loop
+      shards, gathered = jax.jit(f)(jnp.asarray(x, jnp.float32))
+      np.testing.assert_array_equal(np.asarray(shards), want.reshape(N, -1))
+      np.testing.assert_array_equal(np.asarray(gathered), want)
+
+
 @pytest.mark.parametrize("stages", [(2, 4), (2, 2, 2)])
 def test_a_gather_in_stages_equals_one_gather(stages):
   """FSDP's weight gather in stages of groups (`stage_groups`: torus rows, then the

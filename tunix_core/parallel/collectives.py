@@ -19,6 +19,9 @@ viewing its rows as `[n, 16, w / 16]`): the TPU compiler emits a reduce-scatter 
 all-gather) only for shards it can tile, and turns any other into an all-reduce, which
 moves twice a ring reduce-scatter's bytes (found by compiling for a v5e-8:
 `tests/test_aot.py`). The padding never reaches the buckets' layout or a checkpoint.
+A bucket of one 2-D leaf whose pieces are whole rows of tiles travels as the leaf's
+`[n, r, c]` view instead (`BucketPlan.leaf_rows`): the same pieces, without the copy of
+the whole leaf that its flat rows are on TPU (the 70B head's 2 GiB gradient).
 """
 
 import dataclasses
@@ -27,6 +30,8 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from tunix_core.parallel import ring
 
 IMPLS = ("xla", "ring", "all_to_all")
 # Dtypes gradients may travel in (`comm_dtype=`).
@@ -100,6 +105,20 @@ class BucketPlan:
 
   def bucket_dtype(self, bucket: int) -> str:
     return self.dtypes[self.buckets[bucket][0]]
+
+  def leaf_rows(self, bucket: int) -> tuple[int, int] | None:
+    """`(r, c)` when `bucket` is one 2-D leaf `[n r, c]` of whole TPU tiles per piece (r a
+    multiple of 16 sublanes, c of 128 lanes): piece s is then rows `[s r, (s + 1) r)` as
+    they lie, and the collectives move the leaf as `[n, r, c]`, a view of it, where the
+    flat `[n, piece]` rows are a relayout copy of the whole leaf on TPU (2 GiB for a
+    Llama-3-70B head). None otherwise."""
+    members = self.buckets[bucket]
+    shape = self.shapes[members[0]]
+    if len(members) != 1 or len(shape) != 2:
+      return None
+    r, c = shape[0] // self.num_shards, shape[1]
+    return (r, c) if r * self.num_shards == shape[0] and r % _SUBLANES == 0 and c % 128 == 0 \
+        else None
 
   def pack(self, tree) -> list[jax.Array]:
     """The tree as flat buckets `[bucket_size(b)]`, in the interleaved layout."""
@@ -204,20 +223,25 @@ def reduce_scatter(tree, plan: BucketPlan, axis_name, *, impl="xla", mean=True,
   """
   _check(plan, axis_name, impl)
   n = plan.num_shards
+  leaves = jax.tree.leaves(tree)
   out = []
   for b, bucket in enumerate(plan.pack(tree)):
     dtype = jnp.dtype(plan.bucket_dtype(b))
-    rows = bucket.reshape(n, -1)
-    width = rows.shape[1]
+    view = None if impl == "ring" else plan.leaf_rows(b)
+    # `[n, w]` rows of the flat bucket, or the leaf's `[n, r, c]` view (`leaf_rows`).
+    rows = (bucket.reshape(n, -1) if view is None else
+            leaves[plan.buckets[b][0]].reshape(n, *view))
+    width, align = rows.shape[-1], (TILE if view is None else 128)
+    column = rows.size // width * dtype.itemsize  # bytes of one column of every row
     step = width if chunk_bytes is None else max(
-        TILE, chunk_bytes // (n * dtype.itemsize) // TILE * TILE)  # whole tiles per chunk
+        align, chunk_bytes // column // align * align)  # whole tiles per chunk
     parts = []
     for a in range(0, width, step):
-      chunk = rows[:, a:a + step]
+      chunk = rows[..., a:a + step]
       if parts:  # cast this chunk only once the last one is summed: one copy at a time
         parts[-1], chunk = jax.lax.optimization_barrier((parts[-1], chunk))
       parts.append(_reduce_scatter_rows(chunk.astype(dtype), axis_name, n, impl, comm_dtype))
-    shard = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    shard = (parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)).reshape(-1)
     if mean:
       shard = shard.astype(jnp.float32) / n
     out.append(shard.astype(dtype))
@@ -225,10 +249,16 @@ def reduce_scatter(tree, plan: BucketPlan, axis_name, *, impl="xla", mean=True,
 
 
 def _reduce_scatter_rows(rows, axis_name, n, impl, comm_dtype):
-  """`[n, w]` local rows -> row `axis_index` summed over the axis, `[w]`."""
+  """`[n, w]` local rows -> row `axis_index` summed over the axis, `[w]`; `[n, r, w]`
+  rows of whole tiles (`BucketPlan.leaf_rows`) -> `[r, w]`."""
   wire = rows if comm_dtype is None else rows.astype(comm_dtype)
+  if rows.ndim == 3:
+    if impl == "all_to_all":
+      got = jax.lax.all_to_all(wire, axis_name, 0, 0, tiled=True)
+      return got.astype(jnp.float32).sum(0)
+    return jax.lax.psum_scatter(wire, axis_name, scatter_dimension=0, tiled=True)[0]
   if impl == "ring":
-    return _ring_reduce_scatter(rows.astype(jnp.float32), axis_name, n, wire.dtype)
+    return ring.reduce_scatter(rows.astype(jnp.float32), axis_name, n, wire.dtype)
   if impl == "all_to_all":
     # Row j goes to device j, which sums the n rows it receives in float32: a
     # reduce-scatter's bytes, where the TPU compiler makes `psum_scatter` an all-reduce.
@@ -262,40 +292,13 @@ def all_gather(shards, plan: BucketPlan, axis_name, *, impl="xla", stages=None):
   if len(shards) != plan.num_buckets:
     raise ValueError(f"got {len(shards)} shards for a plan of {plan.num_buckets} buckets")
   buckets = []
-  for shard in shards:
+  for b, shard in enumerate(shards):
     if impl == "ring":
-      buckets.append(_ring_all_gather(shard, axis_name, plan.num_shards))
-    else:
-      whole = _pad_to_tile(shard)
+      buckets.append(ring.all_gather(shard, axis_name, plan.num_shards))
+    else:  # the flat shard, or the leaf's rows (`leaf_rows`: the gather is the leaf)
+      view = plan.leaf_rows(b)
+      whole = _pad_to_tile(shard) if view is None else shard.reshape(view)
       for groups in stage_groups(stages, plan.num_shards) if stages else [None]:
         whole = jax.lax.all_gather(whole, axis_name, tiled=True, axis_index_groups=groups)
       buckets.append(whole.reshape(plan.num_shards, -1)[:, :shard.shape[0]].reshape(-1))
   return plan.unpack(buckets)
-
-
-def _ring_perm(n):
-  return [(j, (j + 1) % n) for j in range(n)]
-
-
-def _ring_reduce_scatter(bucket_f32, axis_name, n, wire_dtype):
-  """Device i ends with chunk i summed over the ring: at step s it forwards its running
-  sum of chunk (i - s - 1) mod n and adds its own part of the chunk it receives."""
-  chunks = bucket_f32.reshape(n, -1)
-  i = jax.lax.axis_index(axis_name)
-  partial = chunks[(i - 1) % n]
-  for s in range(n - 1):
-    received = jax.lax.ppermute(partial.astype(wire_dtype), axis_name, _ring_perm(n))
-    partial = received.astype(jnp.float32) + chunks[(i - s - 2) % n]
-  return partial
-
-
-def _ring_all_gather(shard, axis_name, n):
-  """Each device passes along what it last received; after n - 1 steps all have all."""
-  i = jax.lax.axis_index(axis_name)
-  out = jnp.zeros((n,) + shard.shape, shard.dtype)
-  out = jax.lax.dynamic_update_index_in_dim(out, shard, i, 0)
-  current = shard
-  for s in range(n - 1):
-    current = jax.lax.ppermute(current, axis_name, _ring_perm(n))
-    out = jax.lax.dynamic_update_index_in_dim(out, current, (i - s - 1) % n, 0)
-  return out.reshape(-1)
