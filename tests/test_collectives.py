@@ -101,7 +101,7 @@ def test_a_leaf_of_whole_tiles_moves_as_its_rows():
   for shape in ((N * 16, 200), (N * 8, 384), (N * 16 + 1, 384), (N * 16, 2, 128)):
     assert collectives.BucketPlan.create({"w": jnp.zeros(shape)}, N).leaf_rows(0) is None
   want = x.mean(0)
-  for impl in collectives.IMPLS:
+  for impl in ("xla", "all_to_all"):  # "ring" moves flat rows
     for chunk_bytes in (None, N * 16 * 128 * 4):  # three chunks of 128 columns
       @functools.partial(jax.shard_map, mesh=_mesh(), check_vma=False, in_specs=P("data"),
                          out_specs=(P("data"), P()))
