@@ -122,11 +122,18 @@ class BucketPlan:
 
   def pack(self, tree) -> list[jax.Array]:
     """The tree as flat buckets `[bucket_size(b)]`, in the interleaved layout."""
+    return [rows.reshape(-1) for rows in self.bucket_rows(tree, views=False)]
+
+  def bucket_rows(self, tree, *, views=True) -> list[jax.Array]:
+    """Per bucket, what its collectives move: the flat bucket as `[num_shards,
+    shard_size(b)]` rows, row s being shard s's pieces; with `views`, a bucket of whole
+    tiles (`leaf_rows`) as its leaf's `[num_shards, r, c]` view instead (no copy)."""
     leaves = self._leaves(tree)
     out = []
-    for members in self.buckets:
-      rows = [self.leaf_pieces(leaves[i], i) for i in members]  # each [num_shards, piece]
-      out.append(jnp.concatenate(rows, axis=1).reshape(-1))
+    for b, members in enumerate(self.buckets):
+      view = self.leaf_rows(b) if views else None
+      out.append(leaves[members[0]].reshape(self.num_shards, *view) if view else
+                 jnp.concatenate([self.leaf_pieces(leaves[i], i) for i in members], axis=1))
     return out
 
   def unpack(self, buckets) -> object:
@@ -223,15 +230,11 @@ def reduce_scatter(tree, plan: BucketPlan, axis_name, *, impl="xla", mean=True,
   """
   _check(plan, axis_name, impl)
   n = plan.num_shards
-  leaves = jax.tree.leaves(tree)
   out = []
-  for b, bucket in enumerate(plan.pack(tree)):
+  # `[n, w]` rows of the flat bucket, or the leaf's `[n, r, c]` view (`leaf_rows`).
+  for b, rows in enumerate(plan.bucket_rows(tree, views=impl != "ring")):
     dtype = jnp.dtype(plan.bucket_dtype(b))
-    view = None if impl == "ring" else plan.leaf_rows(b)
-    # `[n, w]` rows of the flat bucket, or the leaf's `[n, r, c]` view (`leaf_rows`).
-    rows = (bucket.reshape(n, -1) if view is None else
-            leaves[plan.buckets[b][0]].reshape(n, *view))
-    width, align = rows.shape[-1], (TILE if view is None else 128)
+    width, align = rows.shape[-1], (TILE if rows.ndim == 2 else 128)
     column = rows.size // width * dtype.itemsize  # bytes of one column of every row
     step = width if chunk_bytes is None else max(
         align, chunk_bytes // column // align * align)  # whole tiles per chunk
