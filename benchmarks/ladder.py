@@ -17,6 +17,9 @@ second per chip (2 L tokens per pair), the communication share with nothing over
 and the exposed share of the compiled schedule (`aot.overlap`). Each row compiles in
 its own subprocess (the compiler's memory is returned between rows); the table is
 printed and, with `--out`, written as Markdown stamped with the commit and versions.
+`--split_backward` compiles the LM head's log-probs with the split backward kernels
+wherever they fit (`tunix_kernels.LogprobsBlockSizes` with a `block_d`; 10 N D V flops,
+no float32 `d_hidden` partial), to compare the step's memory with the fused backward's.
 """
 
 import argparse
@@ -34,6 +37,7 @@ if __name__ == "__main__":  # before JAX starts
 import jax  # noqa: E402
 
 from tunix_kernels import tpu  # noqa: E402
+from tunix_kernels.logprobs import blocks as logprobs_blocks  # noqa: E402
 from tunix_core.aot import comms  # noqa: E402
 from tunix_core.aot import compile as aot  # noqa: E402
 from tunix_core.training import config as config_lib  # noqa: E402
@@ -116,15 +120,22 @@ def main():
   p.add_argument("--rows", default=",".join(str(i) for i in range(len(ROWS))))
   p.add_argument("--row", type=int, default=None, help="(internal) measure one row")
   p.add_argument("--out", default=None)
+  p.add_argument("--split_backward", action="store_true",
+                 help="the log-prob kernels' split backward wherever it fits")
   a = p.parse_args()
   if not tpu.has_libtpu():
     raise SystemExit("needs libtpu (the `tpu` extra)")
+  if a.split_backward:
+    # The default tiles take the faster backward on the chip's roofline; rank the split
+    # pair first instead (the fused one stays where only it fits).
+    logprobs_blocks.roofline_seconds = lambda bs, *_: float(bs.fused)
   if a.row is not None:
     print("RESULT " + json.dumps(measure(a.row)))
     return
   results = []
   for i in (int(x) for x in a.rows.split(",")):
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), f"--row={i}"],
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), f"--row={i}"]
+                          + ["--split_backward"] * a.split_backward,
                           capture_output=True, text=True, cwd=REPO)
     found = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     model, topology, L, variant = ROWS[i]
