@@ -99,15 +99,14 @@ def _median_interval(ends: list[float], warmup: int) -> float:
   return statistics.median(np.diff(ends[warmup:]).tolist())
 
 
-def run_ours(a, config: dict, pairs) -> dict:
-  """Our trainer's DPO step (module docstring)."""
+def ours_plan(a, config: dict, pairs, devices):
+  """`(plan, host batch)` of our trainer's step on `pairs` (module docstring), planned
+  from the batch as the trainer plans from its data."""
   import dataclasses  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
   from tunix_core.data import encode  # pylint: disable=g-import-not-at-top
   from tunix_core.data import packing  # pylint: disable=g-import-not-at-top
   from tunix_core.training import config as config_lib  # pylint: disable=g-import-not-at-top
   from tunix_core.training import plan as plan_lib  # pylint: disable=g-import-not-at-top
-  from tunix_core.training import step as step_lib  # pylint: disable=g-import-not-at-top
 
   T, P = a.tokens, a.tokens // 2
   host = {k: np.zeros((a.pairs, 2, T), np.int32) for k in ("tokens", "targets", "loss_mask",
@@ -125,13 +124,39 @@ def run_ours(a, config: dict, pairs) -> dict:
                                hf_model_dir=model_dir, batch_size=a.pairs, max_length=T,
                                max_prompt_length=P, steps=a.warmup + a.steps,
                                reference=a.reference, remat=a.remat)
-  devices = jax.devices()[:1]
   plan = plan_lib.make_plan(dataclasses.replace(cfg, compile_only=True), devices,
                             packing.pair_sizes(host, cfg.prefix_sharing))
+  return plan, host
+
+
+def aot_ours(a, config: dict, pairs) -> dict:
+  """The same step compiled ahead of time for one chip of `--aot` (a TPU generation):
+  what the compiler says it needs, to set beside the allocator's peak on that chip."""
+  from tunix_core.aot import compile as aot  # pylint: disable=g-import-not-at-top
+  chip, devices = aot.target_devices(f"{a.aot}-1")
+  plan, _ = ours_plan(a, config, pairs, devices[:1])
+  stats = aot.compile_stats(plan, chip, devices[:1])
+  if stats["error"]:
+    raise RuntimeError(stats["error"])
+  return dict(device=f"{a.aot} (ahead of time)", plan=plan.describe(),
+              **{k: stats[k] for k in ("argument", "output", "alias", "temp", "peak", "hbm",
+                                       "need")})
+
+
+def run_ours(a, config: dict, pairs) -> dict:
+  """Our trainer's DPO step (module docstring)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from tunix_core.training import step as step_lib  # pylint: disable=g-import-not-at-top
+
+  devices = jax.devices()[:1]
+  t_plan = time.perf_counter()
+  plan, host = ours_plan(a, config, pairs, devices)
   steps = step_lib.make_steps(plan, devices)
   state = steps.init_state(jax.random.PRNGKey(0))
   frozen = jax.tree.map(lambda x: x.copy(), state["params"]) if plan.reference == "step" else None
   t0 = time.perf_counter()
+  print(f"planned and initialised in {t0 - t_plan:.1f} s: {plan.describe()}", file=sys.stderr,
+        flush=True)
   ends = []
   for _ in range(a.warmup + a.steps + 1):
     state, metrics = steps.train_step(state, frozen, steps.put_batch(host))
@@ -219,6 +244,8 @@ def table(path: str) -> str:
   with open(path, encoding="utf-8") as f:
     rows = [json.loads(line) for line in f]
   for r in rows:
+    if "need" in r:  # an --aot row: no time
+      continue
     if "error" in r:
       lines.append(f"| {r['model']} | {r['tokens']} | {r['pairs']} | {r['side']} | "
                    f"{r['error']} | | | |")
@@ -246,6 +273,8 @@ def main() -> int:
   p.add_argument("--reference", default="step", help="ours: --reference")
   p.add_argument("--remat", default="none", help="ours: --remat (none: the default)")
   p.add_argument("--liger", action="store_true", help="trl: use_liger_kernel=True")
+  p.add_argument("--aot", help="ours: compile for one chip of this TPU generation (v5e, "
+                 "...) ahead of time instead of running, for the compiler's memory figures")
   p.add_argument("--out", default="gpu_results.jsonl", help="JSONL the case appends to")
   a = p.parse_args()
   if a.side == "table":
@@ -258,7 +287,8 @@ def main() -> int:
   side = ("trl+liger" if a.liger else "trl") if a.side == "trl" else "ours" + flags
   case = dict(model=a.model, tokens=a.tokens, pairs=a.pairs, side=side)
   try:
-    measured = (run_ours if a.side == "ours" else run_trl)(a, config, pairs)
+    run = run_trl if a.side == "trl" else aot_ours if a.aot else run_ours
+    measured = run(a, config, pairs)
   except Exception as e:  # pylint: disable=broad-except  (the table says what failed)
     _append(a.out, dict(case, error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"))
     raise

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,3 +55,27 @@ def test_dry_run_writes_a_row_per_side_and_the_table(tmp_path):
   assert "shared rows" in rows[ours]["plan"] and "remat full" in rows[ours]["plan"]
   table = (tmp_path / "table.md").read_text()
   assert all(f"| tiny | 64 | 2 | {side} |" in table for side in rows), table
+
+
+@pytest.mark.slow  # interpret mode: the Pallas kernels on a CPU
+def test_on_chip_dry_run_checks_every_impl_against_the_reference():
+  """`benchmarks/on_chip.py`, the script a lent TPU chip runs, at tiny shapes in interpret
+  mode: each implementation compiles, runs, is timed and is compared with the reference
+  (XLA's logits; the blockwise XLA attention), and the comparison can fail."""
+  spec = importlib.util.spec_from_file_location(
+      "on_chip", os.path.join(REPO, "benchmarks", "on_chip.py"))
+  on_chip = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(on_chip)
+  case = on_chip.logprobs_case(64, 256, 512, ["pallas", "split", "xla", "naive"], None,
+                               repeats=1, interpret=True)
+  assert case["split_tiles"].endswith("D 128"), case  # the split kernels did run split
+  for name in ("pallas", "split", "xla"):
+    r = case["impls"][name]
+    assert r["ms"] > 0 and r["value_err"] < 1e-6 and max(r["grad_errs"]) < 1e-2, (name, r)
+  case = on_chip.attention_case(256, ["pallas", "xla"], 1, True, None, h=4, kv=2, kdim=128)
+  r = case["impls"]["pallas"]
+  assert r["value_err"] < 1e-2 and max(r["grad_errs"]) < 1e-2, r
+  # The measure itself, on a hand-computed gap: |1 - 2| / 2 for values and gradients.
+  ones = np.ones((4, 3), np.float32)
+  assert on_chip._errors((ones, [ones]), (2 * ones, [2 * ones])) == dict(
+      value_err=0.5, grad_errs=[0.5])

@@ -1,0 +1,214 @@
+"""The kernels on a real TPU chip: values and gradients against XLA, and measured time
+against the roofline of their own compiled cost analysis.
+
+    python benchmarks/on_chip.py logprobs [--heads 8192:4096:128256,...] [--out r.jsonl]
+    python benchmarks/on_chip.py attention [--rows 4096,8192] [--out r.jsonl]
+    python benchmarks/on_chip.py --dry_run logprobs   # tiny shapes, interpret mode, CPU
+
+Everything else of ours about a TPU is an ahead-of-time compile; this runs the Mosaic
+kernels. Per case, forward + backward of one jitted function (the sum of the op's output
+times a fixed random cotangent, differentiated in every input the op takes):
+
+- log-probs (`fused_logprobs`, bf16 hidden `[N, D]` and weight `[D, V]`): `pallas` (the
+  default tiles: the fused backward where it fits), `split` (the split backward kernels,
+  `LogprobsBlockSizes` with a `block_d`), `xla` (the chunked scan) and `naive` (XLA's
+  `[N, V]` logits, where they fit the chip);
+- attention (causal GQA rows of one sequence, bf16 `[B, T, H, K]`): `pallas` and `xla`.
+
+Columns: the median wall time of `--repeats` interleaved calls (after one warm-up);
+the roofline of the same executable, `max(flops / peak, bytes / HBM bandwidth)` from
+its compiled cost analysis (a Pallas kernel reports its `cost_estimate`) and
+`tunix_kernels.tpu.Chip`'s figures; log-probs also over the 6 N D V compute bound; the
+compiled temporaries; and the error against `naive` (log-probs) or `xla` (attention):
+the largest absolute difference of the values over their largest magnitude, and the
+norm of each gradient's difference over the reference gradient's norm.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+import tunix_kernels
+from tunix_kernels import attention as attention_lib
+from tunix_kernels import tpu
+from tunix_kernels.logprobs import blocks as logprobs_blocks
+
+
+def split_tiles(d, dtype, chip, n, v):
+  """The default tiles with the split backward ranked first (it fits wherever the fused
+  one does), as `benchmarks/ladder.py --split_backward` compiles them. `get_default`
+  ranks the two backwards only for a known chip: the dry run (no chip) takes v5e's."""
+  saved = logprobs_blocks.roofline_seconds
+  logprobs_blocks.roofline_seconds = lambda bs, *_: float(bs.fused)
+  try:
+    return tunix_kernels.LogprobsBlockSizes.get_default(d, dtype, chip or "v5e",
+                                                        num_tokens=n, vocab_size=v)
+  finally:
+    logprobs_blocks.roofline_seconds = saved
+
+
+@jax.jit
+def _diff(a, b):
+  """(norm of a - b, norm of b, max |a - b|, max |b|) in float32, fused on the device:
+  host copies of gradients of `[D, V]` would take minutes."""
+  a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+  return (jnp.sqrt(jnp.sum(jnp.square(a - b))), jnp.sqrt(jnp.sum(jnp.square(b))),
+          jnp.max(jnp.abs(a - b)), jnp.max(jnp.abs(b)))
+
+
+def _errors(out, ref) -> dict:
+  (value, grads), (ref_value, ref_grads) = out, ref
+  _, _, err, top = map(float, _diff(value, ref_value))
+  rel = lambda g, r: (lambda d: float(d[0] / max(d[1], 1e-30)))(_diff(g, r))
+  return dict(value_err=err / max(top, 1e-30),
+              grad_errs=[rel(g, r) for g, r in zip(grads, ref_grads)])
+
+
+def measure(fns: dict, args: tuple, repeats: int, chip, reference: str) -> dict:
+  """Compiles each of `fns` on `args`, checks it against `fns[reference]`, and times them
+  interleaved; returns one dict per name (`error` where it did not compile or run)."""
+  rows, compiled, ref = {}, {}, None
+  # The reference first, so each other output is checked as it comes and then dropped:
+  # four sets of gradients of a large head do not fit the chip at once.
+  for name in sorted(fns, key=lambda name: name != reference):
+    try:
+      exe = jax.jit(fns[name]).lower(*args).compile()
+      cost = exe.cost_analysis()
+      cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+      mem = exe.memory_analysis()
+      out = jax.block_until_ready(exe(*args))  # also the warm-up
+      compiled[name] = exe
+      rows[name] = dict(flops=float(cost.get("flops", 0.0)),
+                        bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+                        temp_bytes=int(mem.temp_size_in_bytes) if mem else None)
+      if chip is not None:
+        rows[name]["roofline_ms"] = 1e3 * max(rows[name]["flops"] / chip.peak_flops,
+                                              rows[name]["bytes_accessed"]
+                                              / chip.hbm_bandwidth)
+      if name == reference:
+        ref = out
+      elif ref is not None:
+        rows[name].update(_errors(out, ref))
+      del out
+    except Exception as e:  # pylint: disable=broad-except  (a table row: OOM, refusal)
+      rows[name] = dict(error=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}")
+  del ref
+  times = {name: [] for name in compiled}
+  for _ in range(repeats):
+    for name, exe in compiled.items():  # interleaved: drift hits every impl alike
+      t0 = time.perf_counter()
+      jax.block_until_ready(exe(*args))
+      times[name].append(time.perf_counter() - t0)
+  for name, ts in times.items():
+    rows[name]["ms"] = 1e3 * statistics.median(ts)
+  return rows
+
+
+def logprobs_case(n, d, v, impls, chip, repeats, interpret) -> dict:
+  dtype = jnp.bfloat16
+  k = jax.random.split(jax.random.PRNGKey(0), 4)
+  args = (jax.random.normal(k[0], (n, d), jnp.float32).astype(dtype),
+          (jax.random.normal(k[1], (d, v), jnp.float32) / d ** 0.5).astype(dtype),
+          jax.random.randint(k[2], (n,), 0, v), jax.random.normal(k[3], (n,), jnp.float32))
+  kernel = "interpret" if interpret else "pallas"
+  tiles = dict(pallas=None, split=split_tiles(d, dtype, chip and chip.name, n, v))
+
+  def fn(impl):
+    op = dict(pallas=kernel, split=kernel).get(impl, impl)
+    def f(h, w, t, g):
+      logp = lambda h, w: tunix_kernels.fused_logprobs(h, w, t, impl=op,
+                                                       block_sizes=tiles.get(impl))
+      value, vjp = jax.vjp(logp, h, w)
+      return value, vjp(g)
+    return f
+
+  rows = measure({impl: fn(impl) for impl in impls}, args, repeats, chip, "naive")
+  bound_ms = 1e3 * 6 * n * d * v / chip.peak_flops if chip else None
+  for row in rows.values():
+    if "flops" in row:
+      row["flops_ndv"] = row["flops"] / (n * d * v)
+    if bound_ms and "ms" in row:
+      row.update(bound_ms=bound_ms, over_bound=row["ms"] / bound_ms)
+  t = tiles["split"]
+  return dict(op="logprobs", n=n, d=d, v=v, split_tiles=f"{t.block_n}x{t.block_v} D {t.block_d}",
+              impls=rows)
+
+
+def attention_case(t, impls, repeats, interpret, chip, b=1, h=32, kv=8, kdim=128) -> dict:
+  dtype = jnp.bfloat16
+  k = jax.random.split(jax.random.PRNGKey(1), 4)
+  q = jax.random.normal(k[0], (b, t, h, kdim), jnp.float32).astype(dtype)
+  kk, vv = (jax.random.normal(x, (b, t, kv, kdim), jnp.float32).astype(dtype) for x in k[1:3])
+  g = jax.random.normal(k[3], (b, t, h, kdim), jnp.float32).astype(dtype)
+  pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  vis = attention_lib.Visibility(positions=pos, valid=jnp.ones((b, t), jnp.int32))
+
+  def fn(impl):
+    op = "interpret" if (impl == "pallas" and interpret) else impl
+    def f(q, kk, vv, g):
+      att = lambda q, kk, vv: attention_lib.attention(q, kk, vv, vis, scale=kdim ** -0.5,
+                                                      impl=op)
+      value, vjp = jax.vjp(att, q, kk, vv)
+      return value, vjp(g)
+    return f
+
+  rows = measure({impl: fn(impl) for impl in impls}, (q, kk, vv, g), repeats, chip, "xla")
+  return dict(op="attention", b=b, t=t, h=h, kv=kv, k=kdim, impls=rows)
+
+
+def _print(case: dict) -> None:
+  shape = " ".join(f"{k}={case[k]}" for k in ("n", "d", "v", "b", "t", "h", "kv") if k in case)
+  for name, r in case["impls"].items():
+    if "error" in r:
+      print(f"{case['op']} {shape} {name}: {r['error']}", flush=True)
+      continue
+    extra = "".join(f" {k}={r[k]:.3g}" for k in ("roofline_ms", "flops_ndv", "over_bound",
+                                                 "value_err") if k in r)
+    grads = " grad_errs=" + ",".join(f"{e:.2g}" for e in r["grad_errs"]) if "grad_errs" in r else ""
+    temp = f" temp={r['temp_bytes'] / 2**20:.0f}MiB" if r.get("temp_bytes") is not None else ""
+    print(f"{case['op']} {shape} {name}: {r['ms']:.3f} ms{extra}{temp}{grads}", flush=True)
+
+
+def main() -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("op", choices=("logprobs", "attention"))
+  p.add_argument("--heads", default="8192:4096:128256,4096:8192:128256,8192:2048:128256,"
+                 "8192:2048:256000,16384:2048:32000", help="N:D:V,...")
+  p.add_argument("--impls", default=None, help="default: pallas,split,xla,naive (log-probs), "
+                 "pallas,xla (attention)")
+  p.add_argument("--rows", default="2048,8192", help="attention: T per row")
+  p.add_argument("--repeats", type=int, default=7)
+  p.add_argument("--out", help="append one JSON line per case")
+  p.add_argument("--dry_run", action="store_true", help="tiny shapes in interpret mode (CPU)")
+  a = p.parse_args()
+  chip = tpu.target_chip()
+  if chip is None and not a.dry_run:
+    sys.exit("benchmarks/on_chip.py runs on a TPU chip (or --dry_run on CPU)")
+  print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+  if a.op == "logprobs":
+    heads = [tuple(map(int, h.split(":"))) for h in a.heads.split(",")]
+    if a.dry_run:
+      heads = [(64, 256, 512)]
+    impls = (a.impls or "pallas,split,xla,naive").split(",")
+    cases = (logprobs_case(n, d, v, impls, chip, a.repeats, a.dry_run) for n, d, v in heads)
+  else:
+    rows = [256] if a.dry_run else [int(t) for t in a.rows.split(",")]
+    impls = (a.impls or "pallas,xla").split(",")
+    cases = (attention_case(t, impls, a.repeats, a.dry_run, chip,
+                            **(dict(h=4, kv=2, kdim=128) if a.dry_run else {}))
+             for t in rows)
+  for case in cases:
+    _print(case)
+    if a.out:
+      with open(a.out, "a", encoding="utf-8") as f:
+        f.write(json.dumps(case) + "\n")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
