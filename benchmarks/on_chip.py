@@ -110,6 +110,8 @@ def measure(fns: dict, args: tuple, repeats: int, chip, reference: str) -> dict:
 
 
 def logprobs_case(n, d, v, impls, chip, repeats, interpret) -> dict:
+  """One head: `hidden [n, d]`, `weight [d, v]` (bf16), each of `impls` (module
+  docstring; with `interpret`, the kernels in interpret mode), checked against `naive`."""
   dtype = jnp.bfloat16
   k = jax.random.split(jax.random.PRNGKey(0), 4)
   args = (jax.random.normal(k[0], (n, d), jnp.float32).astype(dtype),
@@ -140,6 +142,8 @@ def logprobs_case(n, d, v, impls, chip, repeats, interpret) -> dict:
 
 
 def attention_case(t, impls, repeats, interpret, chip, b=1, h=32, kv=8, kdim=128) -> dict:
+  """`b` causal rows of `t` tokens, `h` query heads over `kv` KV heads of `kdim` (bf16),
+  each of `impls`, checked against `xla`."""
   dtype = jnp.bfloat16
   k = jax.random.split(jax.random.PRNGKey(1), 4)
   q = jax.random.normal(k[0], (b, t, h, kdim), jnp.float32).astype(dtype)
