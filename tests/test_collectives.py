@@ -61,12 +61,14 @@ def _psum_mean(plan):
     if b == 64 or (impl, b) in (("xla", 4096), ("ring", 2**20), ("all_to_all", 2**20))
     else (impl, b) for impl in collectives.IMPLS for b in (64, 4096, 2**20)])
 def test_sync_equals_psum_mean(impl, bucket_bytes):
+  # Both trees have the same leaves' shapes and dtypes: one plan, one compile of each side.
+  local0 = jax.tree.map(lambda x: x[0], _tree(jax.random.PRNGKey(0), True))
+  plan = collectives.BucketPlan.create(local0, N, bucket_bytes)
+  sync, psum_mean = _sync(plan, impl), _psum_mean(plan)
   for integer_valued, tol in ((True, 0.0), (False, 1e-6)):
     stacked = _tree(jax.random.PRNGKey(0), integer_valued)
-    local0 = jax.tree.map(lambda x: x[0], stacked)
-    plan = collectives.BucketPlan.create(local0, N, bucket_bytes)
-    got = _sync(plan, impl)(stacked)
-    want = _psum_mean(plan)(stacked)
+    got = sync(stacked)
+    want = psum_mean(stacked)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       assert g.dtype == w.dtype and g.shape == w.shape
       # A bf16 mean is rounded to bf16 once in both, but from f32 sums taken in another
