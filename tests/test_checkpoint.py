@@ -260,8 +260,8 @@ def test_two_processes_killed_and_resumed_equal_one_process(tmp_path, gcs, lora)
   """The pod recipe on two processes (loopback) with no shared disk, checkpoints and the
   export on `gs://`: full fine-tuning on 2 x 4 devices, FSDP with a model axis of 2 on
   each host; LoRA with --export_merged on 2 x 1 device, a model axis of 2 across both
-  hosts. The full run is killed (SIGKILL, both processes) before step 9 and the same
-  command resumes it from the bucket to step 20. Both end with status 0, every step's
+  hosts. The full run is killed (SIGKILL, both processes) before step 7 and the same
+  command resumes it from the bucket to step 12. Both end with status 0, every step's
   loss on the curve of one process on as many devices that never stopped, and the
   export (LoRA: the PEFT adapter and merged/) equal to that process's. The full run
   starts from HF weights in the bucket, of which each process fetches only its devices'
@@ -284,7 +284,7 @@ def test_two_processes_killed_and_resumed_equal_one_process(tmp_path, gcs, lora)
     for name in ("tokenizer.json", "tokenizer_config.json"):
       shutil.copy(os.path.join(REPO, "tests", "fixtures", "hf", "tokenizer", name), model_dir)
     gcs_lib.upload(gcs, str(model_dir), out + "/model")
-  steps = 3 if lora else 20
+  steps = 3 if lora else 12
   cfg = _config(out, steps=steps, save_every=3, export_hf_dir=out + "/export", **layout)
 
   def launch(**env):
@@ -295,9 +295,9 @@ def test_two_processes_killed_and_resumed_equal_one_process(tmp_path, gcs, lora)
              for i in range(2)]
     return [(p,) + p.communicate(timeout=600) for p in procs]
 
-  # Full: both processes are killed (SIGKILL) before step 9, then the same command
-  # resumes from the last checkpoint the bucket holds and runs to step 20.
-  first = launch(**({} if lora else {"TUNIX_TEST_KILL_AT_STEP": "9"}))
+  # Full: both processes are killed (SIGKILL) before step 7, then the same command
+  # resumes from the last checkpoint the bucket holds and runs to step 12.
+  first = launch(**({} if lora else {"TUNIX_TEST_KILL_AT_STEP": "7"}))
   ends = first if lora else launch()
   for i, (p, stdout, err) in enumerate(first):
     assert (p.returncode == 0) if lora else (p.returncode != 0), err[-3000:]

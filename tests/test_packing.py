@@ -201,16 +201,16 @@ def test_fsdp_4x2_tensor_parallel_packed_equals_unpacked_on_one_device(tmp_path)
 
 
 @pytest.mark.slow
-def test_quickstart_first_15_steps_equal_with_prefix_sharing_on_and_off(tmp_path):
+def test_quickstart_first_10_steps_equal_with_prefix_sharing_on_and_off(tmp_path):
   from tunix_core.run import loop as train  # pylint: disable=g-import-not-at-top
   got = {}
   for share in (True, False):
     out = tmp_path / str(share)
-    cfg = runs.quickstart_config(out, steps=15, log_every=1, save_every=0, eval_every=15,
+    cfg = runs.quickstart_config(out, steps=10, log_every=1, save_every=0, eval_every=10,
                       prefix_sharing=share)
     train.train(cfg, devices=jax.devices()[:1], **runs.QUIET)
     got[share] = runs.rows(out)
-  assert len(got[True]) == len(got[False]) == 16  # 15 train rows and one eval row
+  assert len(got[True]) == len(got[False]) == 11  # 10 train rows and one eval row
   for on, off in zip(got[True], got[False]):
     for k, v in off.items():
       if k in ("tokens_per_sec", "mfu", "time") or not isinstance(v, float):
