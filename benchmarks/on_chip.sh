@@ -34,9 +34,11 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 start=$SECONDS
 part() {  # part NAME LIMIT CMD...: one process, its output into $OUT/NAME.txt
   local name=$1 limit=$2; shift 2
+  local seen; seen=$(stat -c %s "$OUT/$name.txt" 2>/dev/null || echo 0)
   echo "== $name ($(( SECONDS - start )) s in)"
   timeout "$limit" "$@" >> "$OUT/$name.txt" 2>&1 || echo "   $name: status $? ($OUT/$name.txt)"
-  grep -v "^WARNING" "$OUT/$name.txt" | tail -n 40
+  # What this call added (the step's cases share one file), without the log's warnings.
+  tail -c +$(( seen + 1 )) "$OUT/$name.txt" | grep -v "^WARNING" | tail -n 40
 }
 part logprobs "${LOGPROBS_LIMIT:-270}" python3 benchmarks/on_chip.py logprobs ${LOGPROBS_ARGS:-} --out "$OUT/kernels.jsonl"
 [[ -n "${SKIP_ATTENTION:-}" ]] || part attention 90 python3 benchmarks/on_chip.py attention --out "$OUT/kernels.jsonl"
