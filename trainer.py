@@ -6,7 +6,6 @@ line before anything is compiled.
 """
 
 import dataclasses
-import glob
 import logging
 import os
 import re
@@ -18,12 +17,13 @@ import jax
 from absl import app
 from absl import flags
 
-from tunix_kernels import tpu
 from tunix_core import data as data_lib
 from tunix_core.aot import compile as aot
 from tunix_core.checkpoints import store as checkpoint
 from tunix_core.hf import config as hf_config
 from tunix_core.hf import tokenizer as hf_tokenizer
+from tunix_core.run import compile_cache
+from tunix_core.run import distributed
 from tunix_core.run import logs
 from tunix_core.run import loop as train_lib
 from tunix_core.run import preemption
@@ -57,9 +57,13 @@ flags.DEFINE_bool("reference_free", None, "Deprecated: --reference=none.")
 # joins the job from the TPU environment.
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0's coordinator "
                     "(with --num_processes and --process_id): for CPU hosts and tests, "
-                    "over gloo. Without it a multi-host TPU job joins on its own.")
+                    "over gloo. Without it a multi-host TPU job joins on its own "
+                    "(docs/pod.md: the rule that decides).")
 flags.DEFINE_integer("num_processes", None, "Number of processes in the job.")
 flags.DEFINE_integer("process_id", None, "This process's index, 0 .. num_processes-1.")
+flags.DEFINE_float("coordinator_timeout", 45.0, "Seconds a multi-host job may take to join "
+                   "(all hosts started, the coordinator reached) before the run ends with "
+                   "status 1; raise it where hosts start far apart.")
 # Terminal.
 flags.DEFINE_bool("library_logging", False, "Show the INFO logging of JAX, Orbax and other "
                   "libraries on stderr (for debugging); by default at most a few of their "
@@ -112,30 +116,6 @@ PREEMPTED_EXIT_CODE = 42         # stopped by SIGTERM/SIGINT after its checkpoin
 # (the watchdog's thread ends the process: a hung thread cannot be interrupted).
 
 
-def _on_tpu_vm() -> bool:
-  """Whether this host has TPU chips (their device files, without starting a backend) or
-  a TPU job's environment names its workers."""
-  return bool(glob.glob("/dev/accel*") or os.environ.get("TPU_WORKER_HOSTNAMES")
-              or (glob.glob("/dev/vfio/[0-9]*") and tpu.has_libtpu()))
-
-
-def init_distributed() -> None:
-  """Joins the multi-process job: the one the flags name (CPU hosts and tests, over
-  gloo), or on a TPU VM without them the TPU job's own (`jax.distributed.initialize()`
-  detects its workers; a single host is a job of one); elsewhere nothing."""
-  f = flags.FLAGS
-  if f.coordinator_address is None and f.num_processes is None and f.process_id is None:
-    if _on_tpu_vm():
-      jax.distributed.initialize()
-    return
-  if f.coordinator_address is None or f.num_processes is None or f.process_id is None:
-    raise config_lib.ConfigError("--coordinator_address, --num_processes and "
-                                 "--process_id go together")
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(coordinator_address=f.coordinator_address,
-                             num_processes=f.num_processes, process_id=f.process_id)
-
-
 def _library_log_path(output_dir: str) -> str:
   """`{output_dir}/trainer.log` (one file per process), creating the directory if it can;
   for a remote `output_dir` (object storage cannot append) the same name in this
@@ -178,7 +158,12 @@ def main(argv):
 
   try:
     cfg = config_from_flags(warn=lambda line: print(line, file=terminal, flush=True))
-    init_distributed()
+    say = lambda line: print(line, flush=True)
+    f = flags.FLAGS
+    distributed.join(distributed.plan(f.coordinator_address, f.num_processes, f.process_id),
+                     f.coordinator_timeout, say, terminal)
+    compile_cache.enable(cfg.compilation_cache_dir, cfg.output_dir, cfg.compilation_cache_gb,
+                         say, primary=jax.process_index() == 0)
     if cfg.compile_only:
       sys.exit(aot.compile_only(cfg, cfg.target_topology))
     train_lib.train(cfg)

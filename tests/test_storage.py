@@ -183,7 +183,7 @@ def _ckpt_steps(out):
 
 @pytest.mark.slow
 def test_a_run_on_gcs_trains_resumes_falls_back_and_exports(tmp_path, gcs):
-  """Output, data and HF model all on `gs://`: a run killed (SIGKILL) after its step-4
+  """Output, data, HF model and compilation cache all on `gs://`: a run killed (SIGKILL) after its step-4
   checkpoint resumes bit-exactly (metrics.jsonl keeps its rows up to the restored step,
   then one row per step); a damaged newest step (bytes flipped in an object) is moved
   aside and the run falls back past it; only --keep steps stay; the export lands on
@@ -191,7 +191,7 @@ def test_a_run_on_gcs_trains_resumes_falls_back_and_exports(tmp_path, gcs):
   bucket = gcs.bucket("pod")
   flags = dict(_pod_inputs(tmp_path, gcs, bucket), max_length=48, max_prompt_length=24,
                batch_size=8, log_every=1, save_every=2, keep=2, eval_every=4,
-               learning_rate=1e-3)
+               learning_rate=1e-3, compilation_cache_dir=f"{bucket}/compile_cache")
   args = lambda out, **kw: [f"--{k}={v}" for k, v in {**flags, "output_dir": out, **kw}.items()]
   work, tmp, home = (tmp_path / d for d in ("work", "tmp", "home"))
   for d in (work, tmp, home):
@@ -216,6 +216,13 @@ def test_a_run_on_gcs_trains_resumes_falls_back_and_exports(tmp_path, gcs):
   resumed = _trainer(args(run, steps=8), local, work)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert "resumed from step" in resumed.stdout
+  # One compilation cache on object storage: the first run stores the step, a resume
+  # (another process, another step number) loads it.
+  assert (f"step 1: compiled in " in straight.stdout and
+          f"(not in the compilation cache at {bucket}/compile_cache; stored for the next "
+          "start)" in straight.stdout)
+  assert (f"step 5: loaded from the compilation cache in " in resumed.stdout and
+          f"({bucket}/compile_cache)" in resumed.stdout)
   got, want = runs.rows(run), runs.rows(f"{bucket}/straight")
   assert [r["step"] for r in got] == [r["step"] for r in want]  # one row per logged step
   assert runs.losses(run) == runs.losses(f"{bucket}/straight")  # bit-identical

@@ -42,14 +42,19 @@ def test_flagfile_run_on_8_devices_loss_falls_from_ln2(tmp_path):
       f"--output_dir={tmp_path / 'out'}", f"--train_data={TRAIN}", f"--eval_data={EVAL}",
       "--max_length=40", "--max_prompt_length=20", "--batch_size=16", "--steps=10",
       "--log_every=1", "--eval_every=10", "--learning_rate=2e-3", "--warmup_steps=2",
-      "--precompute_ref_logps"]) + "\n")
+      "--precompute_ref_logps", f"--compilation_cache_dir={flagfile}/cache"]) + "\n")
+  # A TPU environment naming one worker is a job of one process, with one notice line.
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
+             JAX_PLATFORMS="cpu", TPU_WORKER_HOSTNAMES="localhost")
   proc = subprocess.run([sys.executable, os.path.join(REPO, "trainer.py"),
                          f"--flagfile={flagfile}"], cwd=tmp_path, env=env,
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "on 8 cpu device(s)" in proc.stdout
+  assert "on 8 cpu device(s) in 1 process(es)" in proc.stdout
+  assert "distributed: TPU_WORKER_HOSTNAMES names one worker: one process" in proc.stdout
+  # A cache directory that cannot be made: one line, and the run goes on uncached.
+  assert f"compilation cache: {flagfile}/cache is not writable" in proc.stdout
+  assert "step 1: compiled in " in proc.stdout and "(no compilation cache)" in proc.stdout
   # The deprecated flag still works, and says so; the default run saves its last step.
   assert "--precompute_ref_logps is deprecated; use --reference=precomputed" in proc.stderr
   assert "reference: precomputed" in proc.stdout

@@ -20,6 +20,7 @@ from tunix_core import data as data_lib
 from tunix_core import model as model_lib
 from tunix_core.checkpoints import resume
 from tunix_core.checkpoints import store as checkpoint
+from tunix_core.run import compile_cache
 from tunix_core.run import evaluate as evaluate_lib
 from tunix_core.run import metrics as metrics_lib
 from tunix_core.run import observe
@@ -182,8 +183,8 @@ def _train(cfg, devices, log, dog):
     if writer is not None:
       writer.note(f"checkpoint/{step}", digest)
 
-  log(f"step {start + 1}: compiling the step, then running it (the first line waits "
-      "for both)")
+  log(f"step {start + 1}: compiling the step (or loading it from the compilation cache), "
+      "then running it")
   dog.beat(f"compiling and running step {start + 1}", first=True)
   try:
     with preemption.StopSignal() as stop:
@@ -198,7 +199,10 @@ def _train(cfg, devices, log, dog):
         _test_record(step, idx, train_set)
         progress.count_tokens(train_set.num_tokens(idx))
         profiler.before(step)
-        state, metrics = steps.train_step(state, ref_params, steps.put_batch(batch))
+        with compile_cache.FirstCompile() as compiled:
+          state, metrics = steps.train_step(state, ref_params, steps.put_batch(batch))
+        if step == start + 1:
+          log(compiled.describe(f"step {step}"))
         profiler.after(step, state)
         if step == start + 1 or (cfg.check_replicas_every
                                  and step % cfg.check_replicas_every == 0):

@@ -78,6 +78,15 @@ class TrainConfig:
                                   "fingerprint and compare with the saved one; a step that "
                                   "fails is moved aside and the previous one is used "
                                   "(auto).", group="run")
+  compilation_cache_dir: str = _flag("auto", "Persistent compilation cache (local or gs://; "
+                                     "one a pod's hosts share): a restart loads the step "
+                                     "instead of compiling it. auto: "
+                                     "$JAX_COMPILATION_CACHE_DIR if set, else "
+                                     "{output_dir}/compilation_cache; empty: off "
+                                     "(docs/tpu.md#compilation-cache).", group="run")
+  compilation_cache_gb: float = _flag(20.0, "At start-up, drop the least recently used "
+                                      "compilation cache entries past this many GB; 0: "
+                                      "unbounded.", group="run")
   on_nonfinite: str = _flag("stop", "stop: end the run (exit status 3) at a step whose "
                             "loss, metrics or gradient norm is NaN/Inf, without applying "
                             "or saving it; skip: skip such steps' updates and count them.",

@@ -102,7 +102,10 @@ class StepFunctions:
                               out_specs=self.pairs.spec))
     self._init_opt = jit(smap(
         lambda params: jax.tree.map(lambda x: x[None], self.layout.init_opt(params)),
-        in_specs=(pspec,), out_specs=self.layout.row_spec))
+        in_specs=(pspec,), out_specs=self.layout.row_spec),
+        # As a restore places it: the step's executable is then the same either way
+        # (one mesh device would otherwise leave the rows unannotated: a cache miss).
+        out_shardings=self.rows)
     self._checksums = jit(smap(self._checksum, in_specs=(pspec,),
                                out_specs=P(tuple(mesh.axis_names))))
 

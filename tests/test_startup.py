@@ -1,0 +1,140 @@
+"""Start-up: the persistent compilation cache (`run.compile_cache`) and the rule that
+decides which multi-process job a trainer joins (`run.distributed`)."""
+
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tunix_core.run import compile_cache
+from tunix_core.run import distributed
+from tunix_core.training.config import ConfigError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def lines(tmp_path):
+  """What `compile_cache` says; the session's cache (conftest's) is back afterwards."""
+  said = []
+  yield said
+  compile_cache.enable(compile_cache.AUTO, str(tmp_path), 0, lambda _: None)
+  jax.clear_caches()
+
+
+def _f(x):
+  return jnp.sin(x) * 3.0 + jnp.cos(x[::-1])
+
+
+def _compile(x):
+  """`_f` compiled afresh (no in-memory executable): the persistent cache is asked."""
+  jax.clear_caches()
+  with compile_cache.FirstCompile() as seen:
+    y = jax.jit(_f)(x)
+  return np.asarray(y), seen
+
+
+def test_a_damaged_entry_is_one_line_and_compiled_again(tmp_path, lines):
+  where = str(tmp_path / "cc")
+  assert compile_cache.enable(where, "", 0, lines.append) == where
+  x = jnp.linspace(-2.0, 2.0, 16)
+  want = np.sin(np.asarray(x, np.float64)) * 3 + np.cos(np.asarray(x, np.float64)[::-1])
+  y, first = _compile(x)
+  assert first.lookups == 1 and first.hits == 0 and first.writes == 1
+  assert "stored for the next start" in first.describe("f")
+  [entry] = [p for p in os.listdir(where) if p.startswith("jit__f-")]
+  with open(os.path.join(where, entry), "r+b") as f:  # a write cut short by a kill
+    f.truncate(os.path.getsize(f.name) // 2)
+  y, damaged = _compile(x)
+  np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+  assert damaged.hits == 0 and damaged.writes == 1  # compiled and stored again
+  assert [l for l in lines if "damaged" in l] == [l for l in lines if "compilation" in l]
+  assert len(lines) == 1 and "removed, compiling again" in lines[0]
+  y, again = _compile(x)
+  np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+  assert again.hits == 1 and len(lines) == 1
+  assert again.describe("f").startswith(f"f: loaded from the compilation cache in ")
+
+
+def test_an_unwritable_directory_is_one_line_and_an_uncached_run(tmp_path, lines):
+  blocker = tmp_path / "file"
+  blocker.write_text("")
+  assert compile_cache.enable(str(blocker / "cc"), "", 0, lines.append) is None
+  assert len(lines) == 1 and lines[0].startswith(f"compilation cache: {blocker / 'cc'} is "
+                                                 "not writable (")
+  assert lines[0].endswith("; running uncached")
+  y, seen = _compile(jnp.ones(4))
+  assert seen.lookups == 0 and seen.describe("f").endswith("(no compilation cache)")
+  np.testing.assert_allclose(y, np.sin(1.0) * 3 + np.cos(1.0), rtol=1e-6)
+  assert compile_cache.enable("", "", 0, lines.append) is None and "off" in lines[-1]
+
+
+def test_auto_defers_to_the_environment_and_the_bound_drops_the_oldest(tmp_path,
+                                                                       monkeypatch, lines):
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "env"))
+  assert compile_cache.resolve_dir("auto", "gs://b/run") == str(tmp_path / "env")
+  assert compile_cache.resolve_dir("/x", "gs://b/run") == "/x"  # a given flag wins
+  monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+  assert compile_cache.resolve_dir("auto", "gs://b/run") == "gs://b/run/compilation_cache"
+  where = tmp_path / "bounded"
+  where.mkdir()
+  for age, name in enumerate(["d", "c", "b", "a"]):  # "a" is the oldest
+    (where / f"jit_{name}-0-cache").write_bytes(b"x" * 1000)
+    os.utime(where / f"jit_{name}-0-cache", (1e9 - age * 100, 1e9 - age * 100))
+  compile_cache.enable(str(where), "", 2.5e-6, lines.append)  # 2,500 bytes
+  assert sorted(os.listdir(where)) == ["jit_c-0-cache", "jit_d-0-cache"]
+
+
+@pytest.mark.parametrize("env, tpu, metadata, want", [
+    ({}, False, None, (None, None)),
+    ({"TPU_WORKER_HOSTNAMES": "localhost"}, False, None,
+     (None, "TPU_WORKER_HOSTNAMES names one worker: one process")),
+    ({"TPU_WORKER_HOSTNAMES": "a,b", "TPU_WORKER_ID": "1"}, False, None,
+     (dict(coordinator_address="a:8476", num_processes=2, process_id=1), None)),
+    ({"TPU_PROCESS_ADDRESSES": "10.0.0.1:8470,10.0.0.2:8470"}, False, None,
+     (dict(coordinator_address="10.0.0.1:8470", num_processes=2, process_id=0), None)),
+    ({"TPU_WORKER_HOSTNAMES": "a,b"}, True, None, ({}, None)),
+    ({"MEGASCALE_COORDINATOR_ADDRESS": "a:8080"}, True, None, ({}, None)),
+    ({}, True, None, (None, "no TPU job in the environment and no answer from the GCE "
+                      "metadata server: one process")),
+    ({}, True, 1, (None, "the metadata server names one TPU worker: one process")),
+    ({}, True, 4, ({}, None)),
+])
+def test_one_process_unless_there_are_more_hosts(env, tpu, metadata, want):
+  job = distributed.plan(None, None, None, env, tpu_host=tpu, metadata=lambda: metadata)
+  assert (job.kwargs, job.notice) == want
+
+
+def test_the_flags_win_and_go_together():
+  job = distributed.plan("h:1", 2, 1, {"TPU_WORKER_HOSTNAMES": "a,b"}, tpu_host=True)
+  assert job.kwargs == dict(coordinator_address="h:1", num_processes=2, process_id=1)
+  with pytest.raises(ConfigError, match="go together"):
+    distributed.plan("h:1", None, None, {})
+
+
+def test_the_metadata_server_is_asked_briefly():
+  start = time.perf_counter()
+  assert distributed.ask_metadata(timeout=1.0) is None  # no GCE here
+  assert time.perf_counter() - start < 5
+
+
+@pytest.mark.slow
+def test_a_multi_host_job_without_its_coordinator_ends_in_one_line(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_WORKER_HOSTNAMES="a,b")
+  start = time.perf_counter()
+  proc = subprocess.run(
+      [sys.executable, os.path.join(REPO, "trainer.py"), f"--output_dir={tmp_path}",
+       "--train_data=data/train.jsonl", "--coordinator_timeout=5"], cwd=REPO, env=env,
+      capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 1, proc.stderr[-2000:]
+  assert time.perf_counter() - start < 60
+  errors = [l for l in proc.stderr.splitlines() if l.startswith("trainer.py:")]
+  assert errors == [
+      "trainer.py: error: could not join the 2 workers of TPU_WORKER_HOSTNAMES within 5 s "
+      "(the coordinator cannot be reached); set the job by hand with "
+      "--coordinator_address, --num_processes and --process_id, or --coordinator_timeout"]

@@ -1,0 +1,199 @@
+"""The run's persistent compilation cache: a restart loads the step instead of compiling it.
+
+JAX's own cache (`jax_compilation_cache_dir`) does the work; this module points it at a
+directory every restart of the run finds, checks that it can be written, bounds its size
+and reports what the first step got from it.
+
+- Where: `--compilation_cache_dir`; `auto` is `$JAX_COMPILATION_CACHE_DIR` when set, else
+  `{output_dir}/compilation_cache`, so a resumed run (on this host or, with a `gs://`
+  output directory, on any new host of a pod) finds what its first start compiled.
+- What a key covers (JAX's `cache_key.get`): the optimised-for HLO module (so the plan's
+  shapes, shardings, dtypes and kernels), the compile options (the device assignment and
+  so the topology's size and layout, the TPU compiler flags), the backend's platform
+  and platform version (libtpu's build), the jax/jaxlib version and the accelerator's
+  kind. Another topology, jax or libtpu, or plan never loads a wrong executable.
+- Bound: at start-up the primary process drops the least recently used entries past
+  `--compilation_cache_gb` (recency is a hit's touch on local disk; on object storage the
+  write time). JAX's own eviction is left off: it locks the directory on every read and
+  works only on local disk.
+- Failure is never fatal: an unwritable directory is one line and the run goes on
+  uncached; an entry that does not decompress (a write cut short by a kill) is one line,
+  removed and compiled again (JAX alone would warn on every start and never rewrite it).
+"""
+
+import os
+import time
+
+import jax
+from jax.experimental.compilation_cache import compilation_cache as jax_cache
+
+from tunix_core.storage import paths
+
+AUTO = "auto"
+_ENTRY = "-cache"  # JAX's file name suffix of an entry: {key}-cache
+_EVENTS = ("/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses",
+           "/jax/compilation_cache/compile_requests_use_cache")
+_counts = dict.fromkeys(_EVENTS, 0)
+_where = {"dir": None}  # what `enable` set, for the messages
+
+
+def _count(event: str, **_) -> None:
+  if event in _counts:
+    _counts[event] += 1
+
+
+jax.monitoring.register_event_listener(_count)
+
+
+def resolve_dir(setting: str, output_dir: str) -> str:
+  """The cache directory of `--compilation_cache_dir=setting` ('' : off)."""
+  if setting == AUTO:
+    return (os.environ.get("JAX_COMPILATION_CACHE_DIR")
+            or paths.join(output_dir, "compilation_cache"))
+  return setting
+
+
+def enable(setting: str, output_dir: str, max_gb: float, log, *, primary: bool = True
+           ) -> str | None:
+  """Points JAX's persistent cache at the run's directory before anything compiles;
+  returns it, or None when the cache is off or unusable (one line says why)."""
+  path = resolve_dir(setting, output_dir)
+  _where["dir"] = None
+  if not path:
+    jax.config.update("jax_enable_compilation_cache", False)
+    log("compilation cache: off (--compilation_cache_dir='')")
+    return None
+  try:
+    paths.makedirs(path)
+    probe = paths.join(path, f".probe-{os.getpid()}")
+    paths.write_bytes(probe, b"")
+    paths.remove(probe)
+    if primary and max_gb > 0:
+      _prune(path, int(max_gb * 1e9))
+  except (OSError, paths.StorageError) as e:  # StorageError is an OSError; both named
+    jax.config.update("jax_enable_compilation_cache", False)
+    log(f"compilation cache: {path} is not writable ({_first_line(e)}); running uncached")
+    return None
+  jax.config.update("jax_enable_compilation_cache", True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  _where["dir"] = path
+  jax.config.update("jax_compilation_cache_max_size", -1)  # bounded by `_prune`
+  # Every executable: a run's dozen small ones (init, checks, eval) cost seconds too.
+  # A threshold set in the environment is the user's and stays.
+  for name in ("min_compile_time_secs", "min_entry_size_bytes"):
+    if f"JAX_PERSISTENT_CACHE_{name.upper()}" not in os.environ:
+      jax.config.update(f"jax_persistent_cache_{name}", 0)
+  _guard_entries(log)
+  jax_cache.reset_cache()  # a cache opened earlier in this process opens here again
+  return path
+
+
+def _first_line(e: BaseException) -> str:
+  return (str(e).splitlines() or [type(e).__name__])[0][:200]
+
+
+def _prune(path: str, max_bytes: int) -> None:
+  """Drops the least recently used entries until the cache holds at most `max_bytes`."""
+  entries = []
+  for name in paths.listdir(path):
+    if name.endswith(_ENTRY):
+      entry = paths.join(path, name)
+      entries.append((_mtime(entry), paths.getsize(entry), entry))
+  total = sum(size for _, size, _ in entries)
+  for _, size, entry in sorted(entries):
+    if total <= max_bytes:
+      break
+    paths.remove(entry)
+    total -= size
+
+
+def _mtime(path: str) -> float:
+  if not paths.is_remote(path):
+    return os.path.getmtime(path)
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  return float(epath.Path(path).stat().mtime)
+
+
+def _guard_entries(log) -> None:
+  """Wraps the cache JAX opens so that a damaged entry is removed, and a hit touches
+  its file (the recency `_prune` reads)."""
+  from jax._src import compilation_cache as jax_impl  # pylint: disable=g-import-not-at-top
+  make = getattr(jax_impl, "get_file_cache", None)
+  decompress = getattr(jax_impl, "decompress_executable", None)
+  if make is None or decompress is None or getattr(make, "_tunix_guarded", False):
+    return  # another jax: its own read errors stay warnings
+
+  def get_file_cache(path):
+    made = make(path)
+    return made if made is None else (_CheckedCache(made[0], path, log, decompress),
+                                           made[1])
+
+  get_file_cache._tunix_guarded = True  # pylint: disable=protected-access
+  jax_impl.get_file_cache = get_file_cache
+
+
+class _CheckedCache:
+  """JAX's cache interface (`get`, `put`, `clear`) over its file cache: an entry read
+  back must decompress, or it is reported once, removed and missed."""
+
+  def __init__(self, base, path: str, log, decompress):
+    self._base, self._dir, self._log, self._decompress = base, path, log, decompress
+
+  @property
+  def _path(self):
+    return self._base._path  # pylint: disable=protected-access
+
+  def get(self, key: str) -> bytes | None:
+    value = self._base.get(key)
+    if value is None:
+      return None
+    entry = paths.join(self._dir, key + _ENTRY)
+    try:
+      self._decompress(value)
+    except Exception as e:  # noqa: BLE001 - any damage is a miss
+      self._log(f"compilation cache: entry {key[:40]}... is damaged "
+                f"({type(e).__name__}: {_first_line(e)}); removed, compiling again")
+      try:
+        paths.remove(entry)
+      except OSError:
+        pass
+      return None
+    if not paths.is_remote(entry):
+      try:
+        os.utime(entry)
+      except OSError:
+        pass
+    return value
+
+  def put(self, key: str, value: bytes) -> None:
+    self._base.put(key, value)
+
+  def clear(self) -> None:
+    self._base.clear()
+
+
+class FirstCompile:
+  """Times a block that compiles (the first dispatch of the step) and says whether its
+  executable came from the cache."""
+
+  def __enter__(self):
+    self._before, self._start = dict(_counts), time.perf_counter()
+    return self
+
+  def __exit__(self, *exc):
+    self.seconds = time.perf_counter() - self._start
+    delta = {event: _counts[event] - self._before[event] for event in _EVENTS}
+    self.hits, self.writes, self.lookups = (delta[event] for event in _EVENTS)
+    return False
+
+  def describe(self, what: str) -> str:
+    # JAX looks an executable up only when its cache is on.
+    where = _where["dir"] or os.environ.get("JAX_COMPILATION_CACHE_DIR", "")
+    if not self.lookups:
+      return f"{what}: compiled in {self.seconds:.1f} s (no compilation cache)"
+    if self.hits and self.hits == self.lookups:
+      return (f"{what}: loaded from the compilation cache in {self.seconds:.1f} s "
+              f"({where})")
+    stored = "; stored for the next start" if self.writes else ""
+    return (f"{what}: compiled in {self.seconds:.1f} s (not in the compilation cache at "
+            f"{where}{stored})")

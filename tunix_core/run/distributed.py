@@ -1,0 +1,134 @@
+"""Which multi-process job a trainer process joins, by one written rule.
+
+1. The flags `--coordinator_address`, `--num_processes` and `--process_id` (all three):
+   that job (CPU hosts and tests join over gloo).
+2. Else a worker list in the environment (`TPU_WORKER_HOSTNAMES` or
+   `TPU_PROCESS_ADDRESSES`) with more than one entry, or a multi-slice job
+   (`MEGASCALE_COORDINATOR_ADDRESS`): a multi-host job. On a host with TPU chips JAX
+   reads the job from the environment; elsewhere (no TPU runtime to ask) the coordinator
+   is the first worker at port 8476 and this process is `TPU_WORKER_ID` (default 0).
+3. Else, on a host with TPU chips, the GCE metadata server, asked for the slice's
+   workers with a short timeout: more than one worker is a multi-host job, which JAX
+   joins from the metadata.
+4. Else one process; a TPU environment that named one worker, or a metadata server that
+   did not answer, is said in one notice line.
+
+A multi-host job whose coordinator cannot be reached within `timeout` seconds ends the
+process with one line naming the flags that set the job by hand (status 1). JAX's own
+failure there is an abort (a fatal log and a stack dump), so the deadline is ours, kept
+by a thread: the join blocks in C++ with the GIL released.
+"""
+
+import glob
+import os
+import sys
+import threading
+import typing
+import urllib.request
+
+import jax
+
+from tunix_core.training.config import ConfigError
+
+COORDINATOR_PORT = 8476  # the port JAX's TPU cluster detection uses
+_METADATA = ("http://169.254.169.254/computeMetadata/v1/instance/attributes/"
+             "worker-network-endpoints")  # by address: no DNS lookup that could hang
+_WORKER_LISTS = ("TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES")
+HAND_FLAGS = "--coordinator_address, --num_processes and --process_id"
+
+
+class Job(typing.NamedTuple):
+  """How to join: `kwargs` of `jax.distributed.initialize` (None: one process, no
+  join; {}: JAX detects the job itself) and what to tell the user."""
+  kwargs: dict | None
+  how: str
+  notice: str | None = None
+
+
+def has_tpu_chips() -> bool:
+  """TPU device files on this host (without starting a backend)."""
+  return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+def _workers(environ) -> tuple[str, list[str]] | None:
+  for name in _WORKER_LISTS:
+    if environ.get(name):
+      return name, [w.strip() for w in environ[name].split(",") if w.strip()]
+  return None
+
+
+def ask_metadata(timeout: float = 3.0) -> int | None:
+  """Workers of this TPU slice per the GCE metadata server; None when it does not
+  answer within `timeout` seconds."""
+  request = urllib.request.Request(_METADATA, headers={"Metadata-Flavor": "Google"})
+  try:
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+      return len([w for w in response.read().decode().split(",") if w.strip()])
+  except (OSError, ValueError):
+    return None
+
+
+def plan(coordinator_address, num_processes, process_id, environ=os.environ,
+         tpu_host=None, metadata=ask_metadata) -> Job:
+  """The job this process joins (module docstring's rule); ConfigError on half-given
+  flags."""
+  given = (coordinator_address, num_processes, process_id)
+  if any(v is not None for v in given):
+    if any(v is None for v in given):
+      raise ConfigError(f"{HAND_FLAGS} go together")
+    return Job(dict(coordinator_address=coordinator_address, num_processes=num_processes,
+                    process_id=process_id), f"the flags' job at {coordinator_address}")
+  tpu_host = has_tpu_chips() if tpu_host is None else tpu_host
+  listed = _workers(environ)
+  if tpu_host and (environ.get("MEGASCALE_COORDINATOR_ADDRESS")
+                   or (listed and len(listed[1]) > 1)):
+    return Job({}, "the TPU job of this host's environment")
+  if listed and len(listed[1]) > 1:
+    name, hosts = listed
+    try:
+      index = int(environ.get("TPU_WORKER_ID", "0"))
+    except ValueError:
+      raise ConfigError(f"TPU_WORKER_ID={environ['TPU_WORKER_ID']!r} is not a worker "
+                        "index") from None
+    address = hosts[0] if ":" in hosts[0] else f"{hosts[0]}:{COORDINATOR_PORT}"
+    return Job(dict(coordinator_address=address, num_processes=len(hosts),
+                    process_id=index), f"the {len(hosts)} workers of {name}")
+  if listed:
+    return Job(None, "one process", f"{listed[0]} names one worker: one process")
+  if tpu_host:
+    workers = metadata()
+    if workers is None:
+      return Job(None, "one process", "no TPU job in the environment and no answer from "
+                 "the GCE metadata server: one process")
+    if workers > 1:
+      return Job({}, f"the {workers}-worker TPU slice of the metadata server")
+    return Job(None, "one process", "the metadata server names one TPU worker: one process")
+  return Job(None, "one process")
+
+
+def join(job: Job, timeout: float, log=print, terminal=None) -> None:
+  """Joins `job` (nothing for one process); a join that is not done within `timeout`
+  seconds ends the process with one line and status 1."""
+  if job.notice:
+    log(f"distributed: {job.notice}")
+  if job.kwargs is None:
+    return
+  if job.kwargs:  # a job set by hand or from a worker list: CPU hosts join over gloo
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+  def give_up():
+    out = terminal or sys.stderr
+    out.write(f"trainer.py: error: could not join {job.how} within {timeout:g} s (the "
+              f"coordinator cannot be reached); set the job by hand with {HAND_FLAGS}, "
+              "or --coordinator_timeout\n")
+    out.flush()
+    os._exit(1)  # pylint: disable=protected-access
+
+  deadline = threading.Timer(timeout, give_up)
+  deadline.daemon = True
+  deadline.start()
+  try:
+    # JAX's own deadline comes later: its failure is an abort, ours is one line.
+    jax.distributed.initialize(**job.kwargs, initialization_timeout=int(timeout) + 60)
+  finally:
+    deadline.cancel()
