@@ -33,7 +33,9 @@ Each case appends one JSON line to `--out` as soon as it is measured.
 
 import argparse
 import json
+import logging
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -155,30 +157,75 @@ def aot_ours(a, config: dict, pairs) -> dict:
                                        "need")})
 
 
+def process_age() -> float:
+  """Seconds since this process started, by the kernel's clock (Linux `/proc`)."""
+  with open("/proc/self/stat") as f:
+    started_ticks = int(f.read().rpartition(")")[2].split()[19])
+  with open("/proc/uptime") as f:
+    return float(f.read().split()[0]) - started_ticks / os.sysconf("SC_CLK_TCK")
+
+
+class CompileLog(logging.Handler):
+  """`jax_log_compiles`' lines as `(what, seconds)`: each jitted function's trace,
+  lowering and XLA compile (or cache load), in order."""
+  _LINE = re.compile(r"Finished (.+?) in ([0-9.]+) sec")
+
+  def __init__(self):
+    super().__init__()
+    self.times = []
+
+  def emit(self, record):
+    m = self._LINE.search(record.getMessage())
+    if m and float(m.group(2)) >= 0.1:  # the dozens of tiny ones add nothing to read
+      self.times.append((m.group(1)[:90], round(float(m.group(2)), 2)))
+
+
 def run_ours(a, config: dict, pairs) -> dict:
-  """Our trainer's DPO step (module docstring)."""
+  """Our trainer's DPO step (module docstring); with `--cache_dir`, through the trainer's
+  compilation cache, timing the start-up from the process's start by its own clock."""
   import jax  # pylint: disable=g-import-not-at-top
+  from tunix_core.run import compile_cache  # pylint: disable=g-import-not-at-top
   from tunix_core.training import step as step_lib  # pylint: disable=g-import-not-at-top
 
+  compiles = CompileLog()
+  logging.getLogger("jax").addHandler(compiles)
+  jax.config.update("jax_log_compiles", True)
+  if a.cache_dir is not None:
+    compile_cache.enable(a.cache_dir, "", 20.0, lambda line: print(line, file=sys.stderr))
   devices = jax.devices()[:1]
   t_plan = time.perf_counter()
+  imported = process_age()
   plan, host = ours_plan(a, config, pairs, devices)
   steps = step_lib.make_steps(plan, devices)
   state = steps.init_state(jax.random.PRNGKey(0))
   frozen = jax.tree.map(lambda x: x.copy(), state["params"]) if plan.reference == "step" else None
+  jax.block_until_ready((state, frozen))
   t0 = time.perf_counter()
   print(f"planned and initialised in {t0 - t_plan:.1f} s: {plan.describe()}", file=sys.stderr,
         flush=True)
   ends = []
-  for _ in range(a.warmup + a.steps + 1):
-    state, metrics = steps.train_step(state, frozen, steps.put_batch(host))
+  for i in range(a.warmup + a.steps + 1):
+    with compile_cache.FirstCompile() as first:
+      state, metrics = steps.train_step(state, frozen, steps.put_batch(host))
+    if i == 0:
+      step_compile = first
     jax.block_until_ready(metrics)
     ends.append(time.perf_counter())
+    if i == 0:
+      step1_at = process_age()
+      print(f"{step_compile.describe('step 1')}; step 1 done {step1_at:.1f} s after the "
+            "process started", file=sys.stderr, flush=True)
   stats = devices[0].memory_stats() or {}
   return dict(first_step_s=ends[0] - t0, step_s=_median_interval(ends, a.warmup),
               peak_bytes=stats.get("peak_bytes_in_use"), device=devices[0].device_kind,
               loss=float(metrics["loss"]), plan=plan.describe(),
-              framework=f"jax {jax.__version__}")
+              framework=f"jax {jax.__version__}",
+              platform_version=getattr(devices[0].client, "platform_version", None),
+              startup=dict(imports_s=round(imported, 2), init_s=round(t0 - t_plan, 2),
+                           step1_compile_s=round(step_compile.seconds, 2),
+                           step1_from_cache=bool(step_compile.hits),
+                           process_start_to_step1_end_s=round(step1_at, 2),
+                           cache_dir=a.cache_dir, compiles=compiles.times))
 
 
 # Words of the tokenizer: id 0 pads, `EOS` ends a response, id i >= 2 is "w{i}". The
@@ -287,6 +334,8 @@ def main() -> int:
   p.add_argument("--liger", action="store_true", help="trl: use_liger_kernel=True")
   p.add_argument("--aot", help="ours: compile for one chip of this TPU generation (v5e, "
                  "...) ahead of time instead of running, for the compiler's memory figures")
+  p.add_argument("--cache_dir", help="ours: the trainer's --compilation_cache_dir ('': "
+                 "off); unset: JAX's own setting")
   p.add_argument("--out", default="gpu_results.jsonl", help="JSONL the case appends to")
   a = p.parse_args()
   if a.side == "table":

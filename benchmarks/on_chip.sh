@@ -1,36 +1,41 @@
 #!/usr/bin/env bash
-# The kernels and the DPO step on one lent TPU chip (results: docs/results/tpu_v5e.md).
+# The kernels, the DPO step and the trainer's start-up on one lent TPU chip (results:
+# docs/results/tpu_v5e.md).
 #
-#   OUT=DIR bash benchmarks/on_chip.sh     # on the chip: about 9 minutes
+#   OUT=DIR bash benchmarks/on_chip.sh     # on the chip
 #
-# Parts can be skipped or narrowed for a rerun: LOGPROBS_ARGS (extra arguments of
-# on_chip.py logprobs, e.g. --heads), LOGPROBS_LIMIT, SKIP_ATTENTION=1, STEP_CASES
-# ("model tokens [flags]" separated by ';'), STEP_LIMIT (seconds per case; a case's
-# first step compiles for about 90 s on a v5e).
+# PARTS picks what runs (default "logprobs attention step"; also "quickstart", the shipped
+# command as written, "recovery", benchmarks/restart.py on the quickstart: killed at step
+# 120, restarted with and without the compilation cache, and "aotcache", the quickstart
+# with the cache that `--compile_only --target_topology=v5e-1` filled on a CPU host, carried
+# as .aot_cache/). Narrowing: LOGPROBS_ARGS (extra arguments of on_chip.py logprobs, e.g.
+# --heads), LOGPROBS_LIMIT, STEP_CASES ("model tokens [flags]" separated by ';'),
+# STEP_LIMIT (seconds per run). Each step case runs twice with its own compilation cache:
+# cold (empty) and a restart by the same command, each timing process start to the end
+# of step 1 by its own clock.
 #
-# The chip's machine has JAX and libtpu but not our run-time dependencies: wheels carried
-# in .whl-tpu/ (optax, chex, absl-py, etils, toolz) go into /tmp/site, after the
-# machine's own JAX on the path; our two packages join them by their import names. Each
-# part appends to $OUT as soon as it has a result, so a cut-off run returns what it
-# measured: log-prob kernels (benchmarks/on_chip.py), attention, then our DPO step
-# (benchmarks/gpu.py ours, SmolLM2's shapes as the GPU script runs them; 2,048 tokens
-# needs --remat=full to fit 16 GiB).
+# The chip's machine has JAX and libtpu but not our run-time dependencies: the wheels of
+# ../shared/offline-tpu/wheels.txt carried in .whl-tpu/ (with wheels.txt) install with
+# the machine's own index into /tmp/site, after the machine's own JAX on the path; our two
+# packages join them by their import names. Each part appends to $OUT as soon as it has a
+# result, so a cut-off run returns what it measured.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/tunix-chip}"
+PARTS="${PARTS:-logprobs attention step}"
 site=/tmp/site
 mkdir -p "$OUT" "$site"
-shopt -s nullglob
-wheels=(.whl-tpu/*.whl)
-if (( ${#wheels[@]} )); then
-  PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-deps \
-      --no-compile --no-cache-dir --upgrade --target "$site" "${wheels[@]}" \
+if [[ -f .whl-tpu/wheels.txt ]]; then
+  PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-deps --no-compile \
+      --no-cache-dir --upgrade --target "$site" --index-url file:///opt/pypi/simple \
+      --find-links .whl-tpu -r .whl-tpu/wheels.txt tensorstore \
       > "$OUT/setup.log" 2>&1 || echo "wheel install failed: $OUT/setup.log"
 fi
 ln -sfn "$PWD/kernels" "$site/tunix_kernels"
 ln -sfn "$PWD/tunix_core" "$site/tunix_core"
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$site" PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
+has() { [[ " $PARTS " == *" $1 "* ]]; }
 start=$SECONDS
 part() {  # part NAME LIMIT CMD...: one process, its output into $OUT/NAME.txt
   local name=$1 limit=$2; shift 2
@@ -38,16 +43,33 @@ part() {  # part NAME LIMIT CMD...: one process, its output into $OUT/NAME.txt
   echo "== $name ($(( SECONDS - start )) s in)"
   timeout "$limit" "$@" >> "$OUT/$name.txt" 2>&1 || echo "   $name: status $? ($OUT/$name.txt)"
   # What this call added (the step's cases share one file), without the log's warnings.
-  tail -c +$(( seen + 1 )) "$OUT/$name.txt" | grep -v "^WARNING" | tail -n 40
+  tail -c +$(( seen + 1 )) "$OUT/$name.txt" | grep -v "^WARNING\|Finished \|cache hit for" \
+      | tail -n 40
 }
-part logprobs "${LOGPROBS_LIMIT:-270}" python3 benchmarks/on_chip.py logprobs ${LOGPROBS_ARGS:-} --out "$OUT/kernels.jsonl"
-[[ -n "${SKIP_ATTENTION:-}" ]] || part attention 90 python3 benchmarks/on_chip.py attention --out "$OUT/kernels.jsonl"
-IFS=';' read -ra cases <<< "${STEP_CASES:-smollm2-135m 1024;smollm2-135m 2048 --remat=full}"
-for case in "${cases[@]}"; do
-  read -r model tokens flags <<< "$case"
-  part step "${STEP_LIMIT:-150}" python3 benchmarks/gpu.py ours --model "$model" --tokens "$tokens" \
-      ${flags:-} --pairs 8 --steps 6 --warmup 2 --out "$OUT/step.jsonl"
-done
-python3 benchmarks/gpu.py table "$OUT/step.jsonl" > "$OUT/step_table.md" 2>> "$OUT/step.txt"
-cat "$OUT/step_table.md"
+has logprobs && part logprobs "${LOGPROBS_LIMIT:-270}" python3 benchmarks/on_chip.py logprobs ${LOGPROBS_ARGS:-} --out "$OUT/kernels.jsonl"
+has attention && part attention 90 python3 benchmarks/on_chip.py attention --out "$OUT/kernels.jsonl"
+has quickstart && part quickstart 240 python3 trainer.py --flagfile=configs/quickstart.flags
+has recovery && part recovery 240 python3 benchmarks/restart.py --uncached \
+    --out "$OUT/restart.jsonl" -- python3 trainer.py --flagfile=configs/quickstart.flags \
+    --output_dir=/tmp/recovery --log_every=1 --eval_every=0
+if has aotcache; then
+  rm -rf /tmp/aot_cache && cp -r .aot_cache /tmp/aot_cache
+  part aotcache 120 python3 trainer.py --flagfile=configs/quickstart.flags \
+      --output_dir=/tmp/aotrun --steps=3 --compilation_cache_dir=/tmp/aot_cache
+fi
+if has step; then
+  IFS=';' read -ra cases <<< "${STEP_CASES:-smollm2-135m 1024;smollm2-135m 2048 --remat=full}"
+  for case in "${cases[@]}"; do
+    read -r model tokens flags <<< "$case"
+    cache="/tmp/compile-cache/$model-$tokens${flags// /}"
+    rm -rf "$cache"
+    for run in cold restart; do
+      part step "${STEP_LIMIT:-300}" python3 benchmarks/gpu.py ours --model "$model" \
+          --tokens "$tokens" ${flags:-} --pairs 8 --steps 6 --warmup 2 --cache_dir "$cache" \
+          --out "$OUT/step.jsonl"
+    done
+  done
+  python3 benchmarks/gpu.py table "$OUT/step.jsonl" > "$OUT/step_table.md" 2>> "$OUT/step.txt"
+  cat "$OUT/step_table.md"
+fi
 echo "done in $(( SECONDS - start )) s"
