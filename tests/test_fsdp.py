@@ -16,7 +16,6 @@ from tunix_kernels import tpu
 import runs
 from oracles import rel_error
 from tunix_core import model as model_lib
-from tunix_core.aot import compile as aot
 from tunix_core.parallel import collectives
 from tunix_core.parallel import fsdp
 from tunix_core.parallel import zero
@@ -126,14 +125,14 @@ def test_fsdp_matches_zero1_on_8(tmp_path, kw):
 
 def _compiled(cfg, n=8):
   steps = runs.steps(cfg, jax.devices()[:n])
-  return steps, steps.train_step.lower(*aot.abstract_inputs(steps)).compile()
+  return steps, steps.train_step.lower(*steps.abstract_inputs()).compile()
 
 
 @pytest.mark.slow
 def test_per_device_arguments_are_one_nth_of_the_replicated_state(tmp_path):
   cfg = _config(tmp_path, fsdp=True)
   steps, compiled = _compiled(cfg)
-  state, ref, batch = aot.abstract_inputs(steps)
+  state, ref, batch = steps.abstract_inputs()
   nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
   replicated = nbytes(steps.param_shapes) * 2 + nbytes(state["opt_state"])  # + reference
   got = tpu.compiled_stats(compiled)["argument"]

@@ -10,7 +10,6 @@ import pytest
 
 import runs
 from tunix_core.aot import comms
-from tunix_core.aot import compile as aot
 from tunix_core.parallel import mesh as mesh_lib
 from tunix_core.training import config as config_lib
 
@@ -35,7 +34,7 @@ def test_two_slices_of_four_equal_one_device_over_five_steps(tmp_path, one_devic
 def test_multi_slice_step_has_no_per_layer_collective_on_the_slice_axis(tmp_path):
   cfg = runs.config(tmp_path, num_slices=2, fsdp=True, reference="precomputed")
   steps = runs.steps(cfg, jax.devices())
-  text = steps.train_step.lower(*aot.abstract_inputs(steps)).compile().as_text()
+  text = steps.train_step.lower(*steps.abstract_inputs()).compile().as_text()
   ops = comms.ops(text, dict(steps.mesh.shape))
   in_loop = [o for o in ops if o["in_loop"]]
   # The layer scans gather (forward, backward) and reduce-scatter within a slice only.

@@ -22,7 +22,6 @@ import re
 import tempfile
 
 import jax
-import jax.numpy as jnp
 
 from tunix_kernels import tpu
 from tunix_core import model as model_lib
@@ -48,32 +47,11 @@ def target_devices(name: str) -> tuple[tpu.Chip | None, list]:
   return tpu.topology_devices(name)
 
 
-def abstract_inputs(steps: step_lib.StepFunctions) -> tuple:
-  """`(state, ref_params, batch)` of `steps.train_step` as sharded ShapeDtypeStructs: the
-  batch with its plan's model rows and head slots (`data.packing`)."""
-  cfg, rows = steps.cfg, steps.plan.rows
-  scalar = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=steps.replicated)
-  state = {"params": steps.abstract_params(), "opt_state": steps.abstract_opt_state(),
-           "step": scalar(()), "nonfinite": scalar((3,))}
-  ref_params = steps.abstract_frozen(model_lib.DTYPES[cfg.ref_param_dtype()])
-  groups = cfg.batch_size // rows.pairs
-  shapes = {k: (cfg.batch_size, 2, cfg.max_length)
-            for k in ("tokens", "targets", "loss_mask", "attention_mask")}
-  shapes.update({k: (groups * rows.rows, rows.length) for k in packing.ROW_KEYS})
-  shapes.update({k: (groups * rows.head,) for k in packing.HEAD_KEYS})
-  batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=steps.pairs)
-           for k, shape in shapes.items()}
-  if steps.plan.reference == "precomputed":
-    batch["ref_logps"] = jax.ShapeDtypeStruct(shapes["tokens"], jnp.float32,
-                                              sharding=steps.pairs)
-  return state, ref_params, batch
-
-
 def lower(plan: plan_lib.StepPlan, devices):
   """`(steps, the train step of `plan` lowered on `devices` with abstract inputs)`."""
   steps = step_lib.make_steps(plan, devices)
   with jax.set_mesh(steps.mesh):  # so impl="auto" and the kernel tiles see the target
-    return steps, steps.train_step.lower(*abstract_inputs(steps))
+    return steps, steps.train_step.lower(*steps.abstract_inputs())
 
 
 def _gib(n: int) -> str:

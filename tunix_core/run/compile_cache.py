@@ -21,7 +21,9 @@ and reports what the first step got from it.
   removed and compiled again (JAX alone would warn on every start and never rewrite it).
 """
 
+import collections
 import os
+import threading
 import time
 
 import jax
@@ -32,17 +34,20 @@ from tunix_core.storage import paths
 AUTO = "auto"
 _ENTRY = "-cache"  # JAX's file name suffix of an entry: {key}-cache
 _EVENTS = ("/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses",
-           "/jax/compilation_cache/compile_requests_use_cache")
-_counts = dict.fromkeys(_EVENTS, 0)
-_where = {"dir": None}  # what `enable` set, for the messages
+           "/jax/compilation_cache/compile_requests_use_cache",
+           "/jax/core/compile/backend_compile_duration")  # a compile or a cache load
+# Per thread: the step compiles beside the start-up's own compiles (`Warmup`).
+_counts = collections.defaultdict(lambda: dict.fromkeys(_EVENTS, 0))
 
 
 def _count(event: str, **_) -> None:
-  if event in _counts:
-    _counts[event] += 1
+  if event in _EVENTS:  # recorded by the thread that compiles
+    _counts[threading.get_ident()][event] += 1
 
 
 jax.monitoring.register_event_listener(_count)
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, _seconds, **kw: _count(event, **kw))
 
 
 def resolve_dir(setting: str, output_dir: str) -> str:
@@ -58,7 +63,6 @@ def enable(setting: str, output_dir: str, max_gb: float, log, *, primary: bool =
   """Points JAX's persistent cache at the run's directory before anything compiles;
   returns it, or None when the cache is off or unusable (one line says why)."""
   path = resolve_dir(setting, output_dir)
-  _where["dir"] = None
   if not path:
     jax.config.update("jax_enable_compilation_cache", False)
     log("compilation cache: off (--compilation_cache_dir='')")
@@ -76,7 +80,6 @@ def enable(setting: str, output_dir: str, max_gb: float, log, *, primary: bool =
     return None
   jax.config.update("jax_enable_compilation_cache", True)
   jax.config.update("jax_compilation_cache_dir", path)
-  _where["dir"] = path
   jax.config.update("jax_compilation_cache_max_size", -1)  # bounded by `_prune`
   # Every executable: a run's dozen small ones (init, checks, eval) cost seconds too.
   # A threshold set in the environment is the user's and stays.
@@ -172,24 +175,27 @@ class _CheckedCache:
     self._base.clear()
 
 
+def _mine() -> dict:
+  return _counts[threading.get_ident()]
+
+
 class FirstCompile:
   """Times a block that compiles (the first dispatch of the step) and says whether its
   executable came from the cache."""
 
   def __enter__(self):
-    self._before, self._start = dict(_counts), time.perf_counter()
+    self._before, self._start = dict(_mine()), time.perf_counter()
     return self
 
   def __exit__(self, *exc):
     self.seconds = time.perf_counter() - self._start
-    delta = {event: _counts[event] - self._before[event] for event in _EVENTS}
-    self.hits, self.writes, self.lookups = (delta[event] for event in _EVENTS)
+    delta = {event: _mine()[event] - self._before[event] for event in _EVENTS}
+    self.hits, self.writes, self.lookups, self.compiles = (delta[e] for e in _EVENTS)
     return False
 
   def describe(self, what: str) -> str:
-    # JAX looks an executable up only when its cache is on.
-    where = _where["dir"] or os.environ.get("JAX_COMPILATION_CACHE_DIR", "")
-    if not self.lookups:
+    where = jax.config.jax_compilation_cache_dir
+    if not (self.lookups and where and jax.config.jax_enable_compilation_cache):
       return f"{what}: compiled in {self.seconds:.1f} s (no compilation cache)"
     if self.hits and self.hits == self.lookups:
       return (f"{what}: loaded from the compilation cache in {self.seconds:.1f} s "
@@ -197,3 +203,31 @@ class FirstCompile:
     stored = "; stored for the next start" if self.writes else ""
     return (f"{what}: compiled in {self.seconds:.1f} s (not in the compilation cache at "
             f"{where}{stored})")
+
+
+class Warmup:
+  """Compiles `fn` for `abstract_args` (sharded ShapeDtypeStructs of its first call) on a
+  thread, beside the rest of the start-up (initialisation, restore, the reference pass):
+  the first call then finds the executable in memory. `describe` waits for it."""
+
+  def __init__(self, fn, abstract_args: tuple):
+    self._error = None
+
+    def compile_():
+      try:
+        with FirstCompile() as self._compiled:
+          fn.lower(*abstract_args).compile()
+      except BaseException as e:  # noqa: BLE001 - raised again by `describe`
+        self._error = e
+
+    self._thread = threading.Thread(target=compile_, name="compile-step", daemon=True)
+    self._thread.start()
+
+  def describe(self, what: str) -> str:
+    """Waits for the compile; its line (or its error, raised again here)."""
+    start = time.perf_counter()
+    self._thread.join()
+    if self._error is not None:
+      raise self._error
+    return (f"{self._compiled.describe(what)}, beside the start-up (which then waited "
+            f"{time.perf_counter() - start:.1f} s for it)")

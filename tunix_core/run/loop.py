@@ -111,6 +111,8 @@ def _train(cfg, devices, log, dog):
       cfg, [d for d in (train_set, eval_set) if d is not None]))
   mcfg = plan.model
   steps = step_lib.make_steps(plan, devices)
+  # The step compiles (or loads from the compilation cache) while the state is made.
+  warmup = compile_cache.Warmup(steps.train_step, steps.abstract_inputs())
   key = jax.random.PRNGKey(cfg.seed)
   ckpt = checkpoint.Checkpointer(paths.join(cfg.output_dir, "checkpoints"), keep=cfg.keep,
                                  keep_period=cfg.keep_period or None)
@@ -183,9 +185,9 @@ def _train(cfg, devices, log, dog):
     if writer is not None:
       writer.note(f"checkpoint/{step}", digest)
 
-  log(f"step {start + 1}: compiling the step (or loading it from the compilation cache), "
-      "then running it")
-  dog.beat(f"compiling and running step {start + 1}", first=True)
+  dog.beat(f"compiling step {start + 1}", first=True)
+  log(warmup.describe(f"step {start + 1}"))
+  dog.beat(f"running step {start + 1}", first=True)
   try:
     with preemption.StopSignal() as stop:
       if sampler and start == 0:
@@ -201,8 +203,9 @@ def _train(cfg, devices, log, dog):
         profiler.before(step)
         with compile_cache.FirstCompile() as compiled:
           state, metrics = steps.train_step(state, ref_params, steps.put_batch(batch))
-        if step == start + 1:
-          log(compiled.describe(f"step {step}"))
+        if step == start + 1 and compiled.compiles:  # a plan whose inputs differ
+          log(f"{compiled.describe(f'step {step}')} again at its first call: its inputs "
+              "differ from the step's abstract inputs")
         profiler.after(step, state)
         if step == start + 1 or (cfg.check_replicas_every
                                  and step % cfg.check_replicas_every == 0):

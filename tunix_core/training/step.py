@@ -279,6 +279,27 @@ class StepFunctions:
     index = self.pairs.addressable_devices_indices_map((B,))
     return np.unique(np.concatenate([np.arange(B)[i] for i in index.values()]))
 
+  def abstract_inputs(self) -> tuple:
+    """`(state, frozen, batch)` of `train_step` as sharded ShapeDtypeStructs, exactly as
+    the loop passes them (so compiling these is compiling the run's step): the batch
+    with its plan's model rows and head slots (`data.packing`)."""
+    cfg, rows = self.cfg, self.plan.rows
+    scalar = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.replicated)
+    state = {"params": self.abstract_params(), "opt_state": self.abstract_opt_state(),
+             "step": scalar(()), "nonfinite": scalar((3,))}
+    frozen = self.abstract_frozen(model_lib.DTYPES[cfg.ref_param_dtype()])
+    groups = cfg.batch_size // rows.pairs
+    shapes = {k: (cfg.batch_size, 2, cfg.max_length)
+              for k in ("tokens", "targets", "loss_mask", "attention_mask")}
+    shapes.update({k: (groups * rows.rows, rows.length) for k in packing.ROW_KEYS})
+    shapes.update({k: (groups * rows.head,) for k in packing.HEAD_KEYS})
+    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.pairs)
+             for k, shape in shapes.items()}
+    if self.plan.reference == "precomputed":
+      batch["ref_logps"] = jax.ShapeDtypeStruct(shapes["tokens"], jnp.float32,
+                                                sharding=self.pairs)
+    return state, frozen, batch
+
   def put_batch(self, batch: dict) -> dict:
     """Host arrays `[B, 2, T]` of the global batch, with the plan's model rows and head
     slots added (`packing.pack`; a batch that does not fit the plan is a ValueError) ->
