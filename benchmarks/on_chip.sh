@@ -4,7 +4,8 @@
 #
 #   OUT=DIR bash benchmarks/on_chip.sh     # on the chip
 #
-# PARTS picks what runs (default "logprobs attention step"; also "quickstart", the shipped
+# PARTS picks what runs (default "logprobs attention step"; also "chipopen", the time to
+# open the chip with libtpu's default and smaller premapped buffers, "quickstart", the shipped
 # command as written, "recovery", benchmarks/restart.py on the quickstart: killed at step
 # 120, restarted with and without the compilation cache, and "aotcache", the quickstart
 # with the cache that `--compile_only --target_topology=v5e-1` filled on a CPU host, carried
@@ -48,6 +49,14 @@ part() {  # part NAME LIMIT CMD...: one process, its output into $OUT/NAME.txt
 }
 has logprobs && part logprobs "${LOGPROBS_LIMIT:-270}" python3 benchmarks/on_chip.py logprobs ${LOGPROBS_ARGS:-} --out "$OUT/kernels.jsonl"
 has attention && part attention 90 python3 benchmarks/on_chip.py attention --out "$OUT/kernels.jsonl"
+if has chipopen; then  # seconds to import jax and open the chip, and with a smaller premap
+  for premap in "" 268435456 67108864; do
+    part chipopen 60 env ${premap:+TPU_PREMAPPED_BUFFER_SIZE=$premap} python3 -c "
+import time; t0 = time.perf_counter(); import jax; t1 = time.perf_counter(); jax.devices()
+print('premapped buffer ${premap:-default}: import jax %.1f s, open the chip %.1f s' % (
+    t1 - t0, time.perf_counter() - t1))"
+  done
+fi
 has quickstart && part quickstart 240 python3 trainer.py --flagfile=configs/quickstart.flags
 has recovery && part recovery 240 python3 benchmarks/restart.py --uncached \
     --out "$OUT/restart.jsonl" -- python3 trainer.py --flagfile=configs/quickstart.flags \
