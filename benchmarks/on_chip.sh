@@ -52,9 +52,13 @@ has attention && part attention 90 python3 benchmarks/on_chip.py attention --out
 if has chipopen; then  # seconds to import jax and open the chip, and with a smaller premap
   for premap in "" 268435456 67108864; do
     part chipopen 60 env ${premap:+TPU_PREMAPPED_BUFFER_SIZE=$premap} python3 -c "
-import time; t0 = time.perf_counter(); import jax; t1 = time.perf_counter(); jax.devices()
-print('premapped buffer ${premap:-default}: import jax %.1f s, open the chip %.1f s' % (
-    t1 - t0, time.perf_counter() - t1))"
+import time; t0 = time.perf_counter(); import jax, numpy as np; t1 = time.perf_counter()
+jax.devices(); t2 = time.perf_counter()
+host = np.ones((512, 1 << 20), np.float32)  # 2 GiB, as a restore moves a model
+jax.device_put(host).block_until_ready(); t3 = time.perf_counter()
+jax.device_put(host).block_until_ready(); t4 = time.perf_counter()
+print('premapped buffer ${premap:-default}: import jax %.1f s, open the chip %.1f s, '
+      '2 GiB to the chip %.2f s then %.2f s' % (t1 - t0, t2 - t1, t3 - t2, t4 - t3))"
   done
 fi
 has quickstart && part quickstart 240 python3 trainer.py --flagfile=configs/quickstart.flags
