@@ -160,7 +160,6 @@ def main(argv):
     cfg = config_from_flags(warn=lambda line: print(line, file=terminal, flush=True))
     say = lambda line: print(line, flush=True)
     f = flags.FLAGS
-    distributed.prepare_tpu_runtime()
     distributed.join(distributed.plan(f.coordinator_address, f.num_processes, f.process_id),
                      f.coordinator_timeout, say, terminal)
     compile_cache.enable(cfg.compilation_cache_dir, cfg.output_dir, cfg.compilation_cache_gb,

@@ -187,8 +187,6 @@ def run_ours(a, config: dict, pairs) -> dict:
   from tunix_core.run import compile_cache  # pylint: disable=g-import-not-at-top
   from tunix_core.training import step as step_lib  # pylint: disable=g-import-not-at-top
 
-  from tunix_core.run import distributed  # pylint: disable=g-import-not-at-top
-  distributed.prepare_tpu_runtime()  # as the trainer starts the chip
   compiles = CompileLog()
   logging.getLogger("jax").addHandler(compiles)
   jax.config.update("jax_log_compiles", True)

@@ -37,20 +37,6 @@ _WORKER_LISTS = ("TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES")
 HAND_FLAGS = "--coordinator_address, --num_processes and --process_id"
 
 
-# libtpu pins a host staging buffer for transfers when it opens the chips, 4 GiB unless
-# `TPU_PREMAPPED_BUFFER_SIZE` says otherwise. Where the host has no transparent huge
-# pages (containers, gVisor) pinning it is most of the start: a v5e chip opened in 5.6 s
-# with the default and 1.6 s with 256 MiB (docs/results/tpu_v5e.md, with what it does to
-# a large transfer).
-PREMAPPED_BUFFER_BYTES = 256 << 20
-
-
-def prepare_tpu_runtime(environ=os.environ) -> None:
-  """Runtime settings the TPU runtime reads when it starts (before any backend does);
-  a value already in the environment is the user's and stays."""
-  environ.setdefault("TPU_PREMAPPED_BUFFER_SIZE", str(PREMAPPED_BUFFER_BYTES))
-
-
 class Job(typing.NamedTuple):
   """How to join: `kwargs` of `jax.distributed.initialize` (None: one process, no
   join; {}: JAX detects the job itself) and what to tell the user."""
