@@ -162,8 +162,8 @@ def main(argv):
     f = flags.FLAGS
     distributed.join(distributed.plan(f.coordinator_address, f.num_processes, f.process_id),
                      f.coordinator_timeout, say, terminal)
-    compile_cache.enable(cfg.compilation_cache_dir, cfg.output_dir, cfg.compilation_cache_gb,
-                         say, primary=jax.process_index() == 0)
+    compile_cache.enable(cfg.compilation_cache_dir, cfg.output_dir, say,
+                         primary=jax.process_index() == 0)
     if cfg.compile_only:
       sys.exit(aot.compile_only(cfg, cfg.target_topology))
     train_lib.train(cfg)

@@ -191,7 +191,7 @@ def run_ours(a, config: dict, pairs) -> dict:
   logging.getLogger("jax").addHandler(compiles)
   jax.config.update("jax_log_compiles", True)
   if a.cache_dir is not None:
-    compile_cache.enable(a.cache_dir, "", 20.0, lambda line: print(line, file=sys.stderr))
+    compile_cache.enable(a.cache_dir, "", lambda line: print(line, file=sys.stderr))
   devices = jax.devices()[:1]
   t_plan = time.perf_counter()
   imported = process_age()

@@ -23,7 +23,7 @@ def lines(tmp_path):
   """What `compile_cache` says; the session's cache (conftest's) is back afterwards."""
   said = []
   yield said
-  compile_cache.enable(compile_cache.AUTO, str(tmp_path), 0, lambda _: None)
+  compile_cache.enable(compile_cache.AUTO, str(tmp_path), lambda _: None, max_bytes=0)
   jax.clear_caches()
 
 
@@ -41,7 +41,7 @@ def _compile(x):
 
 def test_a_damaged_entry_is_one_line_and_compiled_again(tmp_path, lines):
   where = str(tmp_path / "cc")
-  assert compile_cache.enable(where, "", 0, lines.append) == where
+  assert compile_cache.enable(where, "", lines.append, max_bytes=0) == where
   x = jnp.linspace(-2.0, 2.0, 16)
   want = np.sin(np.asarray(x, np.float64)) * 3 + np.cos(np.asarray(x, np.float64)[::-1])
   y, first = _compile(x)
@@ -64,14 +64,14 @@ def test_a_damaged_entry_is_one_line_and_compiled_again(tmp_path, lines):
 def test_an_unwritable_directory_is_one_line_and_an_uncached_run(tmp_path, lines):
   blocker = tmp_path / "file"
   blocker.write_text("")
-  assert compile_cache.enable(str(blocker / "cc"), "", 0, lines.append) is None
+  assert compile_cache.enable(str(blocker / "cc"), "", lines.append) is None
   assert len(lines) == 1 and lines[0].startswith(f"compilation cache: {blocker / 'cc'} is "
                                                  "not writable (")
   assert lines[0].endswith("; running uncached")
   y, seen = _compile(jnp.ones(4))
   assert seen.lookups == 0 and seen.describe("f").endswith("(no compilation cache)")
   np.testing.assert_allclose(y, np.sin(1.0) * 3 + np.cos(1.0), rtol=1e-6)
-  assert compile_cache.enable("", "", 0, lines.append) is None and "off" in lines[-1]
+  assert compile_cache.enable("", "", lines.append) is None and "off" in lines[-1]
 
 
 def test_auto_defers_to_the_environment_and_the_bound_drops_the_oldest(tmp_path,
@@ -86,7 +86,7 @@ def test_auto_defers_to_the_environment_and_the_bound_drops_the_oldest(tmp_path,
   for age, name in enumerate(["d", "c", "b", "a"]):  # "a" is the oldest
     (where / f"jit_{name}-0-cache").write_bytes(b"x" * 1000)
     os.utime(where / f"jit_{name}-0-cache", (1e9 - age * 100, 1e9 - age * 100))
-  compile_cache.enable(str(where), "", 2.5e-6, lines.append)  # 2,500 bytes
+  compile_cache.enable(str(where), "", lines.append, max_bytes=2500)
   assert sorted(os.listdir(where)) == ["jit_c-0-cache", "jit_d-0-cache"]
 
 

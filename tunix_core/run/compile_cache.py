@@ -13,7 +13,7 @@ and reports what the first step got from it.
   and platform version (libtpu's build), the jax/jaxlib version and the accelerator's
   kind. Another topology, jax or libtpu, or plan never loads a wrong executable.
 - Bound: at start-up the primary process drops the least recently used entries past
-  `--compilation_cache_gb` (recency is a hit's touch on local disk; on object storage the
+  `MAX_BYTES`, 20 GB (recency is a hit's touch on local disk; on object storage the
   write time). JAX's own eviction is left off: it locks the directory on every read and
   works only on local disk.
 - Failure is never fatal: an unwritable directory is one line and the run goes on
@@ -32,6 +32,7 @@ from jax.experimental.compilation_cache import compilation_cache as jax_cache
 from tunix_core.storage import paths
 
 AUTO = "auto"
+MAX_BYTES = 20 * 10**9  # the bound `enable` keeps the cache under at start-up
 _ENTRY = "-cache"  # JAX's file name suffix of an entry: {key}-cache
 _EVENTS = ("/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses",
            "/jax/compilation_cache/compile_requests_use_cache",
@@ -58,8 +59,8 @@ def resolve_dir(setting: str, output_dir: str) -> str:
   return setting
 
 
-def enable(setting: str, output_dir: str, max_gb: float, log, *, primary: bool = True
-           ) -> str | None:
+def enable(setting: str, output_dir: str, log, *, max_bytes: int = MAX_BYTES,
+           primary: bool = True) -> str | None:
   """Points JAX's persistent cache at the run's directory before anything compiles;
   returns it, or None when the cache is off or unusable (one line says why)."""
   path = resolve_dir(setting, output_dir)
@@ -72,8 +73,8 @@ def enable(setting: str, output_dir: str, max_gb: float, log, *, primary: bool =
     probe = paths.join(path, f".probe-{os.getpid()}")
     paths.write_bytes(probe, b"")
     paths.remove(probe)
-    if primary and max_gb > 0:
-      _prune(path, int(max_gb * 1e9))
+    if primary and max_bytes > 0:
+      _prune(path, max_bytes)
   except (OSError, paths.StorageError) as e:  # StorageError is an OSError; both named
     jax.config.update("jax_enable_compilation_cache", False)
     log(f"compilation cache: {path} is not writable ({_first_line(e)}); running uncached")

@@ -20,20 +20,17 @@ RESUME_MODES = ("auto", "never", "required")
 REFERENCE_MODES = ("step", "precomputed", "none")  # `--reference`
 CHAT_TEMPLATES = validation.CHAT_TEMPLATES  # --chat_template values besides a file
 ConfigError = validation.ConfigError
-# What a step with a non-finite loss, metric or gradient norm does: end the run (its
-# update is never applied) or skip its update and count it.
+# --on_nonfinite: a non-finite step ends the run unapplied, or its update is skipped.
 NONFINITE_ACTIONS = ("stop", "skip")
 
-# Settings that must not change across a resume (the model's own fields are checked
-# separately): they decide the data order or the meaning of the optimizer state.
+# What a resume must keep (the model's own fields apart): data order, optimizer state.
 RESUME_FIELDS = ("max_length", "max_prompt_length", "seed", "batch_size", "optimizer",
                  "train_data", "chat_template", "lora_rank", "lora_alpha", "lora_targets",
                  "lora_rslora", "lora_init")
 
 
 def _flag(default, help_text: str, **metadata):
-  """A config field that is also a trainer flag: its default, `--help` text and (for
-  choice settings) the name of its `CHOICES` entry."""
+  """A config field that is also a trainer flag: its default and `--help` text."""
   return dataclasses.field(default=default, metadata=dict(help=help_text, **metadata))
 
 
@@ -78,15 +75,9 @@ class TrainConfig:
                                   "fingerprint and compare with the saved one; a step that "
                                   "fails is moved aside and the previous one is used "
                                   "(auto).", group="run")
-  compilation_cache_dir: str = _flag("auto", "Persistent compilation cache (local or gs://; "
-                                     "one a pod's hosts share): a restart loads the step "
-                                     "instead of compiling it. auto: "
-                                     "$JAX_COMPILATION_CACHE_DIR if set, else "
-                                     "{output_dir}/compilation_cache; empty: off "
-                                     "(docs/tpu.md#compilation-cache).", group="run")
-  compilation_cache_gb: float = _flag(20.0, "At start-up, drop the least recently used "
-                                      "compilation cache entries past this many GB; 0: "
-                                      "unbounded.", group="run")
+  compilation_cache_dir: str = _flag("auto", "Persistent compilation cache, local or gs:// "
+                                     "(auto: $JAX_COMPILATION_CACHE_DIR, else {output_dir}/"
+                                     "compilation_cache; empty: off).", group="run")
   on_nonfinite: str = _flag("stop", "stop: end the run (exit status 3) at a step whose "
                             "loss, metrics or gradient norm is NaN/Inf, without applying "
                             "or saving it; skip: skip such steps' updates and count them.",
