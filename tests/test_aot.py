@@ -162,10 +162,14 @@ def test_compile_only_lowers_the_very_step_the_run_trains(tmp_path, monkeypatch)
       super().__init__(*args, **kw)
       jitted = self.train_step
 
-      def first_step(*args):
-        raise _Lowered(jitted.lower(*args).as_text())
+      class FirstStep:  # the start-up compiles it (`lower`); its first call is captured
 
-      self.train_step = first_step
+        lower = jitted.lower
+
+        def __call__(self, *args):
+          raise _Lowered(jitted.lower(*args).as_text())
+
+      self.train_step = FirstStep()
 
   monkeypatch.setattr(step_lib, "StepFunctions", Capture)
   with pytest.raises(_Lowered) as trained:
