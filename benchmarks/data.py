@@ -116,8 +116,9 @@ def tiny_model_dir(args, tok_dir: str) -> str:
 
 
 def resumed_startup(args, path, model_dir) -> float:
-  """Seconds from start-up of a resumed tiny run to the line that starts compiling its
-  first step (data, plan and checkpoint restored by then); fails if it tokenized."""
+  """Seconds from start-up of a resumed tiny run to the line after its restore (data,
+  plan and checkpoint restored by then; the step compiles beside them); fails if it
+  tokenized."""
   out = os.path.join(args.work, f"run-{args.pairs}")
   flags = [sys.executable, os.path.join(REPO, "trainer.py"), f"--train_data={path}",
            f"--output_dir={out}", "--batch_size=8", f"--max_length={args.max_length}",
@@ -133,7 +134,7 @@ def resumed_startup(args, path, model_dir) -> float:
   seen, text = None, []
   for line in proc.stdout:
     text.append(line)
-    if seen is None and "compiling the step" in line:
+    if seen is None and line.startswith("MFU against"):
       seen = time.perf_counter() - start
   if proc.wait() or any("tokenizing into the token store" in line for line in text):
     raise RuntimeError("the resumed run failed or tokenized again:\n" + "".join(text[-20:]))

@@ -75,7 +75,7 @@ def enable(setting: str, output_dir: str, log, *, max_bytes: int = MAX_BYTES,
     paths.remove(probe)
     if primary and max_bytes > 0:
       _prune(path, max_bytes)
-  except (OSError, paths.StorageError) as e:  # StorageError is an OSError; both named
+  except OSError as e:  # paths.StorageError included
     jax.config.update("jax_enable_compilation_cache", False)
     log(f"compilation cache: {path} is not writable ({_first_line(e)}); running uncached")
     return None
