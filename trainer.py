@@ -58,7 +58,7 @@ flags.DEFINE_bool("reference_free", None, "Deprecated: --reference=none.")
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0's coordinator "
                     "(with --num_processes and --process_id): for CPU hosts and tests, "
                     "over gloo. Without it a multi-host TPU job joins on its own "
-                    "(docs/pod.md: the rule that decides).")
+                    "(docs/training.md: the rule that decides).")
 flags.DEFINE_integer("num_processes", None, "Number of processes in the job.")
 flags.DEFINE_integer("process_id", None, "This process's index, 0 .. num_processes-1.")
 flags.DEFINE_float("coordinator_timeout", 45.0, "Seconds a multi-host job may take to join "
@@ -160,10 +160,11 @@ def main(argv):
     cfg = config_from_flags(warn=lambda line: print(line, file=terminal, flush=True))
     say = lambda line: print(line, flush=True)
     f = flags.FLAGS
-    distributed.join(distributed.plan(f.coordinator_address, f.num_processes, f.process_id),
-                     f.coordinator_timeout, say, terminal)
+    job = distributed.plan(f.coordinator_address, f.num_processes, f.process_id)
+    distributed.join(job, f.coordinator_timeout, say, terminal)
+    # (process_index() would start a backend, and --compile_only needs none of its own.)
     compile_cache.enable(cfg.compilation_cache_dir, cfg.output_dir, say,
-                         primary=jax.process_index() == 0)
+                         primary=job.kwargs is None or jax.process_index() == 0)
     if cfg.compile_only:
       sys.exit(aot.compile_only(cfg, cfg.target_topology))
     train_lib.train(cfg)

@@ -62,7 +62,7 @@ print('premapped buffer ${premap:-default}: import jax %.1f s, open the chip %.1
   done
 fi
 has quickstart && part quickstart 240 python3 trainer.py --flagfile=configs/quickstart.flags
-has recovery && part recovery 240 python3 benchmarks/restart.py --uncached \
+has recovery && rm -rf /tmp/recovery && part recovery 240 python3 benchmarks/restart.py --uncached \
     --out "$OUT/restart.jsonl" -- python3 trainer.py --flagfile=configs/quickstart.flags \
     --output_dir=/tmp/recovery --log_every=1 --eval_every=0
 if has aotcache; then

@@ -96,11 +96,12 @@ def test_auto_defers_to_the_environment_and_the_bound_drops_the_oldest(tmp_path,
      (None, "TPU_WORKER_HOSTNAMES names one worker: one process")),
     ({"TPU_WORKER_HOSTNAMES": "a,b", "TPU_WORKER_ID": "1"}, False, None,
      (dict(coordinator_address="a:8476", num_processes=2, process_id=1), None)),
-    ({"TPU_PROCESS_ADDRESSES": "10.0.0.1:8470,10.0.0.2:8470"}, False, None,
-     (dict(coordinator_address="10.0.0.1:8470", num_processes=2, process_id=0), None)),
+    ({"TPU_PROCESS_ADDRESSES": "10.0.0.1:8470,10.0.0.2:8470",
+      "TPU_WORKER_HOSTNAMES": "localhost"}, False, None,
+     (dict(coordinator_address="10.0.0.1:8476", num_processes=2, process_id=0), None)),
     ({"TPU_WORKER_HOSTNAMES": "a,b"}, True, None, ({}, None)),
     ({"MEGASCALE_COORDINATOR_ADDRESS": "a:8080"}, True, None, ({}, None)),
-    ({}, True, None, (None, "no TPU job in the environment and no answer from the GCE "
+    ({}, True, None, (None, "no TPU job in the environment and none from the GCE "
                       "metadata server: one process")),
     ({}, True, 1, (None, "the metadata server names one TPU worker: one process")),
     ({}, True, 4, ({}, None)),
@@ -110,22 +111,33 @@ def test_one_process_unless_there_are_more_hosts(env, tpu, metadata, want):
   assert (job.kwargs, job.notice) == want
 
 
-def test_the_flags_win_and_go_together():
+def test_the_flags_win_and_go_together_and_a_worker_index_is_checked():
   job = distributed.plan("h:1", 2, 1, {"TPU_WORKER_HOSTNAMES": "a,b"}, tpu_host=True)
   assert job.kwargs == dict(coordinator_address="h:1", num_processes=2, process_id=1)
   with pytest.raises(ConfigError, match="go together"):
     distributed.plan("h:1", None, None, {})
+  for index in ("2", "-1", "x"):
+    with pytest.raises(ConfigError, match=rf"^TPU_WORKER_ID='{index}' is not a worker "
+                       "index of the 2 in TPU_WORKER_HOSTNAMES$"):
+      distributed.plan(None, None, None, {"TPU_WORKER_HOSTNAMES": "a,b",
+                                          "TPU_WORKER_ID": index}, tpu_host=False)
 
 
-def test_the_metadata_server_is_asked_briefly():
+def test_a_metadata_server_that_does_not_answer_is_no_job():
+  import socket  # pylint: disable=g-import-not-at-top
+  with socket.socket() as closed:  # a port nobody listens on: refused at once
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
   start = time.perf_counter()
-  assert distributed.ask_metadata(timeout=1.0) is None  # no GCE here
+  assert distributed.ask_metadata(timeout=1.0, url=f"http://127.0.0.1:{port}/x") is None
   assert time.perf_counter() - start < 5
 
 
 @pytest.mark.slow
 def test_a_multi_host_job_without_its_coordinator_ends_in_one_line(tmp_path):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_WORKER_HOSTNAMES="a,b")
+  # This process is worker 1: process 0 would start a coordinator on JAX's port here.
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_WORKER_HOSTNAMES="a.invalid,b.invalid",
+             TPU_WORKER_ID="1")
   start = time.perf_counter()
   proc = subprocess.run(
       [sys.executable, os.path.join(REPO, "trainer.py"), f"--output_dir={tmp_path}",
@@ -136,5 +148,6 @@ def test_a_multi_host_job_without_its_coordinator_ends_in_one_line(tmp_path):
   errors = [l for l in proc.stderr.splitlines() if l.startswith("trainer.py:")]
   assert errors == [
       "trainer.py: error: could not join the 2 workers of TPU_WORKER_HOSTNAMES within 5 s "
-      "(the coordinator cannot be reached); set the job by hand with "
-      "--coordinator_address, --num_processes and --process_id, or --coordinator_timeout"]
+      "(its coordinator unreachable or a process missing); set the job by hand with "
+      "--coordinator_address, --num_processes and --process_id, or raise "
+      "--coordinator_timeout"]

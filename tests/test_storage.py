@@ -223,6 +223,7 @@ def test_a_run_on_gcs_trains_resumes_falls_back_and_exports(tmp_path, gcs):
           "start)" in straight.stdout)
   assert (f"step 5: loaded from the compilation cache in " in resumed.stdout and
           f"({bucket}/compile_cache)" in resumed.stdout)
+  assert "again at its first call" not in straight.stdout + resumed.stdout
   got, want = runs.rows(run), runs.rows(f"{bucket}/straight")
   assert [r["step"] for r in got] == [r["step"] for r in want]  # one row per logged step
   assert runs.losses(run) == runs.losses(f"{bucket}/straight")  # bit-identical

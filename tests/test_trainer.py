@@ -55,6 +55,7 @@ def test_flagfile_run_on_8_devices_loss_falls_from_ln2(tmp_path):
   # A cache directory that cannot be made: one line, and the run goes on uncached.
   assert f"compilation cache: {flagfile}/cache is not writable" in proc.stdout
   assert "step 1: compiled in " in proc.stdout and "(no compilation cache)" in proc.stdout
+  assert "again at its first call" not in proc.stdout  # compiled once, beside the start-up
   # The deprecated flag still works, and says so; the default run saves its last step.
   assert "--precompute_ref_logps is deprecated; use --reference=precomputed" in proc.stderr
   assert "reference: precomputed" in proc.stdout

@@ -18,7 +18,9 @@ and reports what the first step got from it.
   works only on local disk.
 - Failure is never fatal: an unwritable directory is one line and the run goes on
   uncached; an entry that does not decompress (a write cut short by a kill) is one line,
-  removed and compiled again (JAX alone would warn on every start and never rewrite it).
+  compiled again and removed by process 0 (JAX alone would warn on every start and never
+  rewrite it). A multi-host run writes from process 0 only (JAX's rule): its other hosts
+  gain from the cache when it is shared (`gs://`).
 """
 
 import collections
@@ -39,6 +41,7 @@ _EVENTS = ("/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_mi
            "/jax/core/compile/backend_compile_duration")  # a compile or a cache load
 # Per thread: the step compiles beside the start-up's own compiles (`Warmup`).
 _counts = collections.defaultdict(lambda: dict.fromkeys(_EVENTS, 0))
+_said = {"log": print}  # where a damaged entry is reported: the latest `enable`'s `log`
 
 
 def _count(event: str, **_) -> None:
@@ -64,8 +67,9 @@ def enable(setting: str, output_dir: str, log, *, max_bytes: int = MAX_BYTES,
   """Points JAX's persistent cache at the run's directory before anything compiles;
   returns it, or None when the cache is off or unusable (one line says why)."""
   path = resolve_dir(setting, output_dir)
+  _said["log"] = log
   if not path:
-    jax.config.update("jax_enable_compilation_cache", False)
+    _disable()
     log("compilation cache: off (--compilation_cache_dir='')")
     return None
   try:
@@ -73,12 +77,15 @@ def enable(setting: str, output_dir: str, log, *, max_bytes: int = MAX_BYTES,
     probe = paths.join(path, f".probe-{os.getpid()}")
     paths.write_bytes(probe, b"")
     paths.remove(probe)
-    if primary and max_bytes > 0:
-      _prune(path, max_bytes)
   except OSError as e:  # paths.StorageError included
-    jax.config.update("jax_enable_compilation_cache", False)
+    _disable()
     log(f"compilation cache: {path} is not writable ({_first_line(e)}); running uncached")
     return None
+  if primary and max_bytes > 0:
+    try:
+      _prune(path, max_bytes)
+    except OSError as e:
+      log(f"compilation cache: old entries of {path} not dropped ({_first_line(e)})")
   jax.config.update("jax_enable_compilation_cache", True)
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_compilation_cache_max_size", -1)  # bounded by `_prune`
@@ -87,9 +94,16 @@ def enable(setting: str, output_dir: str, log, *, max_bytes: int = MAX_BYTES,
   for name in ("min_compile_time_secs", "min_entry_size_bytes"):
     if f"JAX_PERSISTENT_CACHE_{name.upper()}" not in os.environ:
       jax.config.update(f"jax_persistent_cache_{name}", 0)
-  _guard_entries(log)
+  _guard_entries()
   jax_cache.reset_cache()  # a cache opened earlier in this process opens here again
   return path
+
+
+def _disable() -> None:
+  """No persistent cache from here on, also where one was opened earlier in this process
+  (JAX keeps an opened cache until it is reset)."""
+  jax.config.update("jax_enable_compilation_cache", False)
+  jax_cache.reset_cache()
 
 
 def _first_line(e: BaseException) -> str:
@@ -102,7 +116,10 @@ def _prune(path: str, max_bytes: int) -> None:
   for name in paths.listdir(path):
     if name.endswith(_ENTRY):
       entry = paths.join(path, name)
-      entries.append((_mtime(entry), paths.getsize(entry), entry))
+      try:
+        entries.append((_mtime(entry), paths.getsize(entry), entry))
+      except OSError:
+        pass  # removed by another process since the listing
   total = sum(size for _, size, _ in entries)
   for _, size, entry in sorted(entries):
     if total <= max_bytes:
@@ -118,7 +135,7 @@ def _mtime(path: str) -> float:
   return float(epath.Path(path).stat().mtime)
 
 
-def _guard_entries(log) -> None:
+def _guard_entries() -> None:
   """Wraps the cache JAX opens so that a damaged entry is removed, and a hit touches
   its file (the recency `_prune` reads)."""
   from jax._src import compilation_cache as jax_impl  # pylint: disable=g-import-not-at-top
@@ -129,23 +146,23 @@ def _guard_entries(log) -> None:
 
   def get_file_cache(path):
     made = make(path)
-    return made if made is None else (_CheckedCache(made[0], path, log, decompress),
-                                           made[1])
+    return made if made is None else (_CheckedCache(made[0], path, decompress), made[1])
 
   get_file_cache._tunix_guarded = True  # pylint: disable=protected-access
   jax_impl.get_file_cache = get_file_cache
 
 
 class _CheckedCache:
-  """JAX's cache interface (`get`, `put`, `clear`) over its file cache: an entry read
-  back must decompress, or it is reported once, removed and missed."""
+  """JAX's cache interface (`get`, `put`, `clear`; anything else is the file cache's) over
+  its file cache: an entry read back must decompress, or it is reported once and missed,
+  and process 0 (the one JAX writes from, so never a reader of its own half-written
+  entry) removes it so that it is written again."""
 
-  def __init__(self, base, path: str, log, decompress):
-    self._base, self._dir, self._log, self._decompress = base, path, log, decompress
+  def __init__(self, base, path: str, decompress):
+    self._base, self._dir, self._decompress = base, path, decompress
 
-  @property
-  def _path(self):
-    return self._base._path  # pylint: disable=protected-access
+  def __getattr__(self, name):
+    return getattr(self._base, name)
 
   def get(self, key: str) -> bytes | None:
     value = self._base.get(key)
@@ -155,12 +172,14 @@ class _CheckedCache:
     try:
       self._decompress(value)
     except Exception as e:  # noqa: BLE001 - any damage is a miss
-      self._log(f"compilation cache: entry {key[:40]}... is damaged "
-                f"({type(e).__name__}: {_first_line(e)}); removed, compiling again")
-      try:
-        paths.remove(entry)
-      except OSError:
-        pass
+      removed = jax.process_index() == 0
+      _said["log"](f"compilation cache: entry {key[:40]}... is damaged ({type(e).__name__}: "
+                   f"{_first_line(e)}); {'removed, ' if removed else ''}compiling again")
+      if removed:
+        try:
+          paths.remove(entry)
+        except OSError:
+          pass
       return None
     if not paths.is_remote(entry):
       try:
@@ -196,6 +215,8 @@ class FirstCompile:
 
   def describe(self, what: str) -> str:
     where = jax.config.jax_compilation_cache_dir
+    if not self.compiles:
+      return f"{what}: already compiled in this process ({self.seconds:.1f} s)"
     if not (self.lookups and where and jax.config.jax_enable_compilation_cache):
       return f"{what}: compiled in {self.seconds:.1f} s (no compilation cache)"
     if self.hits and self.hits == self.lookups:
@@ -209,7 +230,9 @@ class FirstCompile:
 class Warmup:
   """Compiles `fn` for `abstract_args` (sharded ShapeDtypeStructs of its first call) on a
   thread, beside the rest of the start-up (initialisation, restore, the reference pass):
-  the first call then finds the executable in memory. `describe` waits for it."""
+  the first call then finds the executable in memory. `describe` waits for it. A
+  start-up that fails first leaves the thread to finish its compile (a daemon: the
+  trainer's exit does not wait for it)."""
 
   def __init__(self, fn, abstract_args: tuple):
     self._error = None

@@ -2,14 +2,14 @@
 
 1. The flags `--coordinator_address`, `--num_processes` and `--process_id` (all three):
    that job (CPU hosts and tests join over gloo).
-2. Else a worker list in the environment (`TPU_WORKER_HOSTNAMES` or
-   `TPU_PROCESS_ADDRESSES`) with more than one entry, or a multi-slice job
+2. Else a worker list in the environment (`TPU_PROCESS_ADDRESSES`, else
+   `TPU_WORKER_HOSTNAMES`) with more than one entry, or a multi-slice job
    (`MEGASCALE_COORDINATOR_ADDRESS`): a multi-host job. On a host with TPU chips JAX
    reads the job from the environment; elsewhere (no TPU runtime to ask) the coordinator
    is the first worker at port 8476 and this process is `TPU_WORKER_ID` (default 0).
 3. Else, on a host with TPU chips, the GCE metadata server, asked for the slice's
-   workers with a short timeout: more than one worker is a multi-host job, which JAX
-   joins from the metadata.
+   workers with a short timeout (2 s, twice): more than one worker is a multi-host job,
+   which JAX joins from the metadata.
 4. Else one process; a TPU environment that named one worker, or a metadata server that
    did not answer, is said in one notice line.
 
@@ -24,16 +24,19 @@ import os
 import sys
 import threading
 import typing
+import urllib.error
 import urllib.request
 
 import jax
+
+from tunix_kernels import tpu
 
 from tunix_core.training.config import ConfigError
 
 COORDINATOR_PORT = 8476  # the port JAX's TPU cluster detection uses
 _METADATA = ("http://169.254.169.254/computeMetadata/v1/instance/attributes/"
              "worker-network-endpoints")  # by address: no DNS lookup that could hang
-_WORKER_LISTS = ("TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES")
+_WORKER_LISTS = ("TPU_PROCESS_ADDRESSES", "TPU_WORKER_HOSTNAMES")  # JAX's order
 HAND_FLAGS = "--coordinator_address, --num_processes and --process_id"
 
 
@@ -46,8 +49,10 @@ class Job(typing.NamedTuple):
 
 
 def has_tpu_chips() -> bool:
-  """TPU device files on this host (without starting a backend)."""
-  return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+  """TPU device files on this host (without starting a backend): VFIO devices only with
+  libtpu installed (a GPU passed through is VFIO too)."""
+  return bool(glob.glob("/dev/accel*")
+              or (glob.glob("/dev/vfio/[0-9]*") and tpu.has_libtpu()))
 
 
 def _workers(environ) -> tuple[str, list[str]] | None:
@@ -57,15 +62,21 @@ def _workers(environ) -> tuple[str, list[str]] | None:
   return None
 
 
-def ask_metadata(timeout: float = 3.0) -> int | None:
-  """Workers of this TPU slice per the GCE metadata server; None when it does not
-  answer within `timeout` seconds."""
-  request = urllib.request.Request(_METADATA, headers={"Metadata-Flavor": "Google"})
-  try:
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-      return len([w for w in response.read().decode().split(",") if w.strip()])
-  except (OSError, ValueError):
-    return None
+def ask_metadata(timeout: float = 2.0, tries: int = 2, url: str = _METADATA) -> int | None:
+  """Workers of this TPU slice per the GCE metadata server (never through a proxy);
+  None when it does not answer within `timeout` seconds, `tries` times, or has no
+  worker list."""
+  opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+  request = urllib.request.Request(url, headers={"Metadata-Flavor": "Google"})
+  for _ in range(tries):
+    try:
+      with opener.open(request, timeout=timeout) as response:
+        return len([w for w in response.read().decode().split(",") if w.strip()])
+    except urllib.error.HTTPError:
+      return None  # it answered: no worker list on this machine
+    except (OSError, ValueError):
+      continue
+  return None
 
 
 def plan(coordinator_address, num_processes, process_id, environ=os.environ,
@@ -85,21 +96,21 @@ def plan(coordinator_address, num_processes, process_id, environ=os.environ,
     return Job({}, "the TPU job of this host's environment")
   if listed and len(listed[1]) > 1:
     name, hosts = listed
-    try:
-      index = int(environ.get("TPU_WORKER_ID", "0"))
-    except ValueError:
-      raise ConfigError(f"TPU_WORKER_ID={environ['TPU_WORKER_ID']!r} is not a worker "
-                        "index") from None
-    address = hosts[0] if ":" in hosts[0] else f"{hosts[0]}:{COORDINATOR_PORT}"
+    index = environ.get("TPU_WORKER_ID", "0")
+    if not index.isdigit() or int(index) >= len(hosts):
+      raise ConfigError(f"TPU_WORKER_ID={index!r} is not a worker index of the "
+                        f"{len(hosts)} in {name}")
+    # Entries may carry the TPU runtime's own port; the coordinator listens on JAX's.
+    address = f"{hosts[0].split(':')[0]}:{COORDINATOR_PORT}"
     return Job(dict(coordinator_address=address, num_processes=len(hosts),
-                    process_id=index), f"the {len(hosts)} workers of {name}")
+                    process_id=int(index)), f"the {len(hosts)} workers of {name}")
   if listed:
     return Job(None, "one process", f"{listed[0]} names one worker: one process")
   if tpu_host:
     workers = metadata()
     if workers is None:
-      return Job(None, "one process", "no TPU job in the environment and no answer from "
-                 "the GCE metadata server: one process")
+      return Job(None, "one process", "no TPU job in the environment and none from the "
+                 "GCE metadata server: one process")
     if workers > 1:
       return Job({}, f"the {workers}-worker TPU slice of the metadata server")
     return Job(None, "one process", "the metadata server names one TPU worker: one process")
@@ -116,11 +127,14 @@ def join(job: Job, timeout: float, log=print, terminal=None) -> None:
   if job.kwargs:  # a job set by hand or from a worker list: CPU hosts join over gloo
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
+  by_hand = ("check them" if job.how.startswith("the flags'") else
+             f"set the job by hand with {HAND_FLAGS}")
+
   def give_up():
     out = terminal or sys.stderr
-    out.write(f"trainer.py: error: could not join {job.how} within {timeout:g} s (the "
-              f"coordinator cannot be reached); set the job by hand with {HAND_FLAGS}, "
-              "or --coordinator_timeout\n")
+    out.write(f"trainer.py: error: could not join {job.how} within {timeout:g} s (its "
+              f"coordinator unreachable or a process missing); {by_hand}, or raise "
+              "--coordinator_timeout\n")
     out.flush()
     os._exit(1)  # pylint: disable=protected-access
 
