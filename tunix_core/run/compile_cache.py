@@ -117,22 +117,16 @@ def _prune(path: str, max_bytes: int) -> None:
     if name.endswith(_ENTRY):
       entry = paths.join(path, name)
       try:
-        entries.append((_mtime(entry), paths.getsize(entry), entry))
+        size, mtime = paths.size_and_mtime(entry)
       except OSError:
-        pass  # removed by another process since the listing
+        continue  # removed by another process since the listing
+      entries.append((mtime, size, entry))
   total = sum(size for _, size, _ in entries)
   for _, size, entry in sorted(entries):
     if total <= max_bytes:
       break
     paths.remove(entry)
     total -= size
-
-
-def _mtime(path: str) -> float:
-  if not paths.is_remote(path):
-    return os.path.getmtime(path)
-  from etils import epath  # pylint: disable=g-import-not-at-top
-  return float(epath.Path(path).stat().mtime)
 
 
 def _guard_entries() -> None:
@@ -153,10 +147,10 @@ def _guard_entries() -> None:
 
 
 class _CheckedCache:
-  """JAX's cache interface (`get`, `put`, `clear`; anything else is the file cache's) over
-  its file cache: an entry read back must decompress, or it is reported once and missed,
-  and process 0 (the one JAX writes from, so never a reader of its own half-written
-  entry) removes it so that it is written again."""
+  """JAX's file cache with a checked `get` (everything else is the file cache's own): an
+  entry read back must decompress, or it is reported once and missed, and process 0 (the
+  one JAX writes from, so never a reader of its own half-written entry) removes it so
+  that it is written again."""
 
   def __init__(self, base, path: str, decompress):
     self._base, self._dir, self._decompress = base, path, decompress
@@ -187,12 +181,6 @@ class _CheckedCache:
       except OSError:
         pass
     return value
-
-  def put(self, key: str, value: bytes) -> None:
-    self._base.put(key, value)
-
-  def clear(self) -> None:
-    self._base.clear()
 
 
 def _mine() -> dict:

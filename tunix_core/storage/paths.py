@@ -134,6 +134,12 @@ def getsize(path: str) -> int:
   return call("reading the size of", path, lambda: _epath(path).stat().length)
 
 
+def size_and_mtime(path: str) -> tuple[int, float]:
+  """`(bytes, modification time in seconds)` of a file or object, in one stat."""
+  stat = call("reading the size of", path, lambda: _epath(path).stat())
+  return stat.length, float(stat.mtime)
+
+
 def makedirs(path: str) -> None:
   """Creates a local directory and its parents; a remote prefix needs nothing."""
   if not is_remote(path):
