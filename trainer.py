@@ -27,6 +27,7 @@ from tunix_core.run import distributed
 from tunix_core.run import logs
 from tunix_core.run import loop as train_lib
 from tunix_core.run import preemption
+from tunix_core.run import watchdog
 from tunix_core.storage import paths
 from tunix_core.training import config as config_lib
 from tunix_core.training import health
@@ -162,9 +163,14 @@ def main(argv):
     f = flags.FLAGS
     job = distributed.plan(f.coordinator_address, f.num_processes, f.process_id)
     distributed.join(job, f.coordinator_timeout, say, terminal)
+    if not cfg.compile_only:  # (an ahead-of-time compile opens no chip)
+      distributed.start_backend()
     # (process_index() would start a backend, and --compile_only needs none of its own.)
-    compile_cache.enable(cfg.compilation_cache_dir, cfg.output_dir, say,
-                         primary=job.kwargs is None or jax.process_index() == 0)
+    # The cache may be on the run's storage: its calls get the watchdog's bound too.
+    with watchdog.Watchdog(cfg.step_timeout) as dog:
+      dog.beat("start-up: the compilation cache", first=True)
+      compile_cache.enable(cfg.compilation_cache_dir, cfg.output_dir, say,
+                           primary=job.kwargs is None or jax.process_index() == 0)
     if cfg.compile_only:
       sys.exit(aot.compile_only(cfg, cfg.target_topology))
     train_lib.train(cfg)

@@ -185,25 +185,36 @@ def run_ours(a, config: dict, pairs) -> dict:
   compilation cache, timing the start-up from the process's start by its own clock."""
   import jax  # pylint: disable=g-import-not-at-top
   from tunix_core.run import compile_cache  # pylint: disable=g-import-not-at-top
+  from tunix_core.run import distributed  # pylint: disable=g-import-not-at-top
+  from tunix_core.run import loop as train_lib  # pylint: disable=g-import-not-at-top
   from tunix_core.training import step as step_lib  # pylint: disable=g-import-not-at-top
 
+  timeline = [("imported", process_age())]  # seconds since the process started
+  distributed.start_backend()  # as the trainer does after its (here: one-process) join
   compiles = CompileLog()
   logging.getLogger("jax").addHandler(compiles)
   jax.config.update("jax_log_compiles", True)
   if a.cache_dir is not None:
     compile_cache.enable(a.cache_dir, "", lambda line: print(line, file=sys.stderr))
+  timeline.append(("cache enabled", process_age()))
   devices = jax.devices()[:1]
   t_plan = time.perf_counter()
   imported = process_age()
+  timeline.append(("chip open", imported))
   plan, host = ours_plan(a, config, pairs, devices)
   steps = step_lib.make_steps(plan, devices)
+  timeline.append(("planned", process_age()))
   warmup = compile_cache.Warmup(steps.train_step, steps.abstract_inputs())  # as the trainer
   state = steps.init_state(jax.random.PRNGKey(0))
-  frozen = jax.tree.map(lambda x: x.copy(), state["params"]) if plan.reference == "step" else None
+  timeline.append(("params initialised", process_age()))
+  frozen = (train_lib.frozen_copy(state["params"], state["params"]["embed"].dtype)
+            if plan.reference == "step" else None)  # as the trainer
   jax.block_until_ready((state, frozen))
   t_init = time.perf_counter()
+  timeline.append(("reference copied", process_age()))
   compiled = warmup.describe("step 1")
   t0 = time.perf_counter()
+  timeline.append(("step compiled", process_age()))
   print(f"planned and initialised in {t_init - t_plan:.1f} s: {plan.describe()}\n{compiled}",
         file=sys.stderr, flush=True)
   ends = []
@@ -216,8 +227,8 @@ def run_ours(a, config: dict, pairs) -> dict:
     ends.append(time.perf_counter())
     if i == 0:
       step1_at = process_age()
-      print(f"step 1 done {step1_at:.1f} s after the process started", file=sys.stderr,
-            flush=True)
+      print(f"step 1 done {step1_at:.1f} s after the process started (" + ", ".join(
+          f"{what} {t:.1f}" for what, t in timeline) + ")", file=sys.stderr, flush=True)
   stats = devices[0].memory_stats() or {}
   # The first step from the end of initialisation: the compile's remainder and the step.
   return dict(first_step_s=ends[0] - t_init, step_s=_median_interval(ends, a.warmup),
@@ -229,7 +240,8 @@ def run_ours(a, config: dict, pairs) -> dict:
                            step1_compile_wait_s=round(t0 - t_init, 2), step1_compile=compiled,
                            step1_recompiled=recompiled,
                            process_start_to_step1_end_s=round(step1_at, 2),
-                           cache_dir=a.cache_dir, compiles=compiles.times))
+                           cache_dir=a.cache_dir, compiles=compiles.times,
+                           timeline=[(what, round(t, 2)) for what, t in timeline]))
 
 
 # Words of the tokenizer: id 0 pads, `EOS` ends a response, id i >= 2 is "w{i}". The

@@ -2,7 +2,8 @@
 against the roofline of their own compiled cost analysis.
 
     python benchmarks/on_chip.py logprobs [--heads 8192:4096:128256,...] [--out r.jsonl]
-    python benchmarks/on_chip.py attention [--rows 4096,8192] [--out r.jsonl]
+    python benchmarks/on_chip.py attention [--rows 4096,8192] [--head_dims 64,128] [--out r.jsonl]
+    python benchmarks/on_chip.py matmul [--products M:K:N,...]   # what the chip sustains
     python benchmarks/on_chip.py --dry_run logprobs   # tiny shapes, interpret mode, CPU
 
 Everything else of ours about a TPU is an ahead-of-time compile; this runs the Mosaic
@@ -162,17 +163,32 @@ def attention_case(t, impls, repeats, interpret, chip, b=1, h=32, kv=8, kdim=128
     return f
 
   rows = measure({impl: fn(impl) for impl in impls}, (q, kk, vv, g), repeats, chip, "xla")
-  return dict(op="attention", b=b, t=t, h=h, kv=kv, k=kdim, impls=rows)
+  return dict(op="attention", b=b, t=t, h=h, kv=kv, head_dim=kdim, impls=rows)
+
+
+def matmul_case(m, k, n, repeats, chip) -> dict:
+  """What the chip sustains on one bf16 product `[m, k] @ [k, n]` (float32 accumulation,
+  bf16 out), the MFU ceiling of the step's matmuls of these shapes."""
+  ka, kb = jax.random.split(jax.random.PRNGKey(2))
+  a = jax.random.normal(ka, (m, k), jnp.float32).astype(jnp.bfloat16)
+  b = jax.random.normal(kb, (k, n), jnp.float32).astype(jnp.bfloat16)
+  rows = measure({"xla": lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32
+                                             ).astype(jnp.bfloat16)}, (a, b), repeats, chip,
+                 "xla")
+  if "ms" in rows["xla"]:
+    rows["xla"]["tflops"] = 2 * m * k * n / rows["xla"]["ms"] * 1e-9
+  return dict(op="matmul", m=m, k=k, n=n, impls=rows)
 
 
 def _print(case: dict) -> None:
-  shape = " ".join(f"{k}={case[k]}" for k in ("n", "d", "v", "b", "t", "h", "kv") if k in case)
+  shape = " ".join(f"{k}={case[k]}" for k in ("m", "k", "n", "d", "v", "b", "t", "h", "kv", "head_dim")
+                   if k in case)
   for name, r in case["impls"].items():
     if "error" in r:
       print(f"{case['op']} {shape} {name}: {r['error']}", flush=True)
       continue
     extra = "".join(f" {k}={r[k]:.3g}" for k in ("roofline_ms", "flops_ndv", "over_bound",
-                                                 "value_err") if k in r)
+                                                 "value_err", "tflops") if k in r)
     grads = " grad_errs=" + ",".join(f"{e:.2g}" for e in r["grad_errs"]) if "grad_errs" in r else ""
     temp = f" temp={r['temp_bytes'] / 2**20:.0f}MiB" if r.get("temp_bytes") is not None else ""
     print(f"{case['op']} {shape} {name}: {r['ms']:.3f} ms{extra}{temp}{grads}", flush=True)
@@ -180,12 +196,15 @@ def _print(case: dict) -> None:
 
 def main() -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("op", choices=("logprobs", "attention"))
+  p.add_argument("op", choices=("logprobs", "attention", "matmul"))
   p.add_argument("--heads", default="8192:4096:128256,4096:8192:128256,8192:2048:128256,"
                  "8192:2048:256000,16384:2048:32000", help="N:D:V,...")
   p.add_argument("--impls", default=None, help="default: pallas,split,xla,naive (log-probs), "
                  "pallas,xla (attention)")
   p.add_argument("--rows", default="2048,8192", help="attention: T per row")
+  p.add_argument("--head_dims", default="128", help="attention: K per head, e.g. 64,128")
+  p.add_argument("--products", default="8192:8192:8192,16384:896:4864,16384:4864:896,"
+                 "16384:960:49152,16384:896:151936", help="matmul: M:K:N,...")
   p.add_argument("--repeats", type=int, default=7)
   p.add_argument("--out", help="append one JSON line per case")
   p.add_argument("--dry_run", action="store_true", help="tiny shapes in interpret mode (CPU)")
@@ -200,12 +219,16 @@ def main() -> int:
       heads = [(64, 256, 512)]
     impls = (a.impls or "pallas,split,xla,naive").split(",")
     cases = (logprobs_case(n, d, v, impls, chip, a.repeats, a.dry_run) for n, d, v in heads)
+  elif a.op == "matmul":
+    products = ([(256, 128, 512)] if a.dry_run
+                else [tuple(map(int, x.split(":"))) for x in a.products.split(",")])
+    cases = (matmul_case(m, k, n, a.repeats, chip) for m, k, n in products)
   else:
     rows = [256] if a.dry_run else [int(t) for t in a.rows.split(",")]
     impls = (a.impls or "pallas,xla").split(",")
-    cases = (attention_case(t, impls, a.repeats, a.dry_run, chip,
-                            **(dict(h=4, kv=2, kdim=128) if a.dry_run else {}))
-             for t in rows)
+    cases = (attention_case(t, impls, a.repeats, a.dry_run, chip, kdim=kdim,
+                            **(dict(h=4, kv=2) if a.dry_run else {}))
+             for kdim in map(int, a.head_dims.split(",")) for t in rows)
   for case in cases:
     _print(case)
     if a.out:

@@ -11,9 +11,22 @@
 # with the cache that `--compile_only --target_topology=v5e-1` filled on a CPU host, carried
 # as .aot_cache/). Narrowing: LOGPROBS_ARGS (extra arguments of on_chip.py logprobs, e.g.
 # --heads), LOGPROBS_LIMIT, STEP_CASES ("model tokens [flags]" separated by ';'),
-# STEP_LIMIT (seconds per run). Each step case runs twice with its own compilation cache:
-# cold (empty) and a restart by the same command, each timing process start to the end
-# of step 1 by its own clock.
+# STEP_LIMIT (seconds per run), STEP_RUNS ("restart": only a restart on the caches an
+# earlier call on the same, still warm, machine filled). Each step case runs twice with
+# its own compilation cache: cold (empty) and a restart by the same command, each timing
+# process start to the end of step 1 by its own clock.
+#
+# "matmul": what the chip sustains on bf16 products of the step's shapes. "profile": the
+# step's time per part (benchmarks/step_profile.py) for PROFILE_CASES (default STEP_CASES),
+# with the step part's compilation caches.
+#
+# "tunix": Tunix 0.1.7's DPOTrainer step (benchmarks/peer_tunix.py) on the same pairs and
+# sizes, appended to the step part's $OUT/step.jsonl so that one `gpu.py table` (printed,
+# and written to $OUT/step_table.md) sets both side by side. TUNIX_CASES ("model tokens
+# [flags]" separated by ';'; default the four cases of issue 55's table: bf16 params, block
+# remat where no remat does not fit), TUNIX_LIMIT (seconds per case; Tunix's first step
+# compiles for 85-122 s). Each case keeps its own compilation cache in /tmp/compile-cache,
+# not emptied: a second call on the same machine loads Tunix's step from it.
 #
 # The chip's machine has JAX and libtpu but not our run-time dependencies: the wheels of
 # ../shared/offline-tpu/wheels.txt carried in .whl-tpu/ (with wheels.txt) install with
@@ -23,13 +36,14 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/tunix-chip}"
-PARTS="${PARTS:-logprobs attention step}"
+PARTS="${PARTS:-logprobs attention step}"  # and "tunix" (above)
 site=/tmp/site
 mkdir -p "$OUT" "$site"
 if [[ -f .whl-tpu/wheels.txt ]]; then
   PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-deps --no-compile \
       --no-cache-dir --upgrade --target "$site" --index-url file:///opt/pypi/simple \
-      --find-links .whl-tpu -r .whl-tpu/wheels.txt tensorstore \
+      --find-links .whl-tpu -r .whl-tpu/wheels.txt tensorstore pandas pyarrow sentencepiece \
+      pillow \
       > "$OUT/setup.log" 2>&1 || echo "wheel install failed: $OUT/setup.log"
 fi
 ln -sfn "$PWD/kernels" "$site/tunix_kernels"
@@ -48,7 +62,8 @@ part() {  # part NAME LIMIT CMD...: one process, its output into $OUT/NAME.txt
       | tail -n 40
 }
 has logprobs && part logprobs "${LOGPROBS_LIMIT:-270}" python3 benchmarks/on_chip.py logprobs ${LOGPROBS_ARGS:-} --out "$OUT/kernels.jsonl"
-has attention && part attention 90 python3 benchmarks/on_chip.py attention --out "$OUT/kernels.jsonl"
+has attention && part attention 150 python3 benchmarks/on_chip.py attention \
+    --head_dims "${HEAD_DIMS:-64,128}" --out "$OUT/kernels.jsonl"
 if has chipopen; then  # seconds to import jax and open the chip, and with a smaller premap
   for premap in "" 268435456 67108864; do
     part chipopen 60 env ${premap:+TPU_PREMAPPED_BUFFER_SIZE=$premap} python3 -c "
@@ -75,8 +90,8 @@ if has step; then
   for case in "${cases[@]}"; do
     read -r model tokens flags <<< "$case"
     cache="/tmp/compile-cache/$model-$tokens${flags// /}"
-    rm -rf "$cache"
-    for run in cold restart; do
+    [[ "${STEP_RUNS:-cold restart}" == cold* ]] && rm -rf "$cache"
+    for run in ${STEP_RUNS:-cold restart}; do
       part step "${STEP_LIMIT:-300}" python3 benchmarks/gpu.py ours --model "$model" \
           --tokens "$tokens" ${flags:-} --pairs 8 --steps 6 --warmup 2 --cache_dir "$cache" \
           --out "$OUT/step.jsonl"
@@ -84,5 +99,30 @@ if has step; then
   done
   python3 benchmarks/gpu.py table "$OUT/step.jsonl" > "$OUT/step_table.md" 2>> "$OUT/step.txt"
   cat "$OUT/step_table.md"
+fi
+if has tunix; then  # Tunix's DPO step on the step part's cases, rows in the same file
+  tunix_cases="smollm2-135m 1024;smollm2-360m 1024 --remat=block"
+  tunix_cases+=";smollm2-135m 2048 --remat=block;qwen2.5-0.5b 1024 --remat=block"
+  IFS=';' read -ra cases <<< "${TUNIX_CASES:-$tunix_cases}"
+  for case in "${cases[@]}"; do
+    read -r model tokens flags <<< "$case"
+    part tunix "${TUNIX_LIMIT:-300}" python3 benchmarks/peer_tunix.py --model "$model" \
+        --tokens "$tokens" ${flags:-} --pairs 8 --steps 6 --warmup 2 \
+        --cache_dir "/tmp/compile-cache/tunix-$model-$tokens${flags// /}" --out "$OUT/step.jsonl"
+  done
+  python3 benchmarks/gpu.py table "$OUT/step.jsonl" > "$OUT/step_table.md" 2>> "$OUT/tunix.txt"
+  cat "$OUT/step_table.md"
+fi
+if has matmul; then  # what the chip sustains on the step's matmul shapes
+  part matmul 120 python3 benchmarks/on_chip.py matmul --out "$OUT/kernels.jsonl"
+fi
+if has profile; then  # the step's time per part (benchmarks/step_profile.py), per case
+  IFS=';' read -ra cases <<< "${PROFILE_CASES:-${STEP_CASES:-smollm2-135m 1024}}"
+  for case in "${cases[@]}"; do
+    read -r model tokens flags <<< "$case"
+    part profile "${STEP_LIMIT:-300}" python3 benchmarks/step_profile.py --model "$model" \
+        --tokens "$tokens" ${flags:-} --cache_dir "/tmp/compile-cache/$model-$tokens${flags// /}" \
+        --trace_dir "/tmp/profile/$model-$tokens${flags// /}" --out "$OUT/profile.jsonl"
+  done
 fi
 echo "done in $(( SECONDS - start )) s"

@@ -1,181 +1,242 @@
-"""Peer benchmark: speed of the Tunix library's own DPO train step, for comparison with ours.
+"""Peer benchmark: Tunix 0.1.7's own DPO train step on the pairs and sizes of
+`benchmarks/gpu.py ours`, one case per process, one JSON row appended to `--out` that
+`gpu.py table` sets beside ours (same real tokens, same MFU count, same chip).
 
-Runs in its own virtualenv, not the project's (Tunix pins its own jax / flax):
+On the TPU chip (through benchmarks/on_chip.sh, which installs Tunix from the wheels of
+../shared/offline-tpu/wheels.txt carried in .whl-tpu/ and appends to the step part's file):
+
+    PARTS=tunix TUNIX_CASES="smollm2-135m 1024; qwen2.5-0.5b 1024 --remat=block" \\
+        OUT=DIR bash benchmarks/on_chip.sh          # rows in DIR/step.jsonl, table printed
+
+On a CPU host (a dry run, in its own virtualenv: Tunix pins its own jax / flax):
 
     python3.11 -m venv /work/tunix_venv
-    /work/tunix_venv/bin/pip install google-tunix==0.1.7      # pulls a CPU jax, no torch
-    /work/tunix_venv/bin/python benchmarks/peer_tunix.py --steps 10
+    /work/tunix_venv/bin/pip install google-tunix==0.1.7 'jax==0.10.2'
+    /work/tunix_venv/bin/python benchmarks/peer_tunix.py --model tiny --tokens 64 --pairs 2 \\
+        --steps 2 --warmup 1 --out /tmp/peer.jsonl [--remat block]
+    python benchmarks/gpu.py table /tmp/peer.jsonl   # with our package importable
 
-    flags (defaults): --layers 4 --d_model 256 --num_heads 4 --num_kv_heads 2 --head_dim 64
-        --mlp_dim 1024 --vocab 32000 --pairs 8 --prompt_len 128 --response_len 128 --steps 10
-        [--train_loop]   (also time Tunix's public `train()` loop, see below)
+Flags: --model (gpu.MODELS), --tokens L (1024), --pairs (8), --steps (6), --warmup (2),
+--remat none|block|decoder (Tunix's `ModelConfig.remat_config`: BLOCK rematerialises each
+layer's attention block and MLP block, DECODER the whole layer), --param_dtype bfloat16|float32
+(bfloat16: float32 params of SmolLM2-135M at 1,024 tokens and 8 pairs need 26.5 GiB of
+temporaries in Tunix's step, more than a 16 GiB v5e chip), --cache_dir (JAX's persistent
+compilation cache, every entry kept), --out (the JSONL it appends to).
 
-Model: `tunix.models.llama3.model.Llama3` built from its `ModelConfig` with the flags' shapes
-(untied head, float32, no remat), randomly initialised through flax nnx (`nnx.Rngs(0)`).
-Tunix initialises its MLP kernels to zeros; those are refilled with N(0, 0.02) noise so the
-gradients are not degenerate (this changes no shape and no amount of work). The reference model
-is a second, independent copy (`nnx.clone`) of the initial policy.
+Model: `tunix.models.qwen2.model.Qwen2` for a Qwen2 config (q/k/v biases, its `dtype` and
+`param_dtype` set to --param_dtype so it computes in that dtype as the Llama model does), else
+`tunix.models.llama3.model.Llama3`, built from its `ModelConfig` at the config's sizes
+(layers, d_model, heads, KV heads, head_dim (hidden / heads when absent), MLP dim, vocabulary,
+rope_theta, norm eps) with a tied head where the config ties it (`weight_tying=True` /
+`use_tied_embedding=True`), randomly initialised by Tunix (`nnx.Rngs(0)`). Tunix initialises
+its MLP kernels to zeros (the gradients would be degenerate) and Qwen2's embedding at N(0, 1)
+(logits of std ~30 through the tied head, and a first loss far from log 2 in bfloat16); the
+MLP kernels and the embedding are refilled with N(0, 0.02) (no shape and no work changes).
+With bfloat16, every float leaf of `nnx.state(model)` is then cast to bfloat16 (the Llama
+model has no param dtype of its own); the AdamW state follows the params. The reference is
+`nnx.clone` of that initial policy. The row's `peer_model` names the class used.
 
-Trainer: `tunix.sft.dpo.dpo_trainer.DPOTrainer(policy, ref_model, optax.adamw(1e-5),
-DPOTrainingConfig(algorithm="dpo", beta=0.1, label_smoothing=0.0))`, i.e. Tunix's sigmoid DPO
-loss with an in-step reference model.
+Trainer: `tunix.sft.dpo.dpo_trainer.DPOTrainer(policy, reference, optax.adamw(1e-5),
+DPOTrainingConfig(algorithm="dpo", beta=0.1, label_smoothing=0.0))`: Tunix's sigmoid DPO
+loss with the reference forward in every step, on one device, no mesh.
 
-Pairs (same padding as `benchmarks/dpo_step.py`): one prompt of `prompt_len` tokens shared by
-both responses, left-padded by `prompt_len / 4` on pairs 0, 2, 4, ...; chosen responses real for
-their first `3 * response_len / 4` tokens (right-padded after); rejected ones real for the first
-`response_len / 2` tokens on the even pairs and full length on the odd ones. They are fed as
-Tunix's tokenized `dpo_trainer.TrainingInput` (left-padded prompt_ids / prompt_mask, right-padded
-chosen_ids / chosen_mask and rejected_ids / rejected_mask; pad id 0, int32 masks).
+Pairs: `gpu.synthetic_pairs(pairs, tokens, vocab)` (prompts and responses of L/4 to L/2 ids),
+as Tunix's tokenized `dpo_trainer.TrainingInput`: prompt_ids / prompt_mask left-padded to L/2,
+chosen and rejected ids / masks right-padded to L/2, pad id 0, int32; so each of Tunix's rows
+is L wide and holds exactly the ids of ours (`gpu.real_tokens`, checked against the masks).
 
-What one timed step is: exactly the per-step work of `PeftTrainer.train()` minus its
-bookkeeping, called directly so each step can be timed alone:
-  1. `trainer._prepare_inputs(training_input)`: Tunix's DPO preprocessing (concatenating chosen
-     and rejected rows, causal/padding attention mask, positions) and the reference model's
-     forward pass (`dpo_trainer.compute_logps`, nnx.jit), and
-  2. the jitted train step returned by `trainer.jit_train_and_eval_step(cache_nnx_graph=True)`
-     (the function `train()` itself uses): `PeftTrainer._train_step` = `nnx.value_and_grad` of
-     `dpo_loss_fn` over the policy, the global grad norm and the `nnx.Optimizer` AdamW update,
-then `jax.block_until_ready` on the loss, aux metrics, grad norm and the updated parameters.
-One untimed warm-up step compiles everything first. The median of `--steps` timed steps is
-reported; tokens_per_sec = pairs * 2 * (prompt_len + response_len) / median step time (whole
-rows, padding included, as in our benchmark). With `--train_loop`, Tunix's public
-`trainer.train()` is then also run for `--steps` more steps and its mean wall time per step
-(which lets up to two steps overlap and adds Tunix's metric logging) is reported as
-`train_loop_step_s`.
-
-The last printed line is one JSON object with tokens_per_sec, median_step_s, peak_rss_mib
-(ru_maxrss of this process, MiB), steps, tunix_version and jax_version (plus a few extras).
+One step: the per-step work of `PeftTrainer.train()` minus its bookkeeping, called directly:
+`trainer._prepare_inputs(batch)` (Tunix's concatenation of chosen and rejected rows, causal
+mask, positions and the reference forward, `dpo_trainer.compute_logps`) and the jitted train
+step of `trainer.jit_train_and_eval_step(cache_nnx_graph=True)` (value_and_grad of
+`dpo_loss_fn`, the global grad norm, the AdamW update), then `jax.block_until_ready` on the
+loss, metrics, grad norm and updated params. The first step compiles (`first_step_s`), then
+`--warmup` untimed steps, then `step_s` = the median of `--steps` timed steps. Peak:
+`memory_stats()['peak_bytes_in_use']` of the device (run with
+`XLA_PYTHON_CLIENT_PREALLOCATE=false`; none on CPU). A failure appends a row with `error`
+(as gpu.py does) and re-raises.
 """
 
 import argparse
 import importlib.metadata
-import json
-import resource
+import logging
+import os
 import statistics
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import nnx
 
-from tunix.models.llama3 import model as llama3_lib
-from tunix.sft.dpo import dpo_trainer
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu  # pylint: disable=g-import-not-at-top,wrong-import-position  (benchmarks/gpu.py)
 
 
-def build_model(args):
-  config = llama3_lib.ModelConfig(
-      num_layers=args.layers, vocab_size=args.vocab, embed_dim=args.d_model,
-      hidden_dim=args.mlp_dim, num_heads=args.num_heads, head_dim=args.head_dim,
-      num_kv_heads=args.num_kv_heads, rope_theta=500_000, norm_eps=1e-5,
-      weight_tying=False)
-  model = llama3_lib.Llama3(config, rngs=nnx.Rngs(0))
-  # Tunix's MLP kernels start at zero; give them random values instead (same shapes).
+def tunix_version() -> str:
+  try:
+    return importlib.metadata.version("google-tunix")
+  except importlib.metadata.PackageNotFoundError:
+    return "?"
+
+
+def training_input(pairs, tokens: int):
+  """`pairs` as host arrays of Tunix's `TrainingInput` (module docstring); pad id 0."""
+  width = tokens // 2
+  n = len(pairs)
+  out = {f"{name}_{kind}": np.zeros((n, width), np.int32)
+         for name in ("prompt", "chosen", "rejected") for kind in ("ids", "mask")}
+  for b, (prompt, chosen, rejected) in enumerate(pairs):
+    if max(len(prompt), len(chosen), len(rejected)) > width:
+      raise ValueError(f"pair {b} is longer than L/2 = {width}")
+    out["prompt_ids"][b, width - len(prompt):] = prompt  # left-padded
+    out["prompt_mask"][b, width - len(prompt):] = 1
+    for name, ids in (("chosen", chosen), ("rejected", rejected)):  # right-padded
+      out[f"{name}_ids"][b, :len(ids)] = ids
+      out[f"{name}_mask"][b, :len(ids)] = 1
+  seen = int(2 * out["prompt_mask"].sum() + out["chosen_mask"].sum()
+             + out["rejected_mask"].sum())
+  if seen != gpu.real_tokens(pairs):
+    raise RuntimeError(f"Tunix's masks hold {seen} ids, the pairs {gpu.real_tokens(pairs)}")
+  return out
+
+
+def build_model(config: dict, remat: str, param_dtype: str):
+  """`(policy, class path)`: Tunix's model at `config`'s sizes (module docstring)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  dtype = jnp.dtype(param_dtype)
+  sizes = dict(num_layers=config["num_hidden_layers"], vocab_size=config["vocab_size"],
+               embed_dim=config["hidden_size"], hidden_dim=config["intermediate_size"],
+               num_heads=config["num_attention_heads"],
+               head_dim=config.get("head_dim",
+                                   config["hidden_size"] // config["num_attention_heads"]),
+               num_kv_heads=config["num_key_value_heads"],
+               rope_theta=int(config["rope_theta"]), norm_eps=config["rms_norm_eps"])
+  tied = bool(config.get("tie_word_embeddings", False))
+  lib = None
+  if config.get("model_type") == "qwen2":
+    try:
+      from tunix.models.qwen2 import model as lib  # pylint: disable=g-import-not-at-top
+    except ImportError:  # a Tunix without Qwen2: Llama 3 stands in
+      lib = None
+  if lib is not None:
+    mcfg = lib.ModelConfig(**sizes, use_tied_embedding=tied,
+                           remat_config=lib.RematConfig[remat.upper()], dtype=dtype,
+                           param_dtype=dtype)
+    model = lib.Qwen2(mcfg, rngs=nnx.Rngs(0))
+  else:
+    from tunix.models.llama3 import model as lib  # pylint: disable=g-import-not-at-top
+    mcfg = lib.ModelConfig(**sizes, weight_tying=tied,
+                           remat_config=lib.RematConfig[remat.upper()])
+    model = lib.Llama3(mcfg, rngs=nnx.Rngs(0))
+  # Tunix's MLP kernels start at zero and its Qwen2 embedding at N(0, 1) (logits of std
+  # ~30 through the tied head): all of them N(0, 0.02) instead (same shapes, same work).
   key = jax.random.PRNGKey(1)
   for layer in model.layers:
     for proj in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
       key, sub = jax.random.split(key)
       old = proj.kernel[...]
       proj.kernel[...] = 0.02 * jax.random.normal(sub, old.shape, old.dtype)
-  return model
+  table = model.embedder.input_embedding
+  table[...] = 0.02 * jax.random.normal(key, table[...].shape, table[...].dtype)
+  state = nnx.state(model)
+  nnx.update(model, jax.tree.map(
+      lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, state))
+  return model, f"{lib.__name__}.{type(model).__name__}"
 
 
-def padded_pairs(rng, pairs, prompt_len, response_len, vocab):
-  """Tunix's tokenized DPO input with the benchmark's padding (module docstring); pad id 0."""
-  prompt_ids = np.zeros((pairs, prompt_len), np.int32)
-  prompt_mask = np.zeros((pairs, prompt_len), np.int32)
-  out = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask}
-  for name in ("chosen", "rejected"):
-    out[f"{name}_ids"] = np.zeros((pairs, response_len), np.int32)
-    out[f"{name}_mask"] = np.zeros((pairs, response_len), np.int32)
-  for b in range(pairs):
-    left = prompt_len // 4 if b % 2 == 0 else 0
-    prompt_ids[b, left:] = rng.integers(1, vocab, prompt_len - left)
-    prompt_mask[b, left:] = 1
-    real = {"chosen": 3 * response_len // 4,
-            "rejected": response_len // 2 if b % 2 == 0 else response_len}
-    for name, n in real.items():
-      out[f"{name}_ids"][b, :n] = rng.integers(1, vocab, n)
-      out[f"{name}_mask"][b, :n] = 1
-  return dpo_trainer.TrainingInput(**{k: jnp.asarray(v) for k, v in out.items()})
+def run(a, config: dict, pairs) -> dict:
+  """Tunix's DPO step (module docstring): the measured part of the row."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from tunix.sft.dpo import dpo_trainer  # pylint: disable=g-import-not-at-top
 
-
-def main():
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--layers", type=int, default=4)
-  p.add_argument("--d_model", type=int, default=256)
-  p.add_argument("--num_heads", type=int, default=4)
-  p.add_argument("--num_kv_heads", type=int, default=2)
-  p.add_argument("--head_dim", type=int, default=64)
-  p.add_argument("--mlp_dim", type=int, default=1024)
-  p.add_argument("--vocab", type=int, default=32000)
-  p.add_argument("--pairs", type=int, default=8)
-  p.add_argument("--prompt_len", type=int, default=128)
-  p.add_argument("--response_len", type=int, default=128)
-  p.add_argument("--steps", type=int, default=10)
-  p.add_argument("--train_loop", action="store_true",
-                 help="also time Tunix's public train() loop for --steps more steps")
-  args = p.parse_args()
-
-  policy = build_model(args)
+  compiles = gpu.CompileLog()
+  logging.getLogger("jax").addHandler(compiles)
+  jax.config.update("jax_log_compiles", True)
+  if a.cache_dir:
+    jax.config.update("jax_compilation_cache_dir", a.cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  imported = gpu.process_age()
+  t_build = time.perf_counter()
+  device = jax.devices()[0]
+  policy, peer_model = build_model(config, a.remat, a.param_dtype)
   reference = nnx.clone(policy)
-  config = dpo_trainer.DPOTrainingConfig(
-      eval_every_n_steps=10**9, max_steps=None, algorithm="dpo", beta=0.1,
-      label_smoothing=0.0)
-  trainer = dpo_trainer.DPOTrainer(policy, reference, optax.adamw(1e-5), config)
+  trainer = dpo_trainer.DPOTrainer(
+      policy, reference, optax.adamw(1e-5),
+      dpo_trainer.DPOTrainingConfig(eval_every_n_steps=10**9, max_steps=None,
+                                    algorithm="dpo", beta=0.1, label_smoothing=0.0))
   train_step, _ = trainer.jit_train_and_eval_step(cache_nnx_graph=True)
-  batch = padded_pairs(np.random.default_rng(0), args.pairs, args.prompt_len,
-                       args.response_len, args.vocab)
-  jax.block_until_ready(batch)
+  batch = dpo_trainer.TrainingInput(
+      **{k: jnp.asarray(v) for k, v in training_input(pairs, a.tokens).items()})
+  jax.block_until_ready((batch, nnx.state(trainer.model), nnx.state(reference)))
+  t_init = time.perf_counter()
+  print(f"built {peer_model} ({a.param_dtype} params, remat {a.remat}) and the trainer in "
+        f"{t_init - t_build:.1f} s", file=sys.stderr, flush=True)
 
   def one_step():
-    example = trainer._prepare_inputs(batch)  # Tunix's preprocessing + reference forward
-    loss, aux, grad_norm = train_step(example)  # Tunix's loss, grad and AdamW update
+    example = trainer._prepare_inputs(batch)  # pylint: disable=protected-access
+    loss, aux, grad_norm = train_step(example)
     jax.block_until_ready((loss, aux, grad_norm, nnx.state(trainer.model, nnx.Param)))
-    return loss, aux
+    return float(loss)
 
-  t0 = time.perf_counter()
-  loss0, _ = one_step()
-  compile_s = time.perf_counter() - t0
-  times = []
-  for i in range(args.steps):
+  times, losses = [], []
+  for i in range(1 + a.warmup + a.steps):
     t0 = time.perf_counter()
-    loss, aux = one_step()
+    losses.append(one_step())
     times.append(time.perf_counter() - t0)
-    print(f"step {i}: {times[-1]:.3f} s, loss {float(loss):.6f}", file=sys.stderr)
-  step_s = statistics.median(times)
-  tokens = args.pairs * 2 * (args.prompt_len + args.response_len)
+    if i == 0:
+      step1_at = gpu.process_age()
+    print(f"step {i}: {times[-1]:.3f} s, loss {losses[-1]:.6f}", file=sys.stderr, flush=True)
+  stats = device.memory_stats() or {}
+  version = tunix_version()
+  return dict(first_step_s=times[0], step_s=statistics.median(times[1 + a.warmup:]),
+              peak_bytes=stats.get("peak_bytes_in_use"), memory_stats=stats,
+              device=device.device_kind, loss=losses[-1], first_loss=losses[0], last_loss=losses[-1],
+              peer_model=peer_model, param_dtype=a.param_dtype, remat=a.remat,
+              framework=f"jax {jax.__version__}, tunix {version}",
+              jax_version=jax.__version__, tunix_version=version,
+              platform_version=getattr(device.client, "platform_version", None),
+              startup=dict(imports_s=round(imported, 2), init_s=round(t_init - t_build, 2),
+                           process_start_to_step1_end_s=round(step1_at, 2),
+                           cache_dir=a.cache_dir, compiles=compiles.times))
 
-  result = {
-      "tokens_per_sec": tokens / step_s,
-      "median_step_s": step_s,
-      "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-      "steps": args.steps,
-      "tunix_version": importlib.metadata.version("google-tunix"),
-      "jax_version": jax.__version__,
-      "compile_s": compile_s,
-      "tokens_per_step": tokens,
-      "platform": jax.devices()[0].platform,
-      "devices": len(jax.devices()),
-      "first_loss": float(loss0),
-      "last_loss": float(loss),
-  }
 
-  if args.train_loop:
-    trainer.config.max_steps = trainer.train_steps + args.steps
-    t0 = time.perf_counter()
-    trainer.train([batch] * args.steps)
-    jax.block_until_ready(nnx.state(trainer.model, nnx.Param))
-    result["train_loop_step_s"] = (time.perf_counter() - t0) / args.steps
-    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-  print(f"Tunix {result['tunix_version']} DPO step: {tokens / step_s:,.0f} tokens/s "
-        f"(median of {args.steps} steps, {step_s:.3f} s/step, after a {compile_s:.1f} s "
-        f"warm-up), peak RSS {result['peak_rss_mib']:.0f} MiB")
-  print(json.dumps(result))
+def main() -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--model", choices=sorted(gpu.MODELS), default="smollm2-135m")
+  p.add_argument("--tokens", type=int, default=1024, help="L: the longest row of a pair")
+  p.add_argument("--pairs", type=int, default=8, help="pairs per step")
+  p.add_argument("--steps", type=int, default=6, help="timed steps after the warm-up")
+  p.add_argument("--warmup", type=int, default=2, help="untimed steps after the first")
+  p.add_argument("--remat", choices=("none", "block", "decoder"), default="none",
+                 help="Tunix's ModelConfig.remat_config")
+  p.add_argument("--param_dtype", choices=("bfloat16", "float32"), default="bfloat16")
+  p.add_argument("--cache_dir", help="JAX's persistent compilation cache (unset: JAX's own "
+                 "setting)")
+  p.add_argument("--out", default="gpu_results.jsonl", help="JSONL the case appends to")
+  a = p.parse_args()
+  if a.steps < 1 or a.warmup < 0 or a.tokens % 2:
+    p.error("--steps >= 1, --warmup >= 0 and an even --tokens")
+  config = gpu.MODELS[a.model]
+  pairs = gpu.synthetic_pairs(a.pairs, a.tokens, config["vocab_size"])
+  side = (f"tunix {tunix_version()}" + (f" --remat={a.remat}" if a.remat != "none" else "")
+          + (f" {a.param_dtype}" if a.param_dtype != "bfloat16" else ""))
+  case = dict(model=a.model, tokens=a.tokens, pairs=a.pairs, side=side)
+  append = gpu._append  # pylint: disable=protected-access  (gpu.py's row writer)
+  try:
+    measured = run(a, config, pairs)
+  except Exception as e:  # pylint: disable=broad-except  (the table says what failed)
+    first = (str(e).strip().splitlines() or [""])[0][:160]
+    append(a.out, dict(case, error=f"{type(e).__name__}: {first}"))
+    raise
+  append(a.out, dict(case, real_tokens=gpu.real_tokens(pairs), steps=a.steps, **measured))
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

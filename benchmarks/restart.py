@@ -2,8 +2,8 @@
 
     python benchmarks/restart.py --out r.jsonl -- python trainer.py --flagfile=... [flags]
 
-1. Runs the command with `TUNIX_TEST_KILL_AT_STEP=--kill_at` (the loop SIGKILLs itself
-   before that step: nothing flushed, as a preemption without notice would leave it).
+1. Runs the command and kills it (SIGKILL: nothing flushed, as a preemption without
+   notice would leave it) once it logs the step before `--kill_at` (`--log_every=1`).
 2. Runs the same command again (it resumes from the newest checkpoint) and times, from
    the process's start by this script's clock, the first metrics row of the resumed
    run, which the loop writes once that step is done (`--log_every=1`); the restart is
@@ -53,7 +53,7 @@ def main() -> int:
   a = p.parse_args()
   command = a.command[1:] if a.command[:1] == ["--"] else a.command
   env = dict(os.environ, PYTHONUNBUFFERED="1")
-  run(command, dict(env, TUNIX_TEST_KILL_AT_STEP=str(a.kill_at)), None)
+  run(command, env, rf"^step {a.kill_at - 1}/")
   for cached in (True, False) if a.uncached else (True,):
     extra = [] if cached else ["--compilation_cache_dir="]
     seconds, lines = run(command + extra, env, rf"^step {a.resume_at}/")

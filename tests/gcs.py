@@ -96,11 +96,13 @@ class Server:
 class Proxy:
   """An HTTP proxy in front of `server` that answers 403 Forbidden to every upload of an
   object whose name starts with `deny` (None: forwards everything): a bucket where some
-  objects cannot be written; and counts in `uploaded` the bytes of object data sent
-  through it (media and multipart uploads). Point clients at `url` (`env(proxy.url)`)."""
+  objects cannot be written; that answers no request while `silent` is set (a server
+  that hangs); and counts in `uploaded` the bytes of object data sent through it (media
+  and multipart uploads). Point clients at `url` (`env(proxy.url)`)."""
 
   def __init__(self, server: Server):
     self.deny = None
+    self.silent, self._stopped = threading.Event(), threading.Event()
     self.uploaded = 0
     backend = urllib.parse.urlparse(server.url)
     proxy = self
@@ -112,6 +114,10 @@ class Proxy:
         pass
 
       def _forward(self):
+        if proxy.silent.is_set():  # read by nobody, never answered, until `stop`
+          proxy._stopped.wait()  # pylint: disable=protected-access
+          self.close_connection = True
+          return
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else None
         query = urllib.parse.parse_qs(urllib.parse.urlparse(self.path).query)
@@ -148,6 +154,7 @@ class Proxy:
     threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
   def stop(self) -> None:
+    self._stopped.set()
     self.httpd.shutdown()
     self.httpd.server_close()
 

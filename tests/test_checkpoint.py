@@ -35,12 +35,15 @@ def _flags(cfg):
   return [f"--{k}={v}" for k, v in dataclasses.asdict(cfg).items() if v != ""]
 
 
-def _spawn(cfg, devices=8, extra=(), **env):
+def _spawn(cfg, devices=8, extra=(), faults=(), **env):
+  """trainer.py on `devices` CPU devices; with `faults` (`tests/fault_trainer.py`'s
+  flags), that script instead."""
   env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
              JAX_PLATFORMS="cpu", **env)
-  return subprocess.Popen([sys.executable, os.path.join(REPO, "trainer.py"), *_flags(cfg),
-                           *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True)
+  script = os.path.join(REPO, "tests", "fault_trainer.py") if faults else os.path.join(
+      REPO, "trainer.py")
+  return subprocess.Popen([sys.executable, script, *faults, *_flags(cfg), *extra], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _wait_for_rows(out, n, proc, timeout=300):
@@ -79,7 +82,8 @@ def test_sigterm_saves_the_reached_step_and_resume_continues(tmp_path):
   assert reached >= 3 and meta["step"] == reached
   # The iterator position is exactly `reached` batches in: nothing skipped or repeated.
   ds = data_lib.load_dataset(TRAIN, data_lib.ByteTokenizer(), 40, 20)
-  it = data_lib.BatchIterator(ds, 8, 0)
+  it = data_lib.BatchIterator(ds, 8, 0, data_key=data_lib.store_key(
+      TRAIN, data_lib.ByteTokenizer(), 40, 20, False))  # the token store it trained on
   for _ in range(reached):
     it.next_indices()
   assert meta["data_state"] == it.get_state()
@@ -141,14 +145,29 @@ def test_resume_on_one_device_matches_eight(tmp_path):
 
 
 def test_config_mismatch_and_resume_modes(tmp_path):
-  train.train(_config(tmp_path, steps=2, save_every=2), **QUIET)
+  pairs = tmp_path / "train.jsonl"  # a copy, edited below
+  shutil.copy(TRAIN, pairs)
+  config = lambda **kw: _config(tmp_path, train_data=str(pairs), **kw)
+  train.train(config(steps=2, save_every=2), **QUIET)
   with pytest.raises(config_lib.ConfigError, match="max_length=40 but this run has max_length=48"):
-    train.train(_config(tmp_path, steps=4, max_length=48), **QUIET)
+    train.train(config(steps=4, max_length=48), **QUIET)
   with pytest.raises(config_lib.ConfigError, match="compute_dtype='float32' but this run has "
                                               "compute_dtype='bfloat16'"):
-    train.train(_config(tmp_path, steps=4, compute_dtype="bfloat16"), **QUIET)
+    train.train(config(steps=4, compute_dtype="bfloat16"), **QUIET)
   with pytest.raises(config_lib.ConfigError, match="--resume=never but .* already holds"):
-    train.train(_config(tmp_path, steps=4, resume="never"), **QUIET)
+    train.train(config(steps=4, resume="never"), **QUIET)
+  # The data file edited in place: the saved position (epoch 0, pair 16) is in another
+  # order, so the resume is refused, or with --allow_data_change restarts epoch 0.
+  with open(pairs, "a", encoding="utf-8") as f:
+    f.write(json.dumps({"prompt": "new", "chosen": "yes", "rejected": "no"}) + "\n")
+  with pytest.raises(data_lib.DataError, match="--allow_data_change to restart epoch 0"):
+    train.train(config(steps=4), **QUIET)
+  train.train(config(steps=3, allow_data_change=True), **QUIET)
+  ckpt = checkpoint.Checkpointer(str(tmp_path / "checkpoints"))
+  meta = ckpt.read_meta(3)
+  ckpt.close()
+  assert meta["data_state"] == {"epoch": 0, "position": 8, "data_key": data_lib.store_key(
+      str(pairs), data_lib.ByteTokenizer(), 40, 20, False)}  # one batch into the new order
   with pytest.raises(checkpoint.CheckpointError, match="holds no complete checkpoint"):
     train.train(_config(tmp_path / "empty", resume="required"), **QUIET)
   not_a_dir = tmp_path / "file"
@@ -287,17 +306,18 @@ def test_two_processes_killed_and_resumed_equal_one_process(tmp_path, gcs, lora)
   steps = 3 if lora else 12
   cfg = _config(out, steps=steps, save_every=3, export_hf_dir=out + "/export", **layout)
 
-  def launch(**env):
+  def launch(*faults):
     port = _free_port()
     procs = [_spawn(cfg, devices=per_process,
                     extra=[f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-                           f"--process_id={i}"], TUNIX_TEST_PAIRS_DIR=str(tmp_path), **env)
+                           f"--process_id={i}"],
+                    faults=[f"--record_pairs_dir={tmp_path}", *faults])
              for i in range(2)]
     return [(p,) + p.communicate(timeout=600) for p in procs]
 
-  # Full: both processes are killed (SIGKILL) before step 7, then the same command
+  # Full: both processes are killed (SIGKILL) as step 7 starts, then the same command
   # resumes from the last checkpoint the bucket holds and runs to step 12.
-  first = launch(**({} if lora else {"TUNIX_TEST_KILL_AT_STEP": "7"}))
+  first = launch(*([] if lora else ["--kill_at=train step 7"]))
   ends = first if lora else launch()
   for i, (p, stdout, err) in enumerate(first):
     assert (p.returncode == 0) if lora else (p.returncode != 0), err[-3000:]

@@ -1,6 +1,8 @@
 """Bucketed reduce-scatter / all-gather and the ZeRO optimizer on 8 CPU devices."""
 
+import dataclasses
 import functools
+import itertools
 import re
 
 import chex
@@ -12,6 +14,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 from tunix_core.parallel import collectives
+from tunix_core.parallel import mesh as mesh_lib
 from tunix_core.parallel import zero
 
 N = 8
@@ -118,10 +121,10 @@ def test_a_leaf_of_whole_tiles_moves_as_its_rows():
 
 @pytest.mark.parametrize("stages", [(2, 4), (2, 2, 2)])
 def test_a_gather_in_stages_equals_one_gather(stages):
-  """FSDP's weight gather in stages of groups (`stage_groups`: torus rows, then the
+  """FSDP's weight gather in stages of groups (`mesh.stage_groups`: torus rows, then the
   next dimension, ...) leaves every shard where one gather over the axis does, and the
   groups of each stage partition the devices."""
-  for i, groups in enumerate(collectives.stage_groups(stages, N)):
+  for i, groups in enumerate(mesh_lib.stage_groups(stages, N)):
     assert sorted(p for g in groups for p in g) == list(range(N))
     assert {len(g) for g in groups} == {stages[i]}
   stacked = _tree(jax.random.PRNGKey(2), False)
@@ -140,7 +143,40 @@ def test_a_gather_in_stages_equals_one_gather(stages):
                                                           np.asarray(b, np.float32)),
                gather(stages), gather(None))
   with pytest.raises(ValueError, match="do not multiply to the axis size 8"):
-    collectives.stage_groups((2, 3), N)
+    mesh_lib.stage_groups((2, 3), N)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chip:
+  coords: tuple[int, int, int]
+
+
+@pytest.mark.parametrize("extents", [(4, 4, 4), (2, 2, 4), (8, 8, 8)])
+def test_every_gather_stage_is_a_line_of_the_torus(extents):
+  """On the mesh `make_mesh` lays a 3-D slice's chips out in (given scrambled), each
+  group of gather stage i is a whole line of the torus along coordinate i (the chips
+  sharing every other coordinate), and gathering the stages in order (each group
+  concatenating its members' blocks in its listed order, as XLA's all-gather does)
+  leaves every position holding all positions in order. A mesh in another order (rows
+  not snaked) gathers in one stage."""
+  chips = [_Chip(c) for c in itertools.product(*map(range, extents))]
+  np.random.default_rng(0).shuffle(chips)
+  mesh = mesh_lib.make_mesh(chips)
+  assert mesh_lib.gather_stages(mesh) == extents
+  order = list(mesh.devices.reshape(-1))
+  n = len(order)
+  held = [[p] for p in range(n)]
+  for i, groups in enumerate(mesh_lib.stage_groups(extents, n)):
+    assert sorted(p for g in groups for p in g) == list(range(n))
+    for group in groups:
+      coords = [order[p].coords for p in group]
+      assert {c[:i] + c[i + 1:] for c in coords} == {coords[0][:i] + coords[0][i + 1:]}
+      assert sorted(c[i] for c in coords) == list(range(extents[i]))
+    joined = {p: [q for m in g for q in held[m]] for g in groups for p in g}
+    held = [joined[p] for p in range(n)]
+  assert all(h == list(range(n)) for h in held)
+  raster = sorted(chips, key=lambda c: c.coords[::-1])
+  assert mesh_lib.gather_stages(Mesh(np.array(raster), ("data",))) is None
 
 
 def test_bucket_plan_covers_every_element_once():

@@ -6,6 +6,8 @@ import os
 import re
 import subprocess
 import sys
+import time
+import types
 
 import numpy as np
 import pytest
@@ -94,6 +96,40 @@ def test_iterator_is_deterministic_and_resumes(tmp_path):
   assert not all(np.array_equal(other.next_indices(), s) for s in seen)
   with pytest.raises(ValueError, match="invalid iterator state"):
     data.BatchIterator(ds, batch_size=3, seed=7, state={"epoch": 0, "position": 4})
+
+
+def test_a_resume_on_changed_data_is_refused_or_restarts_its_epoch(tmp_path):
+  old = data.load_dataset(_write(tmp_path, [_pair(f"p{i}", "c", "r") for i in range(10)],
+                                 "old.jsonl"), TOK, 16, 8)
+  new = data.load_dataset(_write(tmp_path, [_pair(f"q{i}", "c", "r") for i in range(7)],
+                                 "new.jsonl"), TOK, 16, 8)
+  it = data.BatchIterator(old, batch_size=3, seed=7, data_key="pairs-old")
+  for _ in range(5):  # 3 batches of epoch 0, then 2 of epoch 1
+    it.next_indices()
+  state = json.loads(json.dumps(it.get_state()))  # as a checkpoint's metadata keeps it
+  assert state == {"epoch": 1, "position": 6, "data_key": "pairs-old"}
+  want = [it.next_indices() for _ in range(3)]
+  # The same store, or a state saved without a key (by an earlier version): exactly where it was.
+  for saved in (state, {"epoch": 1, "position": 6}):
+    same = data.BatchIterator(old, 3, 7, saved, data_key="pairs-old")
+    for batch in want:
+      np.testing.assert_array_equal(same.next_indices(), batch)
+    assert same.get_state() == it.get_state()  # the key is saved from then on
+  # Another store: refused in one line naming the flag.
+  with pytest.raises(data.DataError) as refused:
+    data.BatchIterator(new, 3, 7, state, data_key="pairs-new")
+  assert "\n" not in str(refused.value)
+  assert "pairs-old" in str(refused.value) and "pairs-new" in str(refused.value)
+  assert "pass --allow_data_change to restart epoch 1 from its start" in str(refused.value)
+  # With the flag: epoch 1 from its first batch over the new pairs, which is where an
+  # iterator over them is after its epoch 0 (7 pairs: 2 batches).
+  fresh = data.BatchIterator(new, 3, 7)
+  fresh.next_indices(), fresh.next_indices()
+  restarted = data.BatchIterator(new, 3, 7, state, data_key="pairs-new",
+                                 allow_data_change=True)
+  for _ in range(3):  # into epoch 2
+    np.testing.assert_array_equal(restarted.next_indices(), fresh.next_indices())
+  assert restarted.get_state() == {"epoch": 2, "position": 3, "data_key": "pairs-new"}
 
 
 @pytest.mark.parametrize("line,message", [
@@ -477,11 +513,12 @@ def test_token_store_sizes_equal_the_rows_and_it_holds_no_padding(tmp_path):
 
 
 @pytest.mark.slow  # starts two pools of worker processes
-def test_token_store_of_worker_processes_equals_one_process(tmp_path):
+def test_token_store_of_worker_processes_equals_one_process(tmp_path, monkeypatch):
   """Two workers on chunks of 100 lines write the very files one process writes, and a
   bad line in a worker's chunk still names its path and line (or is skipped)."""
   from tunix_core.data import build  # pylint: disable=g-import-not-at-top
   from tunix_core.data import store  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(build, "_WORKER_START_S", 0.0)  # workers for the byte tokenizer too
   lines = open(os.path.join(REPO, "data", "train.jsonl"), encoding="utf-8").read().splitlines()
   path = _write(tmp_path, lines[:1100] + ["{not json"] + lines[1100:1500])
   with pytest.raises(data.DataError, match=re.escape(f"{path}:1101: malformed JSON")):
@@ -490,5 +527,95 @@ def test_token_store_of_worker_processes_equals_one_process(tmp_path):
   two = build.build(path, TOK, str(tmp_path / "two"), 64, 32, True, workers=2,
                     chunk_pairs=100)
   assert one.num_skipped_lines == two.num_skipped_lines == 1 and len(one) > 1000
+  for f in store.FILES:
+    assert filecmp.cmp(os.path.join(one.path, f), os.path.join(two.path, f), shallow=False)
+
+
+@pytest.mark.parametrize("in_flight", [2, 4, 16])
+def test_chunks_are_read_a_bound_ahead_of_their_results(in_flight):
+  """The pool's chunks are read lazily: when the k-th result comes back exactly
+  min(k + in_flight - 1, all) have been read, whatever the pool's size (here a thread
+  pool whose tasks finish out of order), and the results come in the items' order."""
+  from multiprocessing.pool import ThreadPool  # pylint: disable=g-import-not-at-top
+  from tunix_core.data import build  # pylint: disable=g-import-not-at-top
+  in_order = build._in_order  # pylint: disable=protected-access
+  n, read = 20, []
+
+  def items():
+    for x in range(n):
+      read.append(x)
+      yield x, f"tag{x}"
+
+  def fn(x):
+    time.sleep((x * 7 % 5) / 1000)  # later items finish first
+    return x * x
+
+  with ThreadPool(8) as pool:
+    got = []
+    for k, out in enumerate(in_order(fn, items(), pool, in_flight), start=1):
+      assert len(read) == min(k + in_flight - 1, n), k
+      got.append(out)
+  assert got == [(x * x, f"tag{x}") for x in range(n)]
+  read.clear()
+  for k, _ in enumerate(in_order(fn, items(), None, in_flight), start=1):
+    assert len(read) == k  # no pool: one chunk at a time
+
+
+def test_fast_tokenizing_never_starts_workers(tmp_path, monkeypatch):
+  """The shipped data's 3 chunks take the byte tokenizer milliseconds, less than a
+  worker takes to start (it imports JAX): all 8 workers asked for, none is started."""
+  from tunix_core.data import build  # pylint: disable=g-import-not-at-top
+  from tunix_core.data import store  # pylint: disable=g-import-not-at-top
+  src = os.path.join(REPO, "data", "train.jsonl")
+  with open(src, encoding="utf-8") as f:
+    assert sum(1 for _ in f) > 2 * 2000  # three chunks of 2,000 lines
+  one = build.build(src, TOK, str(tmp_path / "one"), 64, 32, workers=1)
+
+  def no_pool(method):
+    pytest.fail(f"a {method} pool was started")
+
+  monkeypatch.setattr(build, "multiprocessing", types.SimpleNamespace(get_context=no_pool))
+  eight = build.build(src, TOK, str(tmp_path / "eight"), 64, 32, workers=8)
+  for f in store.FILES:
+    assert filecmp.cmp(os.path.join(one.path, f), os.path.join(eight.path, f), shallow=False)
+
+
+class _TwoWorkers(data.ByteTokenizer):
+  """The byte tokenizer, `slow_s` slower on its first text in the calling process; in a
+  worker it records the worker's process id in `folder`, then waits (60 s at most) until
+  two workers have: one worker alone would leave one id."""
+
+  def __init__(self, folder: str, slow_s: float):
+    self.folder, self.slow_s, self.caller = folder, slow_s, os.getpid()
+
+  def encode(self, text: str) -> list[int]:
+    mark = os.path.join(self.folder, str(os.getpid()))
+    if os.getpid() == self.caller:
+      time.sleep(self.slow_s)
+      self.slow_s = 0
+    elif not os.path.exists(mark):
+      open(mark, "w").close()  # pylint: disable=consider-using-with
+      deadline = time.monotonic() + 60
+      while len(os.listdir(self.folder)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return super().encode(text)
+
+
+@pytest.mark.slow  # starts a pool of worker processes
+def test_a_slow_file_of_three_chunks_uses_two_workers(tmp_path):
+  """A first chunk slow enough that the two left pay for starting workers: both workers
+  encode them (their ids recorded), and the store equals one process's."""
+  from tunix_core.data import build  # pylint: disable=g-import-not-at-top
+  from tunix_core.data import store  # pylint: disable=g-import-not-at-top
+  path = _write(tmp_path, [_pair(f"q{i:02d}", "yes", "no") for i in range(12)])
+  ids = tmp_path / "ids"
+  ids.mkdir()
+  # Two chunks left over two workers pay when the first took more than one start.
+  tok = _TwoWorkers(str(ids), build._WORKER_START_S + 0.2)  # pylint: disable=protected-access
+  two = build.build(path, tok, str(tmp_path / "two"), 64, 32, workers=2, chunk_pairs=4)
+  workers = {int(name) for name in os.listdir(ids)}
+  assert len(workers) == 2 and os.getpid() not in workers
+  one = build.build(path, TOK, str(tmp_path / "one"), 64, 32, workers=1)
+  assert len(one) == 12
   for f in store.FILES:
     assert filecmp.cmp(os.path.join(one.path, f), os.path.join(two.path, f), shallow=False)

@@ -1,24 +1,36 @@
-"""Fault injection: damaged checkpoints, a NaN step, a torn metrics line, a failed write.
+"""Fault injection: damaged checkpoints, a NaN step, a torn metrics line, a failed write,
+a reference pass killed, a step that never finishes, a storage server that never answers.
 
 Each fault must end as the README's checkpoint section promises, with nothing good lost:
 where it makes sense the run is compared with an uninterrupted one.
 """
 
 import dataclasses
+import functools
+import glob
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import runs
 from tunix_core import data as data_lib
+from tunix_core import model as model_lib
 from tunix_core.checkpoints import store as checkpoint
 from tunix_core.run import loop as train
+from tunix_core.run import ref_cache
+from tunix_core.training import config as config_lib
 from tunix_core.training import health
 from tunix_core.training import objective
+from tunix_core.training import plan as plan_lib
+from tunix_core.training import step as step_lib
 
 REPO = runs.REPO
 TRAIN = runs.TRAIN
@@ -162,68 +174,120 @@ def test_failed_checkpoint_write_ends_with_one_line(tmp_path):
   assert _losses(out) == _losses(tmp_path / "straight")
 
 
-def _watchdog_run(out, extra, env_extra, timeout):
-  """trainer.py on 8 CPU devices; `(status, stderr)` once it ends (within `timeout`)."""
+def _watchdog_run(out, extra, timeout, faults=(), data=TRAIN, env_extra=None, wait=True):
+  """trainer.py (with `faults`, tests/fault_trainer.py's flags: that script) on 8 CPU
+  devices; `(status, stdout, stderr)` once it ends within `timeout` (`wait=False`: the
+  running process)."""
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu", **env_extra)
-  proc = subprocess.run(
-      [sys.executable, os.path.join(REPO, "trainer.py"), f"--output_dir={out}",
-       f"--train_data={TRAIN}", "--max_length=40", "--max_prompt_length=20", "--batch_size=8",
-       "--log_every=1", *extra], env=env, capture_output=True, text=True, timeout=timeout)
-  return proc.returncode, proc.stdout, proc.stderr
+             JAX_PLATFORMS="cpu", **(env_extra or {}))
+  script = os.path.join(REPO, "tests", "fault_trainer.py") if faults else os.path.join(
+      REPO, "trainer.py")
+  proc = subprocess.Popen(
+      [sys.executable, script, *faults, f"--output_dir={out}", f"--train_data={data}",
+       "--max_length=40", "--max_prompt_length=20", "--batch_size=8", "--log_every=1",
+       *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  if not wait:
+    return proc
+  stdout, stderr = proc.communicate(timeout=timeout)
+  return proc.returncode, stdout, stderr
 
 
-def test_a_step_that_never_finishes_ends_the_run_and_a_restart_resumes(tmp_path):
-  """A loop blocked for good before step 5 (the test hook) ends within --step_timeout
-  with one line and the watchdog's status 5, every thread's stack in trainer.log; the
-  checkpoints of steps 2 and 4 are intact and a restart resumes from step 4."""
-  out = tmp_path / "run"
-  flags = ["--steps=6", "--save_every=2", "--step_timeout=10"]
-  status, _, err = _watchdog_run(out, flags, {"TUNIX_TEST_HANG_AT_STEP": "5"}, 240)
-  assert status == 5, err[-3000:]
+def _error_line(err: str) -> str:
   lines = [l for l in err.splitlines() if l.startswith("trainer.py: error:")]
-  assert len(lines) == 1 and "train step 4 has not finished after 1" in lines[0], err
-  assert "--step_timeout=10" in lines[0] and "exiting with status 5" in lines[0]
+  assert len(lines) == 1, err[-3000:]
+  return lines[0]
+
+
+def test_a_killed_reference_pass_resumes_and_a_blocked_step_is_named(tmp_path):
+  """`--reference=precomputed` over 512 pairs (64 batches of 8). Killed (SIGKILL) as
+  reference batch 40 starts, the pass leaves its complete chunks, back to back from the
+  first pair; restarted, it resumes after the last of them, and the table it ends with
+  equals an uninterrupted pass's. That run's loop, blocked for good as step 5 starts
+  (`--hang_at`), ends within --step_timeout with one line naming step 5 and the
+  watchdog's status 5, every thread's stack in trainer.log; the checkpoints of steps 2
+  and 4 are intact and a restart resumes from step 4."""
+  data = tmp_path / "pairs.jsonl"
+  with open(TRAIN) as f:
+    data.write_text("".join(f.readlines()[:512]))
+  out = tmp_path / "run"
+  flags = ["--steps=6", "--save_every=2", "--step_timeout=10", "--reference=precomputed"]
+  run = functools.partial(_watchdog_run, out, flags, 240, data=data)
+  status, _, err = run([f"--kill_at=reference log-probs: batch 40/64 of {data}"])
+  assert status == -signal.SIGKILL, err[-3000:]
+  (chunks,) = glob.glob(f"{out}/data_cache/ref_logps_*.chunks-0")
+  spans = sorted(tuple(map(int, name[:-len(".npy")].split("-")))
+                 for name in os.listdir(chunks))
+  assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:])), spans
+  kept = spans[-1][1]
+  assert 0 < kept <= 39 * 8  # nothing of batch 40 on
+
+  status, stdout, err = run(["--hang_at=train step 5"])
+  assert status == 5, err[-3000:]
+  assert f"reference log-probs: resuming after pair {kept:,} of 512 " in stdout, stdout
+  line = _error_line(err)
+  assert "train step 5 has not finished after 1" in line, line
+  assert "--step_timeout=10" in line and "exiting with status 5" in line
   log = (out / "trainer.log").read_text()
-  assert "still running after" in log and "Thread MainThread" in log and "_test_fault" in log
+  assert "still running after" in log and "Thread MainThread" in log
+  assert "fault_trainer.py" in log and "in on_beat" in log
   assert _steps(str(out)) == [2, 4]
-  status, stdout, err = _watchdog_run(out, flags, {}, 240)
+  status, stdout, err = run()
   assert status == 0 and "resumed from step 4" in stdout, err[-3000:]
   assert sorted(_losses(out)) == [1, 2, 3, 4, 5, 6]
 
+  # The table of the killed and resumed pass, against one pass that never stopped, of
+  # the same pairs through the same plan under the same (initial) reference params.
+  (table,) = glob.glob(f"{out}/data_cache/ref_logps_*")
+  (store,) = glob.glob(f"{out}/data_cache/pairs-*")
+  cfg = config_lib.TrainConfig(output_dir=str(out), train_data=str(data), max_length=40,
+                               max_prompt_length=20, batch_size=8, reference="precomputed")
+  pairs = data_lib.PairStore(store)
+  devices = jax.devices()
+  steps = step_lib.make_steps(plan_lib.make_plan(cfg, devices, plan_lib.data_sizes(
+      cfg, [pairs])), devices)
+  ref = train.frozen_copy(steps.init_state(jax.random.PRNGKey(cfg.seed))["params"],
+                          model_lib.DTYPES[cfg.ref_param_dtype()])
+  ref_cache.precompute_ref_logps(steps, ref, pairs, str(tmp_path / "straight"))
+  straight = tmp_path / "straight" / os.path.basename(table)  # the same name: same key
+  np.testing.assert_array_equal(np.load(table), np.load(straight))
 
-def test_a_storage_server_that_never_answers_ends_the_run(tmp_path):
-  """The output directory on a server that accepts connections and never answers: the
-  run ends within --step_timeout x 4 (start-up's deadline) + 60 s with one line naming
-  what was stuck, and the watchdog's status."""
-  import socket  # pylint: disable=g-import-not-at-top
-  import threading  # pylint: disable=g-import-not-at-top
+
+def test_a_storage_server_that_never_answers_ends_the_run(tmp_path, gcs):
+  """A storage server that accepts connections and never answers (a proxy in front of
+  the emulator, silent), at start-up (from the run's first storage call) and mid-run
+  (once step 2's checkpoint is committed): each run ends within --step_timeout + 60 s
+  with one line naming the storage call stuck and the watchdog's status 5; at start-up
+  within --step_timeout of that call, not start-up's longer deadline."""
   import gcs as gcs_lib  # pylint: disable=g-import-not-at-top
   pytest.importorskip("gcsfs", reason="gs:// paths: needs the gcs extra")
-  listener = socket.socket()
-  listener.bind(("127.0.0.1", 0))
-  listener.listen(64)
-  held, stop = [], threading.Event()
-
-  def accept():   # connections accepted, never read from nor answered
-    listener.settimeout(0.2)
-    while not stop.is_set():
-      try:
-        held.append(listener.accept()[0])
-      except OSError:
-        pass
-
-  threading.Thread(target=accept, daemon=True).start()
-  url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+  at_start, mid_run = gcs_lib.Proxy(gcs), gcs_lib.Proxy(gcs)
+  at_start.silent.set()
+  bucket = gcs.bucket("faults")
   try:
-    status, _, err = _watchdog_run("gs://silent/run", ["--steps=2", "--step_timeout=3"],
-                                   gcs_lib.env(url), 3 * 4 + 60)
+    # Its first storage call: its compilation cache on the server (as by default, beside
+    # the run; the tests' own cache is local).
+    first = _watchdog_run(f"{bucket}/start", ["--steps=2", "--step_timeout=3",
+                                              f"--compilation_cache_dir={bucket}/start/cc"],
+                          None, env_extra=gcs_lib.env(at_start.url), wait=False)
+    later = _watchdog_run(f"{bucket}/mid", ["--steps=500", "--save_every=2",
+                                            "--step_timeout=10"], None,
+                          env_extra=gcs_lib.env(mid_run.url), wait=False)
+    _, err = first.communicate(timeout=3 + 60)
+    assert first.returncode == 5, err[-3000:]
+    line = _error_line(err)
+    took = re.search(r"the storage call (\w+ )+gs://faults/start/\S+ \(during start-up: "
+                     r".*\) has not finished after (\d+) s \(--step_timeout=3\)", line)
+    assert took and 3 <= int(took[2]) < 3 * 4, line  # under start-up's deadline
+
+    deadline = time.time() + 300
+    while "2/commit_success.txt" not in gcs_lib.objects(gcs, f"{bucket}/mid/checkpoints"):
+      assert later.poll() is None and time.time() < deadline, later.communicate()[1][-3000:]
+      time.sleep(0.2)
+    mid_run.silent.set()
+    _, err = later.communicate(timeout=10 + 60)
+    assert later.returncode == 5, err[-3000:]
+    line = _error_line(err)
+    assert "has not finished after" in line and "(--step_timeout=10)" in line, line
   finally:
-    stop.set()
-    for conn in held:
-      conn.close()
-    listener.close()
-  assert status == 5, err[-3000:]
-  lines = [l for l in err.splitlines() if l.startswith("trainer.py: error:")]
-  # start-up's deadline, 4 x 3 s
-  assert len(lines) == 1 and re.search(r"has not finished after 1[2-9] s", lines[0]), err
+    for proxy in (at_start, mid_run):
+      proxy.stop()

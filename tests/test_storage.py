@@ -1,13 +1,18 @@
 """The path layer (`tunix_core.storage.paths`) and the HF reader on local disk and on a
 real Cloud Storage server on loopback (`tests/gcs.py`)."""
 
+import base64
 import dataclasses
+import hashlib
+import itertools
 import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 
 import jax
 import ml_dtypes
@@ -22,6 +27,7 @@ from tunix_core import hf
 from tunix_core.checkpoints import store as checkpoint
 from tunix_core.hf import ranged
 from tunix_core.parallel import fsdp
+from tunix_core.storage import compose
 from tunix_core.storage import paths
 
 HF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf")
@@ -102,6 +108,60 @@ def test_the_hf_fingerprint_sees_any_changed_byte_without_reading_again(tmp_path
   assert source.fingerprint(tuned) == after
 
 
+def test_gcs_digests_are_the_bytes_checksums_never_an_etag_or_generation(gcs, monkeypatch):
+  """Two objects with the same bytes but other ETags and generations (as a copy or a
+  re-upload gets on Cloud Storage; the emulator's ETags follow the content, so the
+  metadata lookup is stubbed to give each lookup its own) have one digest: the bytes'
+  CRC32C and MD5 as GCS spells them. One changed byte changes it."""
+  crc32c = pytest.importorskip("google_crc32c", reason="gcsfs's CRC32C")
+  from tunix_core.storage import digest  # pylint: disable=g-import-not-at-top
+  bucket = gcs.bucket("digests")
+  data = bytes(range(256)) * 64
+  changed = data[:5000] + bytes([data[5000] ^ 1]) + data[5001:]
+  for name, body in (("a", data), ("copy", data), ("changed", changed)):
+    gcs_lib.upload_bytes(gcs, body, f"{bucket}/{name}")
+  lookups, real = itertools.count(1), digest._object_info  # pylint: disable=protected-access
+
+  def info(path):
+    n = next(lookups)
+    return {**real(path), "etag": f"CN{n}EAE=", "ETag": f'"{n}"', "generation": str(1000 + n),
+            "metageneration": str(n)}
+
+  monkeypatch.setattr(digest, "_object_info", info)
+  b64 = lambda raw: base64.b64encode(raw).decode()
+  want = (f"store:crc32c={b64(crc32c.value(data).to_bytes(4, 'big'))},"
+          f"md5Hash={b64(hashlib.md5(data).digest())}")
+  assert digest.content_digest(f"{bucket}/a") == want
+  assert digest.content_digest(f"{bucket}/copy") == want
+  assert digest.content_digest(f"{bucket}/changed") != want
+
+
+def test_a_checkpoint_fingerprinted_with_etags_still_resumes(gcs):
+  """A checkpoint saved by an earlier version holds an HF fingerprint of the objects' CRC32C,
+  MD5 and ETag (spelled out here as that code computed it): resuming against the same
+  objects passes `resume.source_mismatch` as `run.loop` calls it, against a changed byte
+  it does not."""
+  from tunix_core.checkpoints import resume  # pylint: disable=g-import-not-at-top
+  from tunix_core.run import source  # pylint: disable=g-import-not-at-top
+  model, weights = gcs.bucket("legacy") + "/model", bytes(range(256)) * 16
+  gcs_lib.upload_bytes(gcs, b"{}", model + "/config.json")
+  gcs_lib.upload_bytes(gcs, weights, model + "/model.safetensors")
+  with urllib.request.urlopen(f"{gcs.url}/storage/v1/b/legacy/o/model%2Fmodel.safetensors",
+                              timeout=30) as r:
+    meta = json.load(r)
+  old = hashlib.sha256(
+      b"config.json:2:{}" + f"model.safetensors:{len(weights)}:store:crc32c={meta['crc32c']},"
+      f"md5Hash={meta['md5Hash']},etag={meta['etag']}".encode()).hexdigest()[:32]
+  saved = {"hf_model_dir": model, "hf_fingerprint": old}
+  now = lambda: {"hf_model_dir": model, "hf_fingerprint": source.fingerprint(model)}
+  legacy = lambda: source.fingerprint(model, legacy=True)
+  assert now()["hf_fingerprint"] != old  # today's leaves the ETag out
+  assert "hf_fingerprint" in resume.source_mismatch(saved, now())
+  assert resume.source_mismatch(saved, now(), legacy) is None
+  gcs_lib.upload_bytes(gcs, weights[:-1] + b"\0", model + "/model.safetensors")
+  assert "hf_fingerprint" in resume.source_mismatch(saved, now(), legacy)
+
+
 def test_ranged_reads_equal_numpy_and_the_hf_reader_reads_gcs(tmp_path, gcs):
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
@@ -179,6 +239,19 @@ def _ckpt_steps(out):
     return ckpt.steps(), {s: ckpt.read_meta(s)["fingerprints"] for s in ckpt.steps()}
   finally:
     ckpt.close()
+
+
+def test_close_waits_for_orbaxs_removal_of_leftover_temporary_directories(tmp_path):
+  """`Checkpointer.close` waits for Orbax's background removal of leftover temporary
+  directories (else it can remove a step a resuming run is saving). Orbax has no public
+  wait, so the private method is called: if Orbax renames it, this fails rather than
+  the wait silently doing nothing."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  assert hasattr(ocp.CheckpointManager, "_maybe_await_cleanup_tmp_directory")
+  leftover = tmp_path / "3.orbax-checkpoint-tmp-1765000000"
+  (leftover / "state").mkdir(parents=True)
+  checkpoint.Checkpointer(str(tmp_path)).close()
+  assert not leftover.exists()
 
 
 @pytest.mark.slow
@@ -287,14 +360,14 @@ def test_metrics_on_object_storage_are_appended_not_uploaded_again(gcs, monkeypa
     monkeypatch.setenv(k, v)
   gcsfs.GCSFileSystem.clear_instance_cache()   # its clients keep the server's address
   failing = iter([False, False, True])         # the third upload fails
-  append = paths.append_bytes
+  append = compose.append_bytes
 
-  def flaky(path, data):
+  def flaky(path, data, size):
     if next(failing, False):
       raise paths.StorageError(f"appending to {path} failed: ConnectionError: injected")
-    append(path, data)
+    append(path, data, size)
 
-  monkeypatch.setattr(paths, "append_bytes", flaky)
+  monkeypatch.setattr(compose, "append_bytes", flaky)
   out, logged = gcs.bucket("metrics") + "/run", []
   try:
     writer = metrics.MetricsWriter(out, log=logged.append)
@@ -322,6 +395,44 @@ def test_metrics_on_object_storage_are_appended_not_uploaded_again(gcs, monkeypa
   finally:
     gcsfs.GCSFileSystem.clear_instance_cache()
     proxy.stop()
+
+
+def test_a_compose_whose_reply_is_lost_appends_its_rows_once(gcs, monkeypatch):
+  """`MetricsWriter` on `gs://` when composes go through but their replies are lost
+  (raised after the real call): a dropped connection (tried again by the path layer), a
+  412 (what the client's own resend of it gets, as the generation moved on) and an
+  error past the path layer's retries (the upload tried again by the metrics thread,
+  after another row came in). Every row is in the file once, in order, and no part is
+  left."""
+  import gcsfs  # pylint: disable=g-import-not-at-top
+  from tunix_core.run import metrics  # pylint: disable=g-import-not-at-top
+  real = gcsfs.GCSFileSystem.call
+  lost = [ConnectionResetError("reply lost"), FileExistsError("412"), OSError("reply lost")]
+  rows = [{"step": i, "loss": 0.5 + i} for i in range(1, 9)]
+
+  def call(self, method, path, *args, **kwargs):
+    out = real(self, method, path, *args, **kwargs)
+    if path.endswith("/compose") and lost:
+      error = lost.pop(0)
+      if not lost:  # row 4 arrives while row 3's upload waits to be tried again
+        threading.Timer(0.05, writer.write, [rows[3]]).start()
+      raise error
+    return out
+
+  monkeypatch.setattr(gcsfs.GCSFileSystem, "call", call)
+  out, logged = gcs.bucket("lost-replies") + "/run", []
+  writer = metrics.MetricsWriter(out, log=logged.append)
+  for row in rows[:3]:
+    writer.write(row)
+    writer.sync()  # one compose per row: rows 1, 2 and 3 lose their replies
+  for row in rows[4:]:
+    writer.write(row)
+  writer.close()
+  assert not lost
+  assert gcs_lib.download(gcs, out + "/metrics.jsonl").decode().splitlines() == [
+      json.dumps(r) for r in rows]
+  assert len(logged) == 1 and "reply lost; keeping the rows" in logged[0], logged
+  assert sorted(gcs_lib.objects(gcs, out)) == ["metrics.jsonl"]
 
 
 @pytest.mark.slow

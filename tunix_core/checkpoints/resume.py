@@ -4,7 +4,9 @@ A step is usable when its metadata reads back, it was written by the same model 
 run settings (`config.RESUME_FIELDS`), its arrays restore, and (with
 `--verify_checkpoint`, the default) their fingerprints, recomputed on device, equal the
 saved ones. Under `--resume=auto` an unusable step is moved aside and the next older one
-is tried; under `--resume=required` it is an error.
+is tried; under `--resume=required` it is an error. A step whose data position was saved
+over other training data (another token store key) is refused before its state is read,
+unless `--allow_data_change` (then the data iterator restarts the saved epoch).
 """
 
 import dataclasses
@@ -13,6 +15,7 @@ import json
 import jax
 import jax.numpy as jnp
 
+from tunix_core import data as data_lib
 from tunix_core.checkpoints.store import Checkpointer
 from tunix_core.checkpoints.store import CheckpointError
 from tunix_core.checkpoints.store import fingerprints
@@ -30,6 +33,17 @@ def config_mismatch(saved: dict, current: dict, fields) -> str | None:
       return (f"checkpoint was written with {field}={saved[field]!r} but this run has "
               f"{field}={current.get(field)!r}")
   return None
+
+
+def source_mismatch(saved: dict, source: dict, legacy_fingerprint=None) -> str | None:
+  """`config_mismatch` of the initial policy's `hf_fingerprint`. A saved one that differs
+  still passes when it equals `legacy_fingerprint()` (asked only then): the weights'
+  fingerprint as checkpoints of earlier versions (0.1.0 as released) computed it, ETags of `gs://` objects
+  included, so those checkpoints resume."""
+  mismatch = config_mismatch(saved, source, ("hf_fingerprint",))
+  if mismatch and source.get("hf_fingerprint") and legacy_fingerprint is not None:
+    return None if saved["hf_fingerprint"] == legacy_fingerprint() else mismatch
+  return mismatch
 
 
 def _saved_layout(steps, meta: dict):
@@ -94,10 +108,11 @@ def _unreadable(e: Exception) -> _Unusable:
   return _Unusable(f"is unreadable ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
 
 
-def _load(steps, ckpt: Checkpointer, step: int, cfg, log, source: dict
-          ) -> tuple[dict, dict]:
+def _load(steps, ckpt: Checkpointer, step: int, cfg, log, source: dict,
+          legacy_fingerprint, data_key) -> tuple[dict, dict]:
   """`(state, meta)` of `step`, checked; `_Unusable` if damaged, `ConfigError` if it was
-  written by a different run configuration."""
+  written by a different run configuration, `DataError` if its data position is in
+  another token store than `data_key` (unless `--allow_data_change`)."""
   try:
     meta = ckpt.read_meta(step)
   except Exception as e:  # noqa: BLE001 - Orbax raises many kinds on a damaged step
@@ -107,9 +122,16 @@ def _load(steps, ckpt: Checkpointer, step: int, cfg, log, source: dict
                               [f.name for f in dataclasses.fields(mcfg)])
               or config_mismatch(meta["config"], dataclasses.asdict(cfg),
                                  config_lib.RESUME_FIELDS)
-              or config_mismatch(meta.get("source", {}), source, ("hf_fingerprint",)))
+              or source_mismatch(meta.get("source", {}), source, legacy_fingerprint))
   if mismatch:
     raise config_lib.ConfigError(f"cannot resume from step {step}: {mismatch}")
+  # Before the restore: a refusal need not wait for the state to be read.
+  refusal = data_lib.data_change(meta["data_state"], data_key)
+  if refusal:
+    if not cfg.allow_data_change:
+      raise data_lib.DataError(f"cannot resume from step {step}: {refusal}")
+    log(f"--allow_data_change: the training data changed since step {step}; epoch "
+        f"{meta['data_state']['epoch']} restarts from its start over the new data")
   try:
     state = restore_state(steps, ckpt, step, meta)
   except Exception as e:  # noqa: BLE001
@@ -122,7 +144,8 @@ def _load(steps, ckpt: Checkpointer, step: int, cfg, log, source: dict
   return state, meta
 
 
-def resume(steps, ckpt: Checkpointer, cfg, log, source: dict | None = None
+def resume(steps, ckpt: Checkpointer, cfg, log, source: dict | None = None,
+           legacy_fingerprint=None, data_key: str | None = None
            ) -> tuple[dict | None, dict | None]:
   """`(state, meta)` of the checkpoint `cfg.resume` says to resume from, on the mesh of
   `steps`, or `(None, None)` for a fresh start.
@@ -131,7 +154,9 @@ def resume(steps, ckpt: Checkpointer, cfg, log, source: dict | None = None
   verification is reported in one line, moved aside (`Checkpointer.reject`) and the next
   older one is tried; under "required" it is a `CheckpointError`. A step written by a
   different configuration (or, per `source`, from different pretrained weights) is a
-  `ConfigError` in either mode.
+  `ConfigError` in either mode; `legacy_fingerprint` as `source_mismatch`'s. A step
+  whose data position is in another token store than `data_key` (the training data's,
+  `data.PairStore.key`) is a `DataError` naming `--allow_data_change`, unless it is set.
   """
   existing = ckpt.steps()
   if cfg.resume == "never":
@@ -142,7 +167,8 @@ def resume(steps, ckpt: Checkpointer, cfg, log, source: dict | None = None
     return None, None
   for step in reversed(existing):
     try:
-      state, meta = _load(steps, ckpt, step, cfg, log, source or {})
+      state, meta = _load(steps, ckpt, step, cfg, log, source or {}, legacy_fingerprint,
+                          data_key)
     except _Unusable as e:
       msg = f"checkpoint step {step} in {ckpt.directory} {e}"
       if cfg.resume == "required":

@@ -210,8 +210,10 @@ class Checkpointer:
     finally:
       # The manager removes leftover temporary directories in the background from its
       # start; let that finish first, or it can remove the step a later writer (a run
-      # resuming here) is saving. (orbax has no public wait for it.)
-      getattr(self.manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
+      # resuming here) is saving. Orbax (0.12) has no public wait for it: the private
+      # method is called directly, so a rename fails here and in tests/test_storage.py
+      # instead of silently not waiting.
+      self.manager._maybe_await_cleanup_tmp_directory()  # pylint: disable=protected-access
       try:
         self.manager.close()
       except Exception:  # noqa: BLE001 - a failed save was already reported by wait

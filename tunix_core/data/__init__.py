@@ -7,6 +7,7 @@ from tunix_core.data.build import store_key
 from tunix_core.data.dataset import BatchIterator
 from tunix_core.data.dataset import ByteTokenizer
 from tunix_core.data.dataset import check_vocab
+from tunix_core.data.dataset import data_change
 from tunix_core.data.dataset import DataError
 from tunix_core.data.dataset import encode_row
 from tunix_core.data.dataset import FIELDS

@@ -2,11 +2,12 @@
 
 The file is read as a stream, in chunks of `chunk_pairs` lines (a JSONL larger than RAM
 is fine); each chunk is parsed and encoded (`encode_pair`, which is `data.dataset`'s
-row rule) in a pool of worker processes (`spawn`: the parent may already run JAX's
-threads), at most two chunks per worker in flight, and the ids are appended to the store
-in file order, so the store is the same for any number of workers. A file of fewer than
-four chunks per worker is encoded in the calling process. A bad line still raises
-`DataError` naming `path:line`, or is counted and skipped under `skip_bad_lines`.
+row rule). The first chunk is encoded in the calling process; when the rest would take
+longer there than starting workers costs (each imports JAX), it is encoded in a pool of
+worker processes (`spawn`: the parent may already run JAX's threads), at most two chunks
+per worker in flight. The ids are appended to the store in file order, so the store is
+the same for any number of workers. A bad line still raises `DataError` naming
+`path:line`, or is counted and skipped under `skip_bad_lines`.
 
 A store is found again by `store_key`: the JSONL's content digest, the tokenizer's
 fingerprint and special ids, the chat template and the length limits.
@@ -19,6 +20,7 @@ import json
 import multiprocessing
 import os
 import tempfile
+import time
 
 import numpy as np
 
@@ -26,6 +28,11 @@ from tunix_core.data import encode as data_encode
 from tunix_core.data import store as store_lib
 from tunix_core.storage import digest as content_digest
 from tunix_core.storage import paths
+
+
+# Seconds a spawned worker takes to start (it imports JAX: 1.4 s measured on a loaded
+# 2-core host, about 2 s in docs/data.md's runs), weighed against the work left.
+_WORKER_START_S = 2.0
 
 
 class DataError(ValueError):
@@ -146,40 +153,53 @@ def _chunks(path: str, chunk_pairs: int):
       yield chunk, read
 
 
+def _in_order(fn, items, pool, in_flight: int):
+  """`(fn(x), tag)` for each `(x, tag)` of the iterator `items`, in its order, computed
+  in `pool` (a `multiprocessing` pool; None: here). `items` is read lazily: when the
+  k-th result is yielded at most `k + in_flight - 1` items have been read (here: k), so
+  the lines held stay a bound of chunks whatever the file's length."""
+  if pool is None:
+    yield from ((fn(x), tag) for x, tag in items)
+    return
+  pending = collections.deque()
+  for x, tag in items:
+    pending.append((pool.apply_async(fn, (x,)), tag))
+    if len(pending) == in_flight:
+      result, tag = pending.popleft()
+      yield result.get(), tag
+  while pending:
+    result, tag = pending.popleft()
+    yield result.get(), tag
+
+
 def _encoded(path, settings, workers, chunk_pairs, log):
   """The chunks' `_encode_chunk` results in file order, with a progress line at every
-  tenth of a file of 256 KiB or more."""
+  tenth of a file of 256 KiB or more. The first chunk is encoded here; the time it took
+  times the chunks left (estimated from the file's bytes) decides the rest: in a pool of
+  up to `workers` processes, started at once, when it would finish first, else here."""
   total, tenths, pairs = paths.getsize(path), 0, 0
   chunks = _chunks(path, chunk_pairs)
-  # A file of fewer than 4 chunks per worker is encoded here: starting the workers (each
-  # imports JAX) would cost more than they save.
-  head = list(itertools.islice(chunks, 4 * workers))
+  _init(settings)
+  first = next(chunks, None)
+  if first is None:
+    return
+  start = time.perf_counter()
+  head = [(_encode_chunk(first[0]), first[1])]
+  left = -(-total // first[1]) - 1
+  procs = min(workers, left)
   pool = None
-  if len(head) == 4 * workers and workers > 1:
-    pool = multiprocessing.get_context("spawn").Pool(workers, _init, (settings,))
-  else:
-    _init(settings)
-  pending = collections.deque()
-
-  def take():
-    nonlocal pairs, tenths
-    result, done = pending.popleft()
-    result = result.get() if pool else result
-    pairs += len(result[2])
-    if log and total >= 256 << 10 and done * 10 // total > tenths:
-      tenths = done * 10 // total
-      log(f"{path}: tokenized {pairs:,} pairs ({done * 100 // total}% of the file)")
-    return result
-
+  # The pool takes its start plus the rest's time over `procs`.
+  if procs > 1 and (time.perf_counter() - start) * left > _WORKER_START_S * procs / (procs - 1):
+    pool = multiprocessing.get_context("spawn").Pool(procs, _init, (settings,))
   try:
-    for chunk, read in itertools.chain(head, chunks):
-      pending.append((pool.apply_async(_encode_chunk, (chunk,)) if pool
-                      else _encode_chunk(chunk), read))
-      # Two chunks per worker in flight: the workers never wait, memory stays bounded.
-      while pending and (pool is None or len(pending) > 2 * workers):
-        yield take()
-    while pending:
-      yield take()
+    # Two chunks per worker in flight: the workers never wait, memory stays bounded.
+    for result, done in itertools.chain(head, _in_order(_encode_chunk, chunks, pool,
+                                                         2 * procs)):
+      pairs += len(result[2])
+      if log and total >= 256 << 10 and done * 10 // total > tenths:
+        tenths = done * 10 // total
+        log(f"{path}: tokenized {pairs:,} pairs ({done * 100 // total}% of the file)")
+      yield result
   finally:
     if pool is not None:
       pool.terminate()
@@ -204,9 +224,10 @@ def store_key(path: str, tok, max_length: int, max_prompt_length: int,
 
 def build(path: str, tok, out_dir: str, max_length: int, max_prompt_length: int,
           skip_bad_lines: bool = False, workers: int | None = None,
-          chunk_pairs: int = 2000, log=None) -> store_lib.PairStore:
+          chunk_pairs: int = 2000, log=None, beat=None) -> store_lib.PairStore:
   """Tokenizes the JSONL `path` into a store at `out_dir` (local or remote; `meta.json`
-  written last) and opens it. `workers`: processes (default: every core)."""
+  written last) and opens it. `workers`: processes (default: every core); `beat`, if
+  given, is called with a name for the work after each chunk (a watchdog's beat)."""
   if not 0 < max_prompt_length < max_length:
     raise ValueError(f"need 0 < max_prompt_length ({max_prompt_length}) < max_length "
                      f"({max_length})")
@@ -224,6 +245,8 @@ def build(path: str, tok, out_dir: str, max_length: int, max_prompt_length: int,
         lengths.append(lens)
         lines.append(lns)
         counts += n
+        if beat:  # the deadline bounds the wait for each chunk, not the file's length
+          beat(f"tokenizing {path} ({len(lengths)} chunks of {chunk_pairs} lines done)")
     lengths = np.concatenate(lengths or [np.zeros((0, 3), np.int64)])
     if not len(lengths):
       if counts[0]:

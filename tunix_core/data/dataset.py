@@ -215,28 +215,56 @@ def check_vocab(store: store_lib.PairStore, vocab_size: int) -> None:
                     f"model's vocabulary size {vocab_size} (tokenizer and model differ)")
 
 
+def data_change(state: dict, data_key: str | None) -> str | None:
+  """Why the iterator state `state` cannot continue over the token store `data_key`, in
+  one line naming `--allow_data_change`, or None: the same store, or a side without a
+  key (a state saved by an earlier version, or data held in memory)."""
+  saved = state.get("data_key")
+  if saved is None or data_key is None or saved == data_key:
+    return None
+  return (f"the saved data position (epoch {state['epoch']}, pair {state['position']}) is "
+          f"in the token store {saved}, but the training data now give the store "
+          f"{data_key} (their content, tokenizer or length limits changed); pass "
+          f"--allow_data_change to restart epoch {state['epoch']} from its start with the "
+          "new data")
+
+
 class BatchIterator:
   """Endless, epoch-shuffled batches of `batch_size` pairs; the tail of an epoch is dropped.
 
   The order of epoch `e` is a permutation drawn from `(seed, e)` alone, so the state
   `{"epoch", "position"}` (position = pairs consumed within the epoch) is enough to
-  rebuild the iterator exactly where it was.
+  rebuild the iterator exactly where it was, over the same pairs. `data_key` (the token
+  store's key, `PairStore.key`) names those pairs and goes into the state: a state of
+  other pairs (`data_change`) would continue silently in another order, so it is a
+  `DataError`, or under `allow_data_change` restarts its epoch at position 0 over the
+  new pairs.
   """
 
   def __init__(self, dataset: PreferenceDataset, batch_size: int, seed: int,
-               state: dict | None = None):
+               state: dict | None = None, *, data_key: str | None = None,
+               allow_data_change: bool = False):
     if batch_size > len(dataset):
       raise ValueError(f"batch_size {batch_size} exceeds the {len(dataset)} pairs of the dataset")
     self.dataset, self.batch_size, self.seed = dataset, batch_size, seed
+    self.data_key, self.allow_data_change = data_key, allow_data_change
     self.epoch, self.position, self._cached = 0, 0, (None, None)
     if state is not None:
       self.set_state(state)
 
   def get_state(self) -> dict:
-    return {"epoch": self.epoch, "position": self.position}
+    state = {"epoch": self.epoch, "position": self.position}
+    if self.data_key is not None:
+      state["data_key"] = self.data_key
+    return state
 
   def set_state(self, state: dict) -> None:
     epoch, position = int(state["epoch"]), int(state["position"])
+    refusal = data_change(state, self.data_key)
+    if refusal:
+      if not self.allow_data_change:
+        raise DataError(refusal)
+      position = 0  # positions in the old order mean nothing in the new one
     if epoch < 0 or not 0 <= position <= len(self.dataset) or position % self.batch_size:
       raise ValueError(f"invalid iterator state {state} for batch size {self.batch_size} and "
                        f"{len(self.dataset)} pairs")

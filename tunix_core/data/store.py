@@ -115,6 +115,12 @@ class PairStore:
     self._first = np.maximum(self._prompt - 1, 0)  # each row's first scored position
     self.last_read = np.zeros(0, np.int64)  # the pairs the last `take` read
 
+  @property
+  def key(self) -> str:
+    """The store's directory name: its `data.build.store_key` where the trainer keeps it
+    (`run.source`), which a checkpoint's data state carries (`data.BatchIterator`)."""
+    return self.path.rstrip("/").rsplit("/", 1)[-1]
+
   @staticmethod
   def complete(path: str) -> bool:
     return paths.exists(paths.join(path, "meta.json"))

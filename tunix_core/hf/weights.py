@@ -122,7 +122,7 @@ def expected_tensors(cfg: model_lib.ModelConfig, shapes: dict | None = None) -> 
 
 
 def load_params(model_dir: str, cfg: model_lib.ModelConfig, *, dtype=None,
-                shardings=None) -> dict:
+                shardings=None, beat=None) -> dict:
   """The params pytree of `cfg` from an HF directory's safetensors.
 
   Args:
@@ -132,6 +132,7 @@ def load_params(model_dir: str, cfg: model_lib.ModelConfig, *, dtype=None,
     shardings: optional pytree of `jax.sharding.Sharding`s with the params' structure;
       each leaf is then placed with `jax.make_array_from_callback`, each device's
       block read from the files alone (sliced before it is read).
+    beat: if given, called with each leaf's name before it is read (a watchdog's beat).
 
   Tensors are read from the memory-mapped files one stacked leaf (or, with `shardings`,
   one device's block of it) at a time, so the host holds at most that beyond the files'
@@ -168,6 +169,8 @@ def load_params(model_dir: str, cfg: model_lib.ModelConfig, *, dtype=None,
         raise HFError(f"tensor {name} has shape {tuple(tensor(name).get_shape())}, "
                       f"expected {tuple(shape)}")
     for leaf, tensors in by_leaf.items():
+      if beat:
+        beat(f"reading the weights of {model_dir}: {'.'.join(map(str, leaf))}")
       tensors = [(name, transposed) for _, name, transposed in sorted(tensors)]
       stacked = wanted[tensors[0][0]][1] is not None
       read = functools.partial(_read_block, tensor, tensors, stacked, len(shapes[leaf]), dtype)
@@ -256,7 +259,8 @@ def save_params(params: dict, cfg: model_lib.ModelConfig, out_dir: str, *, src_d
   default `jax.device_get`), so the host holds at most one file (`shard_bytes`, or the
   largest tensor), never the model. Params that span processes: every process calls
   this with `fetch=parallel.mesh.to_host` (a collective, one tensor at a time, in the
-  same order everywhere) and only process 0 writes."""
+  same order everywhere; with `keep` on process 0 only, the others' fetch gives None)
+  and only process 0 writes."""
   import jax  # pylint: disable=g-import-not-at-top
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   fetch = fetch or (lambda x: np.asarray(jax.device_get(x)))
@@ -277,6 +281,8 @@ def save_params(params: dict, cfg: model_lib.ModelConfig, out_dir: str, *, src_d
     leaf, layer, transposed, _ = tensors[name]
     value = functools.reduce(lambda tree, key: tree[key], leaf, params)
     value = fetch(value[layer] if layer is not None else value)
+    if value is None:   # not kept on this process: only the writer needs the tensor
+      return None
     return np.ascontiguousarray((value.T if transposed else value).astype(np_dtype))
 
   writer = jax.process_index() == 0
@@ -284,8 +290,8 @@ def save_params(params: dict, cfg: model_lib.ModelConfig, out_dir: str, *, src_d
     total = 0
     for file, group in zip(names, files):
       values = {name: host(name) for name in group}   # every process: a collective each
-      total += sum(v.nbytes for v in values.values())
       if writer:
+        total += sum(v.nbytes for v in values.values())
         save_file(values, os.path.join(local, file), metadata={"format": "pt"})
       del values
     if not writer:

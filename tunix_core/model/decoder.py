@@ -103,6 +103,7 @@ def lm_head(params: dict, cfg: ModelConfig) -> jax.Array:
   return params["embed"].T if cfg.tie_embeddings else params["lm_head"]
 
 
+@jax.named_scope("norm")  # a part of the step profile (benchmarks/step_profile.py)
 def rms_norm(x_BxTxD: jax.Array, scale_D: jax.Array, eps: float, offset: float = 0.0
              ) -> jax.Array:
   """RMSNorm in float32, scaled by `offset + scale_D` before the cast back (as Gemma
@@ -129,6 +130,7 @@ def project(x_NxI, layer, name: str, cfg: ModelConfig):
   return y_NxO + ((x_NxI @ a) @ b) * jnp.asarray(cfg.lora_scale, y_NxO.dtype)
 
 
+@jax.named_scope("attention")
 def attention(x_BxTxD, layer, setting, positions_BxT, mask_BxT, cfg: ModelConfig,
               segments_BxT=None, branches_BxT=None, band: int | None = None):
   """Causal grouped-query attention; keys where `mask_BxT` is 0 are never attended, nor
@@ -171,6 +173,7 @@ def qkv(x_BxTxD, layer, setting, positions_BxT, cfg: ModelConfig):
   return q_BxTxHxK, k_BxTxVxK, v_BxTxVxK
 
 
+@jax.named_scope("mlp")
 def mlp(x_BxTxD, layer, cfg: ModelConfig):
   """The gated MLP, its matmuls on `[B * T, D]` (as in `attention`)."""
   x_NxD = x_BxTxD.reshape(-1, x_BxTxD.shape[-1])
@@ -181,6 +184,7 @@ def mlp(x_BxTxD, layer, cfg: ModelConfig):
   return out_NxD.reshape(x_BxTxD.shape[:-1] + (-1,))
 
 
+@jax.named_scope("embedding")
 def embed(params: dict, tokens_BxT: jax.Array, cfg: ModelConfig) -> jax.Array:
   """Token embeddings `[B, T, D]` in the compute dtype; Gemma's sqrt(d_model) factor is
   rounded to the param dtype and applied in it, as `transformers` does."""

@@ -30,6 +30,7 @@ from jax import custom_derivatives as cd
 from tunix_core.model.config import REMAT_POLICIES
 
 
+@jax.named_scope("layers")  # the scan's own work in benchmarks/step_profile.py
 def scan(body, x, pieces, settings, rows, *, gather=None, remat: str = "none"):
   """`x_{i+1} = body(x_i, layer_i, settings_i, rows)` over the L layers; returns `x_L`.
 

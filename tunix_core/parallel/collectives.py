@@ -29,8 +29,8 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from tunix_core.parallel import mesh as mesh_lib
 from tunix_core.parallel import ring
 
 IMPLS = ("xla", "ring", "all_to_all")
@@ -276,24 +276,13 @@ def _reduce_scatter_rows(rows, axis_name, n, impl, comm_dtype):
                               tiled=True).reshape(-1)[:rows.shape[1]]
 
 
-def stage_groups(stages: tuple, axis_size: int) -> list[list[list[int]]]:
-  """Per stage of a gather in `stages` (group sizes, innermost first, their product the
-  axis size), its `axis_index_groups`: a position's digits in the mixed radix `stages`
-  (the first digit fastest); stage i groups the positions that differ only in digit i,
-  ascending, so gathering the stages in order leaves every shard in position order."""
-  if int(np.prod(stages)) != axis_size:
-    raise ValueError(f"gather stages {stages} do not multiply to the axis size {axis_size}")
-  positions = np.arange(axis_size).reshape(stages[::-1])  # the last axis is digit 0
-  return [np.moveaxis(positions, len(stages) - 1 - i, -1).reshape(-1, size).tolist()
-          for i, size in enumerate(stages)]
-
-
 def all_gather(shards, plan: BucketPlan, axis_name, *, impl="xla", stages=None):
   """Gathers every device's shard of every bucket and unpacks them into a tree.
 
-  `stages` (impl "xla"): gather in stages of these group sizes, innermost first
-  (`stage_groups`), e.g. the torus dimensions of a 3-D TPU slice, on which the compiler
-  turns one gather over the whole axis into an all-reduce (`parallel.mesh.gather_stages`).
+  `stages` (impl "xla"): gather in stages along the lines of a torus of these extents,
+  x first (`parallel.mesh.stage_groups`), the axis being its chips in `ici_order`: a
+  3-D TPU slice, on which the compiler turns one gather over the whole axis into an
+  all-reduce (`parallel.mesh.gather_stages`).
   """
   _check(plan, axis_name, impl)
   if len(shards) != plan.num_buckets:
@@ -305,7 +294,7 @@ def all_gather(shards, plan: BucketPlan, axis_name, *, impl="xla", stages=None):
     else:  # the flat shard, or the leaf's rows (`leaf_rows`: the gather is the leaf)
       view = plan.leaf_rows(b)
       whole = _pad_to_tile(shard) if view is None else shard.reshape(view)
-      for groups in stage_groups(stages, plan.num_shards) if stages else [None]:
+      for groups in mesh_lib.stage_groups(stages, plan.num_shards) if stages else [None]:
         whole = jax.lax.all_gather(whole, axis_name, tiled=True, axis_index_groups=groups)
       buckets.append(whole.reshape(plan.num_shards, -1)[:, :shard.shape[0]].reshape(-1))
   return plan.unpack(buckets)

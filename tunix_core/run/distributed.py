@@ -146,3 +146,19 @@ def join(job: Job, timeout: float, log=print, terminal=None) -> None:
     jax.distributed.initialize(**job.kwargs, initialization_timeout=int(timeout) + 60)
   finally:
     deadline.cancel()
+
+
+def start_backend() -> threading.Thread:
+  """Starts JAX's backend on a daemon thread, so that opening the chips (libtpu pins its
+  host buffers: seconds on a TPU host) overlaps the rest of the start-up (data, weights,
+  the plan); the first `jax.devices()` then waits for it under JAX's own lock. Call it
+  after `join` (a job is joined before any backend starts). A backend that fails to
+  start fails again, with its message, at that first call."""
+  def open_():
+    try:
+      jax.devices()
+    except Exception:  # noqa: BLE001 - raised again by the start-up's own first call
+      pass
+  thread = threading.Thread(target=open_, name="open-backend", daemon=True)
+  thread.start()
+  return thread

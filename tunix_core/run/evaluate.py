@@ -18,9 +18,10 @@ from tunix_core.training import step as step_lib
 
 
 def evaluate(steps: step_lib.StepFunctions, params, ref_params, dataset,
-             ref_table: ref_cache.RefTable | None) -> dict:
+             ref_table: ref_cache.RefTable | None, beat=None) -> dict:
   """`{"eval/<key>": mean over the eval set's pairs}`; keys as the train step's metrics.
-  `dataset`: a token store (`data.store.PairStore`) or a `data.PreferenceDataset`."""
+  `dataset`: a token store (`data.store.PairStore`) or a `data.PreferenceDataset`;
+  `beat`, if given, is called with each batch's name as it starts (a watchdog's beat)."""
   B = steps.cfg.batch_size
 
   def means(idx: np.ndarray) -> dict:
@@ -30,6 +31,8 @@ def evaluate(steps: step_lib.StepFunctions, params, ref_params, dataset,
 
   totals = {}
   for start in range(0, len(dataset), B):
+    if beat:
+      beat(f"batch {start // B + 1}/{-(-len(dataset) // B)}")
     idx = np.arange(start, min(start + B, len(dataset)))
     n = len(idx)
     m = means(np.concatenate([idx, np.full(B - n, idx[0])]))

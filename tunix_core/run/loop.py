@@ -8,10 +8,8 @@ metrics, so the host never stalls the device; checkpoints are saved asynchronous
 last step always.
 """
 
-import json
-import os
-import signal
-import threading
+import functools
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -38,37 +36,35 @@ from tunix_core.training.config import ConfigError
 from tunix_core.training.config import TrainConfig
 
 
-def _precompute_refs(cfg, steps, ref_params, train_set, eval_set, log):
+@functools.partial(jax.jit, static_argnums=1)
+def frozen_copy(params: dict, dtype) -> dict:
+  """`params` in `dtype` in buffers of their own (donating the train state then never
+  frees the reference), as one executable: a copy per leaf compiles (or loads from the
+  compilation cache) once per leaf shape, seconds of a start-up."""
+  return jax.tree.map(lambda x: jnp.array(x, dtype, copy=True), params)
+
+
+class Hooks(typing.NamedTuple):
+  """Where tests inject faults (`tests/fault_trainer.py`); each does nothing here.
+  `on_beat(what)`: as each named piece of work starts, by the name the watchdog gives it
+  ("train step 5", "reference log-probs: batch 3/64 of data.jsonl", ...), before it
+  runs; `after_read(step, idx, pairs)`: step `step` drew the pairs `idx` of the token
+  store `pairs` (whose `last_read` are those this process read)."""
+  on_beat: typing.Callable = lambda what: None
+  after_read: typing.Callable = lambda step, idx, pairs: None
+
+
+def _precompute_refs(cfg, steps, ref_params, train_set, eval_set, log, beat):
   """Reference log-prob tables `(train, eval)` when the plan's reference is
   precomputed, else Nones."""
   if steps.plan.reference != "precomputed":
     return None, None
   cache_dir = source_lib.data_cache_dir(cfg)
-  train_ref = ref_cache.precompute_ref_logps(steps, ref_params, train_set, cache_dir, log)
-  eval_ref = (None if eval_set is None else
-              ref_cache.precompute_ref_logps(steps, ref_params, eval_set, cache_dir, log))
+  beat = functools.partial(beat, kind="reference batch")  # the first batch compiles
+  train_ref, eval_ref = (None if pairs is None else ref_cache.precompute_ref_logps(
+      steps, ref_params, pairs, cache_dir, log, beat) for pairs in (train_set, eval_set))
   log(f"reference log-probs precomputed (cache: {cache_dir})")
   return train_ref, eval_ref
-
-
-def _test_fault(step: int) -> None:
-  """Test hooks of the fault tests, before step N: `TUNIX_TEST_HANG_AT_STEP=N` blocks the
-  loop for good, as a step that never finishes would; `TUNIX_TEST_KILL_AT_STEP=N` kills
-  the process (SIGKILL: nothing flushed, a save in flight cut short)."""
-  if os.environ.get("TUNIX_TEST_HANG_AT_STEP") == str(step):
-    threading.Event().wait()
-  if os.environ.get("TUNIX_TEST_KILL_AT_STEP") == str(step):
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _test_record(step: int, idx, pairs) -> None:
-  """Test hook of the data tests: `TUNIX_TEST_PAIRS_DIR=D` appends to
-  `D/process_<i>.jsonl` the pairs this process read from the store for each step."""
-  where = os.environ.get("TUNIX_TEST_PAIRS_DIR")
-  if where:
-    with open(os.path.join(where, f"process_{jax.process_index()}.jsonl"), "a") as f:
-      f.write(json.dumps({"step": step, "pairs": pairs.last_read.tolist(),
-                          "batch": idx.tolist()}) + "\n")
 
 
 def _every(n: int, step: int, last: int) -> bool:
@@ -76,9 +72,9 @@ def _every(n: int, step: int, last: int) -> bool:
   return bool(n) and (step % n == 0 or step == last)
 
 
-def train(cfg: TrainConfig, log=print, devices=None) -> dict:
+def train(cfg: TrainConfig, log=print, devices=None, hooks: Hooks = Hooks()) -> dict:
   """Runs DPO training on `devices` (default: all), resuming from and writing
-  checkpoints in `{output_dir}/checkpoints`.
+  checkpoints in `{output_dir}/checkpoints`; `hooks`: fault injection (`Hooks`).
 
   Returns `{"train": last logged train row, "eval": last eval metrics, "state": final
   train state}`. Raises `preemption.Preempted` after saving on SIGTERM/SIGINT,
@@ -90,12 +86,21 @@ def train(cfg: TrainConfig, log=print, devices=None) -> dict:
   devices = devices or jax.devices()
   cfg.validate(len(devices))
   with watchdog_lib.Watchdog(cfg.step_timeout) as dog:
-    return _train(cfg, devices, log, dog)
+
+    def beat(what: str, first: bool = False, kind: str | None = None) -> None:
+      """Names the work that starts now to the watchdog (`Watchdog.beat`) and the hooks."""
+      dog.beat(what, first, kind)
+      hooks.on_beat(what)
+
+    return _train(cfg, devices, log, beat, hooks)
 
 
-def _train(cfg, devices, log, dog):
-  """`train` under the watchdog `dog`, which each piece of blocking work names."""
-  dog.beat("start-up (data, weights, the newest checkpoint)", first=True)
+def _train(cfg, devices, log, beat, hooks):
+  """`train` under the watchdog, to which `beat` names each piece of blocking work."""
+  # Start-up beats once per unit of its work (a chunk tokenized, a weight tensor read, a
+  # reference batch), each under the longer deadline: a stall ends it, not its length.
+  startup = functools.partial(beat, first=True)
+  startup("start-up: the output directory and the data")
   primary = jax.process_index() == 0
   # Each process says what only it knows (its share of the weights' bytes); the rest is
   # process 0's to say.
@@ -106,7 +111,7 @@ def _train(cfg, devices, log, dog):
     paths.makedirs(cfg.output_dir)
   except paths.StorageError as e:
     raise ConfigError(f"--output_dir={cfg.output_dir!r} cannot be created: {e}") from None
-  train_set, eval_set = source_lib.load_data(cfg, log)
+  train_set, eval_set = source_lib.load_data(cfg, log, beat=startup)
   plan = plan_lib.make_plan(cfg, devices, plan_lib.data_sizes(
       cfg, [d for d in (train_set, eval_set) if d is not None]))
   mcfg = plan.model
@@ -116,21 +121,25 @@ def _train(cfg, devices, log, dog):
   key = jax.random.PRNGKey(cfg.seed)
   ckpt = checkpoint.Checkpointer(paths.join(cfg.output_dir, "checkpoints"), keep=cfg.keep,
                                  keep_period=cfg.keep_period or None)
+  startup("start-up: the newest checkpoint and the weights")
   source = source_lib.source(cfg)
-  state, meta = resume.resume(steps, ckpt, cfg, log, source=source)
+  state, meta = resume.resume(steps, ckpt, cfg, log, source=source, legacy_fingerprint=(
+      lambda: source_lib.fingerprint(cfg.hf_model_dir, legacy=True)), data_key=train_set.key)
   start = 0 if meta is None else meta["step"]
   # The reference is the frozen initial policy (on a resume: the pretrained weights
   # reloaded, or the init rebuilt from the seed), in its own buffers, so donating the
   # train state never invalidates it.
   ref_dtype = model_lib.DTYPES[cfg.ref_param_dtype()]
   if plan.lora is not None:  # the step's frozen input is the base (`parallel.lora`)
-    ref_params, adapters = source_lib.lora_start(cfg, steps, key, ref_dtype, host_log)
+    ref_params, adapters = source_lib.lora_start(cfg, steps, key, ref_dtype, host_log,
+                                                 startup)
     state = state or steps.init_state(key, adapters)
   elif state is None:
-    state = steps.init_state(key, source_lib.initial_params(cfg, steps, log=host_log))
-    ref_params = jax.tree.map(lambda x: jnp.array(x, ref_dtype, copy=True), state["params"])
+    state = steps.init_state(key, source_lib.initial_params(cfg, steps, log=host_log,
+                                                            beat=startup))
+    ref_params = frozen_copy(state["params"], ref_dtype)
   else:
-    ref_params = (source_lib.initial_params(cfg, steps, ref_dtype, host_log)
+    ref_params = (source_lib.initial_params(cfg, steps, ref_dtype, host_log, startup)
                   or steps.init_params(key))
     ref_params = jax.tree.map(lambda x: x.astype(ref_dtype), ref_params)
   count = lambda shapes: sum(x.size for x in jax.tree.leaves(shapes))
@@ -141,12 +150,15 @@ def _train(cfg, devices, log, dog):
       f"{cfg.param_dtype}{trained}) on {len(devices)} "
       f"{devices[0].platform} device(s) in {jax.process_count()} process(es), mesh {mesh}")
   log(plan.describe())
-  train_ref, eval_ref = _precompute_refs(cfg, steps, ref_params, train_set, eval_set, log)
+  train_ref, eval_ref = _precompute_refs(cfg, steps, ref_params, train_set, eval_set, log,
+                                         beat)
+  startup("start-up: metrics, profiler and sampler")
   if plan.reference != "step" and plan.lora is None:
     ref_params = None  # the step never runs the reference forward
 
   it = data_lib.BatchIterator(train_set, cfg.batch_size, cfg.seed,
-                              state=meta["data_state"] if meta else None)
+                              state=meta["data_state"] if meta else None,
+                              data_key=train_set.key, allow_data_change=cfg.allow_data_change)
   writer = (metrics_lib.MetricsWriter(cfg.output_dir, resume_step=start, log=log,
                                       sinks=observe.open_sinks(cfg, source, log))
             if primary else None)
@@ -169,7 +181,7 @@ def _train(cfg, devices, log, dog):
       health_lib.check_finite(health, cfg.on_nonfinite, lambda *_: None)
 
   def save(step):
-    dog.beat(f"saving checkpoint step {step}")
+    beat(f"saving checkpoint step {step}", kind="save")  # the first compiles its gathers
     # Never checkpoint a state that went through a non-finite step under "stop" (this
     # read costs nothing extra: the save's fingerprints wait for the state anyway).
     health = jax.device_get(state["nonfinite"])
@@ -185,20 +197,20 @@ def _train(cfg, devices, log, dog):
     if writer is not None:
       writer.note(f"checkpoint/{step}", digest)
 
-  dog.beat(f"compiling step {start + 1}", first=True)
+  startup(f"compiling step {start + 1}")
   log(warmup.describe(f"step {start + 1}"))
-  dog.beat(f"running step {start + 1}", first=True)
   try:
     with preemption.StopSignal() as stop:
       if sampler and start == 0:
+        beat("sampling at step 0", kind="sampling")
         sampler(0, steps.policy_params(state["params"], ref_params))  # the run's start
       for step in range(start + 1, cfg.steps + 1):
-        if step > start + 2:   # step start + 2 reads the first step's metrics
-          dog.beat(f"train step {step - 1}")
-        _test_fault(step)
+        # Step N's batch read and dispatch, and the wait for step N - 1 (its metrics are
+        # read below): the first step may compile again, the second waits for its run.
+        beat(f"train step {step}", first=step <= start + 2)
         idx = it.next_indices()
         batch = ref_cache.host_batch(steps, train_set, idx, train_ref)
-        _test_record(step, idx, train_set)
+        hooks.after_read(step, idx, train_set)
         progress.count_tokens(train_set.num_tokens(idx))
         profiler.before(step)
         with compile_cache.FirstCompile() as compiled:
@@ -215,12 +227,12 @@ def _train(cfg, devices, log, dog):
           progress.defer(step, metrics)
         if eval_set is not None and _every(cfg.eval_every, step, cfg.steps):
           flush()
-          dog.beat(f"evaluation at step {step}")
-          progress.eval(step, evaluate_lib.evaluate(steps, state["params"], ref_params,
-                                                    eval_set, eval_ref))
+          progress.eval(step, evaluate_lib.evaluate(
+              steps, state["params"], ref_params, eval_set, eval_ref,
+              lambda what: beat(f"evaluation at step {step}: {what}", kind="evaluation")))
         if sampler and _every(cfg.sample_every, step, cfg.steps):
           flush()
-          dog.beat(f"sampling at step {step}")
+          beat(f"sampling at step {step}", kind="sampling")
           sampler(step, steps.policy_params(state["params"], ref_params))
         if stop.should_stop(step):
           flush()
@@ -231,7 +243,7 @@ def _train(cfg, devices, log, dog):
         if _every(cfg.save_every, step, cfg.steps) or step == cfg.steps:
           flush()  # its row is written before the step can be restored
           save(step)
-      dog.beat(f"train step {cfg.steps}")
+      beat(f"train step {cfg.steps}")  # its end: its metrics are read
       flush()
       health_lib.check_finite(jax.device_get(state["nonfinite"]), cfg.on_nonfinite, log)
       profiler.stop()  # a range past the last step ends with the run
@@ -240,11 +252,11 @@ def _train(cfg, devices, log, dog):
     progress.close(upload=False)  # the error may be the storage's: no more uploads
     ckpt.close(quiet=True)  # an error is on its way already; let pending saves finish
     raise
-  dog.beat("writing the last metrics and waiting for the last checkpoint")
+  beat("writing the last metrics and waiting for the last checkpoint")
   progress.close()
   ckpt.close()
   log(f"done: steps {start + 1}-{cfg.steps} in {progress.elapsed()}")
   if cfg.export_hf_dir:
-    dog.beat(f"exporting to {cfg.export_hf_dir}", first=True)
+    beat(f"exporting to {cfg.export_hf_dir}", first=True)
     source_lib.export(cfg, steps, state["params"], ref_params, log)
   return {"train": progress.last_train, "eval": progress.last_eval, "state": state}

@@ -10,6 +10,7 @@ import time
 
 import jax
 
+from tunix_core.storage import compose
 from tunix_core.storage import paths
 
 
@@ -24,15 +25,19 @@ _SYNC_TRIES = 3
 
 class _Uploads:
   """Rows appended to `path` on object storage by a daemon thread: each upload sends the
-  rows added since the last (`paths.append_bytes`: a compose, nothing sent again). A
-  failed upload is logged once and tried again (backing off, and at once on `sync`);
-  the rows wait in memory."""
+  rows added since the last (`compose.append_bytes`: a compose, nothing sent again). A
+  failed upload is logged once and tried again with the same rows (backing off, and at
+  once on `sync`), so an append that went through with its reply lost is recognised by
+  the object's size and not made twice; the rows wait in memory."""
 
   def __init__(self, path: str, kept: list, log):
     self.path, self.log = path, log
     self.lines = list(kept)  # every row of the file: the periodic whole rewrite's source
-    paths.write_text(path, "".join(self.lines))
+    text = "".join(self.lines)
+    paths.write_text(path, text)
     self.sent, self.appends, self.failures, self.error = len(self.lines), 0, 0, None
+    self.size = len(text.encode("utf-8"))  # bytes of the rows sent: what the object holds
+    self.retry = None  # the end of the rows of a failed upload, sent again as they were
     self.closing = False
     self.cond = threading.Condition()
     self.thread = threading.Thread(target=self._run, name="metrics-uploads", daemon=True)
@@ -48,18 +53,20 @@ class _Uploads:
     while True:
       with self.cond:
         self.cond.wait_for(lambda: self.closing or len(self.lines) > self.sent)
-        start, end = self.sent, len(self.lines)
-        if start == end:
-          return  # closing, everything sent
+        start, end = self.sent, self.retry or len(self.lines)
+        if start >= end:
+          return  # closing: everything sent, or dropped (`close`)
+      data = "".join(self.lines[start:end]).encode("utf-8")
       try:
         if self.appends >= APPENDS_PER_REWRITE:
           paths.write_text(self.path, "".join(self.lines[:end]))
           self.appends = 0
         else:
-          paths.append_bytes(self.path, "".join(self.lines[start:end]).encode("utf-8"))
+          compose.append_bytes(self.path, data, self.size)
           self.appends += 1
       except paths.StorageError as e:
         with self.cond:
+          self.retry = end
           if self.error is None:
             self.log(f"warning: {e}; keeping the rows and trying again")
           self.failures, self.error = self.failures + 1, e
@@ -69,6 +76,7 @@ class _Uploads:
         continue
       with self.cond:
         self.sent, self.error, backoff = max(self.sent, end), None, 1.0
+        self.size, self.retry = self.size + len(data), None
         self.cond.notify_all()
 
   def sync(self) -> None:

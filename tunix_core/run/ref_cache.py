@@ -8,11 +8,20 @@ float32, in `{data_cache_dir}/ref_logps_{key}.npy`, `key` naming the store, the
 reference params (their on-device fingerprints: nothing is copied to the host) and the
 model config. A batch's `ref_logps` `[B, 2, T]` (0 where unscored) is built when it is
 drawn, for this host's pairs only.
+
+The pass is written as it goes, in chunks of consecutive pairs (about 1% of the pass,
+at most `CHUNK_PAIRS`), each a `.npy` under `ref_logps_{key}.chunks-{process}/` named by
+its pairs `{first}-{end}.npy` that appears whole or not at all (`paths.write_bytes`: a
+rename on disk, one upload on object storage): a pass killed part-way resumes after its
+last complete chunk. The finished pass is joined into the one `.npy` above (written
+through a temporary file, so it too appears only whole) and its chunks are removed.
 """
 
 import hashlib
+import io
 import json
 import os
+import re
 import shutil
 import tempfile
 
@@ -25,6 +34,9 @@ from tunix_core.data import store as store_lib
 from tunix_core.parallel import mesh as mesh_lib
 from tunix_core.storage import paths
 from tunix_core.training import step as step_lib
+
+CHUNK_PAIRS = 16384   # a chunk's pairs at most: their log-probs are held until written
+_CHUNK = re.compile(r"^(\d+)-(\d+)\.npy$")
 
 
 class RefTable:
@@ -53,27 +65,6 @@ def host_batch(steps: step_lib.StepFunctions, pairs, idx, ref: RefTable | None =
   return batch if ref is None else dict(batch, ref_logps=ref.take(idx, only))
 
 
-def _write_local(path: str, chunks: list[np.ndarray]) -> None:
-  """`path` (local): the `.npy` of the concatenated float32 `chunks`, atomically."""
-  tmp = f"{path}.{os.getpid()}.tmp"
-  store_lib.write_flat(tmp, np.float32, sum(map(len, chunks)),
-                       (np.ascontiguousarray(c, np.float32).tobytes() for c in chunks))
-  os.replace(tmp, path)
-
-
-def _save(path: str, chunks: list[np.ndarray]) -> None:
-  if not paths.is_remote(path):
-    paths.makedirs(os.path.dirname(path))
-    _write_local(path, chunks)
-    return
-  local = tempfile.mkdtemp(prefix="tunix-ref-")
-  try:
-    _write_local(os.path.join(local, "ref.npy"), chunks)
-    paths.copy_file(os.path.join(local, "ref.npy"), path)  # an object appears whole
-  finally:
-    shutil.rmtree(local, ignore_errors=True)
-
-
 def cache_key(pairs: store_lib.PairStore, ref_params, model: str) -> str:
   """The name of `pairs`' reference log-probs under `ref_params` (any bit of them) and
   `model` (the config that computes them)."""
@@ -82,35 +73,124 @@ def cache_key(pairs: store_lib.PairStore, ref_params, model: str) -> str:
                                    sort_keys=True).encode()).hexdigest()[:24]
 
 
+def _chain(parts: str) -> list[tuple[int, int]]:
+  """`(first, end)` of the complete chunks under `parts` that cover the pairs from the
+  first on without a gap, in order."""
+  ends = {}
+  for m in filter(None, map(_CHUNK.match, paths.listdir(parts))):
+    if int(m[2]) > int(m[1]):
+      ends[int(m[1])] = max(ends.get(int(m[1]), 0), int(m[2]))
+  chain, at = [], 0
+  while at in ends:
+    chain.append((at, ends[at]))
+    at = ends[at]
+  return chain
+
+
+def _chunk(parts: str, first: int, end: int) -> str:
+  return paths.join(parts, f"{first:010d}-{end:010d}.npy")
+
+
+def _write_chunk(parts: str, first: int, end: int, values: list[np.ndarray]) -> None:
+  """The chunk of pairs `first` to `end`, whose log-probs are `values`, appears whole."""
+  buf = io.BytesIO()
+  np.save(buf, np.concatenate(values).astype(np.float32))
+  paths.write_bytes(_chunk(parts, first, end), buf.getvalue())
+
+
+def _join(parts: str, path: str, pairs: store_lib.PairStore) -> None:
+  """Writes `path`: the values of the chunks under `parts` for every pair of `pairs`, in
+  order, streamed (one chunk held at a time) into a local file renamed or uploaded whole."""
+  chain = _chain(parts)
+  if not chain or chain[-1][1] != len(pairs):
+    raise RuntimeError(f"{parts}: the chunks cover {chain[-1][1] if chain else 0} of "
+                       f"{len(pairs)} pairs")
+  count = int(pairs.scored().sum())
+  chunks = (np.load(io.BytesIO(paths.read_bytes(_chunk(parts, *span)))) for span in chain)
+  local = path if not paths.is_remote(path) else os.path.join(
+      tempfile.mkdtemp(prefix="tunix-ref-"), "ref.npy")
+  tmp = f"{local}.{os.getpid()}.tmp"
+  try:
+    paths.makedirs(os.path.dirname(local))
+    store_lib.write_flat(tmp, np.float32, count, (c.astype(np.float32).tobytes()
+                                                  for c in chunks))
+    os.replace(tmp, local)
+    if local != path:
+      paths.copy_file(local, path)  # an object appears whole
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    if local != path:
+      shutil.rmtree(os.path.dirname(local), ignore_errors=True)
+
+
+def _writes(parts0: str, key: str) -> bool:
+  """Whether this process writes the pass of `key`: process 0, and any process that
+  cannot see what process 0 writes (a disk of its own): a token process 0 leaves under
+  `parts0` (its chunks' directory) for this run."""
+  if jax.process_count() == 1:
+    return True
+  token = str(int(multihost_utils.broadcast_one_to_all(
+      np.random.default_rng().integers(1 << 62, dtype=np.int64))))
+  marker = paths.join(parts0, "writer")
+  if jax.process_index() == 0:
+    paths.write_text(marker, token)
+  multihost_utils.sync_global_devices(f"ref_logps_{key} writer")  # the same on all
+  return jax.process_index() == 0 or not (paths.exists(marker)
+                                          and paths.read_text(marker) == token)
+
+
 def precompute_ref_logps(steps: step_lib.StepFunctions, ref_params,
                          pairs: store_lib.PairStore, cache_dir: str,
-                         log=lambda _: None) -> RefTable:
+                         log=lambda _: None, beat=lambda _: None) -> RefTable:
   """The reference log-probs of every pair of `pairs` (a token store), computed once
   and cached in `cache_dir` (local or remote) under a name that changes with the data,
-  the reference params and the model config. `log` gets a progress line at every tenth
-  of the batches. Every process takes part; process 0 writes (then any process that
-  cannot see its file, on a disk of its own)."""
+  the reference params and the model config; a pass cut short resumes after its last
+  complete chunk (module docstring). `log` gets a progress line at every tenth of the
+  batches, `beat` the name of each batch as it starts. Every process takes part (each
+  batch is a collective); process 0 writes, and any process that cannot see its files:
+  only those receive the log-probs, the others never hold any of the table."""
   key = cache_key(pairs, ref_params, repr((steps.mcfg, steps.cfg.logprob_impl)))
   path = paths.join(cache_dir, f"ref_logps_{key}.npy")
   found = paths.exists(path)
   if jax.process_count() > 1:  # computed by all (a collective) if any process lacks it
     found = bool(multihost_utils.process_allgather(np.array(found)).all())
-  if not found:
-    n, B = len(pairs), steps.cfg.batch_size
-    chunks, batches = [], -(-n // B)
-    for i, start in enumerate(range(0, n, B)):
-      if batches >= 10 and i % (batches // 10) == 0:
-        log(f"reference log-probs: batch {i + 1}/{batches}")
-      idx = np.arange(start, start + B) % n  # wrap the last batch; extra pairs discarded
-      logps = mesh_lib.to_host(steps.ref_logps(
-          ref_params, steps.put_batch(host_batch(steps, pairs, idx))))
-      keep = min(B, n - start)
-      first, ends = pairs.scored_spans(idx[:keep])
-      chunks += [x for b in range(keep) for x in (logps[b, 0, first[b]:ends[b, 0]],
-                                                   logps[b, 1, first[b]:ends[b, 1]])]
-    for writer in (True, False):  # process 0 first, then whoever does not see its file
-      if writer == (jax.process_index() == 0) and not paths.exists(path):
-        _save(path, chunks)
-      if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(f"ref_logps_{key}_{writer}")
+  if found:
+    return RefTable(path, pairs)
+  parts = paths.join(cache_dir, f"ref_logps_{key}.chunks-{jax.process_index()}")
+  writer = _writes(paths.join(cache_dir, f"ref_logps_{key}.chunks-0"), key)
+  n, B = len(pairs), steps.cfg.batch_size
+  chain = _chain(parts) if writer else []
+  done = chain[-1][1] if chain else (0 if writer else n)
+  if jax.process_count() > 1:  # every process starts where the writer furthest behind is
+    done = int(multihost_utils.process_allgather(np.array(done)).min())
+  if done:
+    log(f"reference log-probs: resuming after pair {done:,} of {n:,} (the complete "
+        "chunks of an interrupted pass)")
+  batches = -(-n // B)
+  per_chunk = B * max(1, min(batches // 100, CHUNK_PAIRS // B))
+  values, first = [], done
+  for start in range(done, n, B):
+    i = start // B
+    if batches >= 10 and i % (batches // 10) == 0:
+      log(f"reference log-probs: batch {i + 1}/{batches}")
+    beat(f"reference log-probs: batch {i + 1}/{batches} of {pairs.meta.source}")
+    idx = np.arange(start, start + B) % n  # wrap the last batch; extra pairs discarded
+    # Only a writer receives the batch's log-probs (the others take part in the gather).
+    logps = mesh_lib.to_host(steps.ref_logps(
+        ref_params, steps.put_batch(host_batch(steps, pairs, idx))), keep=writer)
+    keep = min(B, n - start)
+    if writer:
+      spans = zip(*pairs.scored_spans(idx[:keep]))
+      values += [x for b, (f, e) in enumerate(spans)
+                 for x in (logps[b, 0, f:e[0]], logps[b, 1, f:e[1]])]
+      if start + keep - first >= per_chunk or start + keep == n:
+        _write_chunk(parts, first, start + keep, values)
+        values, first = [], start + keep
+  beat(f"reference log-probs: writing {path}")  # the others wait for it at the barrier
+  if writer:
+    _join(parts, path, pairs)
+    paths.remove(parts)
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(f"ref_logps_{key}")
   return RefTable(path, pairs)

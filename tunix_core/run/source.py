@@ -35,7 +35,7 @@ def data_cache_dir(cfg) -> str:
   return cfg.data_cache_dir or paths.join(cfg.output_dir, "data_cache")
 
 
-def _pairs(cfg, path: str, tok, vocab_size: int, log) -> data_lib.PairStore:
+def _pairs(cfg, path: str, tok, vocab_size: int, log, beat) -> data_lib.PairStore:
   """The token store of the JSONL `path` (`data.store`), found by its key or built:
   by process 0, then by any process that cannot see it (a disk of its own)."""
   key = data_lib.store_key(path, tok, cfg.max_length, cfg.max_prompt_length,
@@ -45,7 +45,7 @@ def _pairs(cfg, path: str, tok, vocab_size: int, log) -> data_lib.PairStore:
     if builder == (jax.process_index() == 0) and not data_lib.PairStore.complete(where):
       log(f"{path}: tokenizing into the token store {where}")
       data_lib.build_store(path, tok, where, cfg.max_length, cfg.max_prompt_length,
-                           cfg.skip_bad_lines, log=log)
+                           cfg.skip_bad_lines, log=log, beat=beat)
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices(f"token store {key} {builder}")
   pairs = data_lib.PairStore(where)
@@ -53,14 +53,15 @@ def _pairs(cfg, path: str, tok, vocab_size: int, log) -> data_lib.PairStore:
   return pairs
 
 
-def load_data(cfg, log, vocab_size: int | None = None):
+def load_data(cfg, log, vocab_size: int | None = None, beat=None):
   """`(train_set, eval_set or None)` of the run: token stores (`data.store`) of its
   JSONL files, tokenized once with its tokenizer (ids checked against `vocab_size`,
-  default the model's); logs their sizes."""
+  default the model's; `beat` names each chunk tokenized, `data.build`); logs their
+  sizes."""
   tok = tokenizer(cfg)
   vocab_size = vocab_size or cfg.model_config().vocab_size
-  train_set = _pairs(cfg, cfg.train_data, tok, vocab_size, log)
-  eval_set = _pairs(cfg, cfg.eval_data, tok, vocab_size, log) if cfg.eval_data else None
+  train_set = _pairs(cfg, cfg.train_data, tok, vocab_size, log, beat)
+  eval_set = _pairs(cfg, cfg.eval_data, tok, vocab_size, log, beat) if cfg.eval_data else None
   mismatches = train_set.num_prefix_mismatch + (eval_set.num_prefix_mismatch if eval_set
                                                 else 0)
   log(f"data: {len(train_set)} train pairs ({train_set.num_dropped} dropped, "
@@ -72,19 +73,20 @@ def load_data(cfg, log, vocab_size: int | None = None):
   return train_set, eval_set
 
 
-def fingerprint(model_dir: str) -> str:
+def fingerprint(model_dir: str, legacy: bool = False) -> str:
   """A digest of an HF directory's `config.json` and weight files that changes whenever
   any of their bytes does (a same-shape fine-tune that changed one middle layer
   included), without reading the weights at every start: each safetensors file's
-  content digest (`storage.digest`: the object store's checksum, or a local file's
-  SHA-256 computed once and cached)."""
+  content digest (`storage.digest`: the object store's checksums, or a local file's
+  SHA-256 computed once and cached). `legacy`: as earlier versions computed it (with the
+  objects' ETags), what checkpoints saved then hold."""
   digest = hashlib.sha256()
   names = [f for f in paths.listdir(model_dir)
            if f == "config.json" or f.endswith((".safetensors", ".safetensors.index.json"))]
   for name in names:
     path = paths.join(model_dir, name)
     digest.update(f"{name}:{paths.getsize(path)}:".encode())
-    digest.update(content_digest.content_digest(path).encode()
+    digest.update(content_digest.content_digest(path, legacy=legacy).encode()
                   if name.endswith(".safetensors") else paths.read_bytes(path))
   return digest.hexdigest()[:32]
 
@@ -100,19 +102,20 @@ def source(cfg) -> dict:
           "hf_fingerprint": fingerprint(cfg.hf_model_dir)}
 
 
-def initial_params(cfg, steps, dtype=None, log=None) -> dict | None:
+def initial_params(cfg, steps, dtype=None, log=None, beat=None) -> dict | None:
   """The pretrained weights of `--hf_model_dir` in `steps`' layout (in `dtype`, default
   `--param_dtype`), or None for a preset (initialised from the seed). Each device reads
   its block of the logical arrays (`steps.logical_shardings()`: split under FSDP) from
   the files before they are cut into the run's layout. From object storage, `log` gets
-  how many of the files' bytes this process fetched (a host reads its devices' rows)."""
+  how many of the files' bytes this process fetched (a host reads its devices' rows);
+  `beat` names each tensor as it is read."""
   if not cfg.hf_model_dir:
     return None
   from tunix_core import hf  # pylint: disable=g-import-not-at-top
   from tunix_core.hf import ranged  # pylint: disable=g-import-not-at-top
   before = ranged.RangedFile.fetched
   params = hf.load_params(cfg.hf_model_dir, steps.mcfg, dtype=dtype,
-                          shardings=steps.base_logical_shardings())
+                          shardings=steps.base_logical_shardings(), beat=beat)
   if log is not None and paths.is_remote(cfg.hf_model_dir):
     total = sum(paths.getsize(paths.join(cfg.hf_model_dir, f))
                 for f in paths.listdir(cfg.hf_model_dir) if f.endswith(".safetensors"))
@@ -122,12 +125,12 @@ def initial_params(cfg, steps, dtype=None, log=None) -> dict | None:
   return steps.place_base(params)
 
 
-def lora_start(cfg, steps, key, dtype, log=None) -> tuple[dict, dict | None]:
+def lora_start(cfg, steps, key, dtype, log=None, beat=None) -> tuple[dict, dict | None]:
   """`(frozen, adapters)` of a LoRA run: the step's frozen input (the base in `dtype`,
   from `--hf_model_dir` or the seed, and the `--lora_init` adapter as the reference's)
-  and the adapters to start from (None: fresh ones, `steps.init_params`); `log` as
-  `initial_params`'."""
-  base = initial_params(cfg, steps, dtype, log) or steps.init_base(key, dtype)
+  and the adapters to start from (None: fresh ones, `steps.init_params`); `log`
+  and `beat` as `initial_params`'."""
+  base = initial_params(cfg, steps, dtype, log, beat) or steps.init_base(key, dtype)
   if not cfg.lora_init:
     return {"base": base}, None
   from tunix_core.hf import peft  # pylint: disable=g-import-not-at-top
@@ -141,8 +144,10 @@ def export(cfg, steps, params: dict, frozen, log) -> None:
   """Writes the policy to `--export_hf_dir`: an HF directory, with the tokenizer and
   config of `--hf_model_dir` when there is one; under LoRA a PEFT adapter directory for
   the base, and with `--export_merged` the merged model in `merged/`. A collective:
-  every process calls it, each tensor is gathered in turn (`parallel.mesh.to_host`)
-  and process 0 writes, so no host ever holds more than one file's tensors."""
+  every process calls it, and each tensor in turn is gathered to process 0, which
+  writes (`parallel.mesh.to_host` with `keep` there only): the others hold their own
+  blocks, process 0 at most one file's tensors, and every chip at most a bounded piece
+  beyond the state it already holds."""
   from tunix_core import hf  # pylint: disable=g-import-not-at-top
   from tunix_core.hf import peft  # pylint: disable=g-import-not-at-top
   mcfg, lcfg, dtype = steps.mcfg, steps.plan.lora, cfg.export_param_dtype()
@@ -150,12 +155,13 @@ def export(cfg, steps, params: dict, frozen, log) -> None:
   logical = steps.logical_params(params)
   if writer:
     paths.makedirs(cfg.export_hf_dir)
+  fetch = functools.partial(mesh_lib.to_host, keep=writer)
   save = functools.partial(hf.save_params, cfg=mcfg, src_dir=cfg.hf_model_dir or None,
-                           dtype=dtype, fetch=mesh_lib.to_host)
+                           dtype=dtype, fetch=fetch)
   if lcfg is None:
     save(logical, out_dir=cfg.export_hf_dir)
   else:
-    adapters = jax.tree.map(mesh_lib.to_host, logical)   # small: rank x (in + out) each
+    adapters = jax.tree.map(fetch, logical)   # small: rank x (in + out) each
     if writer:
       peft.write_adapter(cfg.export_hf_dir, adapters, mcfg, lcfg,
                          base_model=cfg.hf_model_dir or cfg.model)

@@ -2,14 +2,23 @@
 and nothing restarts it, while a run that exits with a status is restarted by its
 orchestrator and resumes from its newest checkpoint.
 
-The loop names what it starts (`beat`): start-up, compiling and running the first step,
-each train step, an evaluation, a save, the final wait, the export. When one is still
-running after its deadline (`--step_timeout` seconds; `FIRST_FACTOR` times that for
-start-up, the first step with its compilation, and the export), a background thread
-prints one line naming it, for how long, and any storage call in flight, writes every
-thread's stack to `sys.stderr` (the trainer routes it to `trainer.log`), and ends the
-process with `EXIT_STATUS`: nothing else can interrupt a thread blocked in a collective
-or a socket.
+The loop names each piece of work as it starts it (`beat`): each unit of start-up (a
+chunk of the data tokenized, a weight tensor read, a reference batch), compiling the
+first step, each train step (named by the step whose batch it reads and dispatches),
+each evaluation batch, a sampling, a save, the final wait, the export. A beat restarts
+the deadline, so the deadline bounds a stall, never the length of healthy work made of
+many units. The deadline is `--step_timeout` seconds; `FIRST_FACTOR` times that for
+start-up, the export, and work that compiles (the first two train steps, and the first
+evaluation, sampling, save and reference batch of the process). Besides, every storage
+call (`storage.paths`, in any thread) must end within `--step_timeout` on its own,
+whatever the work around it: a storage server that never answers ends the run as
+quickly at start-up as mid-run.
+
+When a deadline passes, a background thread prints one line naming the work (or the
+storage call), for how long, and any storage call in flight, writes every thread's
+stack to `sys.stderr` (the trainer routes it to `trainer.log`), and ends the process
+with `EXIT_STATUS`: nothing else can interrupt a thread blocked in a collective or a
+socket.
 """
 
 import os
@@ -21,16 +30,18 @@ import traceback
 from tunix_core.storage import paths
 
 EXIT_STATUS = 5     # the trainer's other statuses: 1 (error), 3, 4 and 42
-FIRST_FACTOR = 4    # start-up, compilation and the first step, and the export
+FIRST_FACTOR = 4    # start-up, compiles and the export
 
 
 class Watchdog:
-  """Ends the process when the current piece of work outlives its deadline; a timeout
-  of 0 disables it. Use as a context manager (the thread stops on exit)."""
+  """Ends the process when the current piece of work outlives its deadline, or a storage
+  call outlives `step_timeout`; a timeout of 0 disables it. Use as a context manager
+  (the thread stops on exit)."""
 
   def __init__(self, step_timeout: float, poll: float = 1.0):
     self.step_timeout = float(step_timeout)
     self._what, self._started, self._deadline = None, 0.0, None
+    self._kinds = set()   # the kinds of work started once (compiled) in this process
     self._lock, self._done = threading.Lock(), threading.Event()
     self._poll = poll
     self._thread = None
@@ -44,9 +55,12 @@ class Watchdog:
   def __exit__(self, *_):
     self._done.set()
 
-  def beat(self, what: str, first: bool = False) -> None:
-    """`what` starts now and must end within `--step_timeout` (`first`: `FIRST_FACTOR`
-    times that)."""
+  def beat(self, what: str, first: bool = False, kind: str | None = None) -> None:
+    """`what` starts now and must end within `--step_timeout`: `FIRST_FACTOR` times that
+    when `first`, or when it is the first work of `kind` (e.g. "evaluation") in this
+    process, which compiles."""
+    first = first or (kind is not None and kind not in self._kinds)
+    self._kinds.add(kind)
     if self._thread is None:
       return
     now = time.monotonic()
@@ -58,11 +72,15 @@ class Watchdog:
     while not self._done.wait(self._poll):
       with self._lock:
         what, started, deadline = self._what, self._started, self._deadline
-      if deadline is not None and time.monotonic() > deadline:
-        self._expire(what, time.monotonic() - started)
+      now = time.monotonic()
+      if deadline is not None and now > deadline:
+        self._expire(what, now - started)
+      for call, seconds in paths.in_flight():
+        if seconds > self.step_timeout:
+          self._expire(f"the storage call {call} (during {what})", seconds, skip=call)
 
-  def _expire(self, what: str, seconds: float) -> None:
-    storage = paths.in_flight()
+  def _expire(self, what: str, seconds: float, skip: str | None = None) -> None:
+    storage = [call for call, _ in paths.in_flight() if call != skip]
     stacks = [f"--step_timeout: {what} still running after {seconds:.0f} s; every thread:"]
     names = {t.ident: t.name for t in threading.enumerate()}
     for ident, frame in sys._current_frames().items():  # pylint: disable=protected-access

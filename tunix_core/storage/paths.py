@@ -9,9 +9,9 @@ Object storage has no directories (a prefix exists once an object is under it), 
 append (an object is written whole) and no rename (a copy, then a delete). The functions
 here give both kinds the same meaning: `makedirs` of a remote prefix does nothing,
 `write_*` replace a file atomically (locally through a temporary file and a rename; an
-object is replaced whole by one upload), `append_bytes` appends (remotely by a compose
-on the server), and `move` copies every object before it deletes any, so a failure
-part-way loses nothing.
+object is replaced whole by one upload), and `move` copies every object before it
+deletes any, so a failure part-way loses nothing (`storage.compose` appends to an
+object).
 
 Failures: a transient one (connection refused or reset, a timeout, HTTP 408, 429 or 5xx)
 is retried with exponential backoff for at most `RETRY_SECONDS`; anything else, or a
@@ -64,13 +64,16 @@ def _transient(e: BaseException) -> bool:
   return bool(_TRANSIENT.search(f"{type(e).__name__} {e}"))
 
 
-# "`what` `path`" of every call running now, by thread (what a watchdog names).
+# `("what path", start time)` of the call each thread runs now (what a watchdog names
+# and bounds).
 _IN_FLIGHT = {}
 
 
-def in_flight() -> list[str]:
-  """The storage calls running now, e.g. "writing gs://bucket/run/metrics.jsonl"."""
-  return list(_IN_FLIGHT.values())
+def in_flight() -> list[tuple[str, float]]:
+  """The storage calls running now and for how many seconds each has, e.g.
+  `("writing gs://bucket/run/metrics.jsonl", 2.5)`."""
+  now = time.monotonic()
+  return [(what, now - started) for what, started in list(_IN_FLIGHT.values())]
 
 
 def call(what: str, path: str, fn, writes: bool = False):
@@ -80,7 +83,7 @@ def call(what: str, path: str, fn, writes: bool = False):
   directory is the failure)."""
   key = threading.get_ident()
   outer = _IN_FLIGHT.get(key)   # a call made inside another call's `fn`
-  _IN_FLIGHT[key] = f"{what} {path}"
+  _IN_FLIGHT[key] = (f"{what} {path}", time.monotonic())
   try:
     return _call(what, path, fn, writes)
   finally:
@@ -176,26 +179,6 @@ def write_bytes(path: str, data: bytes) -> None:
 
 def write_text(path: str, text: str) -> None:
   write_bytes(path, text.encode("utf-8"))
-
-
-def append_bytes(path: str, data: bytes) -> None:
-  """Appends `data` to the existing file `path`. Object storage cannot append: `data`
-  goes up as the object `{path}.part`, the server composes `path` and it into `path`
-  (Cloud Storage's compose: what `path` already holds is not sent again; readers see the
-  old or the new object), and the part is deleted. A compose whose reply is lost after
-  it went through may be retried, appending `data` twice."""
-  if not is_remote(path):
-    def append():
-      with open(path, "ab") as f:
-        f.write(data)
-    call("appending to", path, append, writes=True)
-    return
-  import fsspec  # pylint: disable=g-import-not-at-top  (gcsfs, as under epath)
-  fs, name = fsspec.core.url_to_fs(path)
-  part = name + ".part"
-  call("writing", path + ".part", lambda: fs.pipe_file(part, data), writes=True)
-  call("appending to", path, lambda: fs.merge(name, [name, part]), writes=True)
-  call("deleting", path + ".part", lambda: fs.rm_file(part))
 
 
 def open_read(path: str):

@@ -6,22 +6,15 @@
 
 import dataclasses
 
-import tunix_kernels
-from tunix_kernels import attention as attention_lib
 from tunix_kernels.dpo_loss import losses as dpo_losses
 from tunix_core import model as model_lib
 from tunix_core.model import lora as lora_lib
-from tunix_core.parallel import collectives
-from tunix_core.training import optim
 from tunix_core.training import tpu_flags
 from tunix_core.training import validation
 
-RESUME_MODES = ("auto", "never", "required")
-REFERENCE_MODES = ("step", "precomputed", "none")  # `--reference`
 CHAT_TEMPLATES = validation.CHAT_TEMPLATES  # --chat_template values besides a file
+CHOICES = validation.CHOICES  # each choice flag's values (the trainer's enums)
 ConfigError = validation.ConfigError
-# --on_nonfinite: a non-finite step ends the run unapplied, or its update is skipped.
-NONFINITE_ACTIONS = ("stop", "skip")
 
 # What a resume must keep (the model's own fields apart): data order, optimizer state.
 RESUME_FIELDS = ("max_length", "max_prompt_length", "seed", "batch_size", "optimizer",
@@ -62,8 +55,10 @@ class TrainConfig:
                           "step is always saved (0: only the last step, and on "
                           "SIGTERM/SIGINT).", group="run")
   step_timeout: float = _flag(1800.0, "Watchdog (exit status 5, stacks in trainer.log): "
-                              "seconds a step, eval, save or storage call may take; 4x for "
-                              "start-up, the first step and the export; 0: off.", group="run")
+                              "seconds a storage call, a step, an eval batch, a save or a "
+                              "unit of start-up (a chunk tokenized, a tensor read, a "
+                              "reference batch) may take; 4x for start-up, compiles and the "
+                              "export; 0: off.", group="run")
   keep: int = _flag(3, "Most recent checkpoints to keep.", group="run")
   keep_period: int = _flag(0, "Also keep every checkpoint whose step is a multiple of N, "
                            "permanently (0: none).", group="run")
@@ -75,6 +70,11 @@ class TrainConfig:
                                   "fingerprint and compare with the saved one; a step that "
                                   "fails is moved aside and the previous one is used "
                                   "(auto).", group="run")
+  allow_data_change: bool = _flag(False, "Resume although --train_data's token store (its "
+                                  "content, tokenizer and limits) differs from the "
+                                  "checkpoint's: the order restarts at the saved epoch's "
+                                  "start with the new data. Off: such a resume is refused.",
+                                  group="run")
   compilation_cache_dir: str = _flag("auto", "Persistent compilation cache, local or gs:// "
                                      "(auto: $JAX_COMPILATION_CACHE_DIR, else {output_dir}/"
                                      "compilation_cache; empty: off).", group="run")
@@ -241,7 +241,7 @@ class TrainConfig:
 
   def validate(self, num_devices: int) -> None:
     """Raises ConfigError with one line naming the offending setting."""
-    validation.check(self, num_devices, CHOICES)
+    validation.check(self, num_devices)
 
   def loss_kwargs(self) -> dict:
     """The keyword arguments of `tunix_kernels.dpo_loss` this config sets (but the impl)."""
@@ -297,24 +297,3 @@ class TrainConfig:
   def export_param_dtype(self) -> str:
     return self.param_dtype if self.export_dtype == "auto" else self.export_dtype
 
-
-# The allowed values of each choice setting, taken from the module that implements it;
-# the trainer builds its `DEFINE_enum` flags from this table.
-CHOICES = {
-    "model": tuple(model_lib.PRESETS),
-    "param_dtype": tuple(model_lib.DTYPES),
-    "ref_dtype": ("auto",) + tuple(model_lib.DTYPES),
-    "export_dtype": ("auto",) + tuple(model_lib.DTYPES),
-    "compute_dtype": ("auto",) + tuple(model_lib.DTYPES),
-    "reference": REFERENCE_MODES,
-    "remat": tuple(model_lib.REMAT_POLICIES),
-    "optimizer": optim.OPTIMIZERS,
-    "f_divergence_type": dpo_losses.F_DIVERGENCES,
-    "logprob_impl": tunix_kernels.LOGPROB_IMPLS,
-    "attention_impl": attention_lib.ATTENTION_IMPLS,
-    "loss_impl": tunix_kernels.DPO_LOSS_IMPLS,
-    "sync_impl": ("auto",) + collectives.IMPLS,
-    "grad_sync_dtype": tuple(collectives.COMM_DTYPES),
-    "resume": RESUME_MODES,
-    "on_nonfinite": NONFINITE_ACTIONS,
-}

@@ -35,10 +35,11 @@ def sequence_logps(params, batch: dict, mcfg: model_lib.ModelConfig, impl: str,
       positions_BxT=batch["row_positions"], segments_BxT=segments_RxL,
       branches_BxT=batch["row_branches"] if rows.share else None, band=rows.band)
   hidden_NxSxD, targets_NxS = packing.head_hidden(hidden_RxLxD, batch, rows)
-  logps_NxS = tunix_kernels.fused_logprobs(
-      hidden_NxSxD, model_lib.lm_head(params, mcfg).astype(hidden_NxSxD.dtype), targets_NxS,
-      impl=impl, ignore_index=tunix_kernels.IGNORE_INDEX, logit_softcap=mcfg.final_softcap or None,
-      vocab_axis=layout.model_axis)
+  with jax.named_scope("lm_head"):
+    logps_NxS = tunix_kernels.fused_logprobs(
+        hidden_NxSxD, model_lib.lm_head(params, mcfg).astype(hidden_NxSxD.dtype),
+        targets_NxS, impl=impl, ignore_index=tunix_kernels.IGNORE_INDEX,
+        logit_softcap=mcfg.final_softcap or None, vocab_axis=layout.model_axis)
   return packing.unpack(logps_NxS, batch, rows)
 
 
@@ -72,10 +73,11 @@ def dpo_objective(params, ref_logps_Bx2xT, batch: dict, cfg, mcfg: model_lib.Mod
   mask_Bx2xT = batch["loss_mask"]
   ref = (None, None) if ref_logps_Bx2xT is None else (ref_logps_Bx2xT[:, 0],
                                                       ref_logps_Bx2xT[:, 1])
-  loss, metrics = tunix_kernels.dpo_loss(
-      logps_Bx2xT[:, 0], logps_Bx2xT[:, 1], *ref,
-      chosen_mask=mask_Bx2xT[:, 0], rejected_mask=mask_Bx2xT[:, 1],
-      reference_free=ref_logps_Bx2xT is None, impl=cfg.loss_impl, **cfg.loss_kwargs())
+  with jax.named_scope("loss"):
+    loss, metrics = tunix_kernels.dpo_loss(
+        logps_Bx2xT[:, 0], logps_Bx2xT[:, 1], *ref,
+        chosen_mask=mask_Bx2xT[:, 0], rejected_mask=mask_Bx2xT[:, 1],
+        reference_free=ref_logps_Bx2xT is None, impl=cfg.loss_impl, **cfg.loss_kwargs())
   if drift:
     metrics = dict(metrics, **drift_metrics(logps_Bx2xT, ref_logps_Bx2xT, mask_Bx2xT))
   return loss, metrics

@@ -198,6 +198,7 @@ class StepFunctions:
     return objective.dpo_objective(self.layout.policy(params, frozen), ref_logps, batch,
                                    self.cfg, self.mcfg, self.plan.rows, self.layout, drift)
 
+  @jax.named_scope("reference")  # a part of benchmarks/step_profile.py's breakdown
   def _ref_logps(self, frozen, batch):
     return jax.lax.stop_gradient(objective.sequence_logps(
         self.layout.reference(frozen), batch, self.mcfg, self.cfg.logprob_impl,
@@ -218,7 +219,8 @@ class StepFunctions:
       ref = self._resolve_ref(frozen, mb)
       (loss, metrics), grads = jax.value_and_grad(self._objective, has_aux=True)(
           params, frozen, ref, mb)
-      return self.layout.sync_grads(grads), dict(metrics, loss=loss)
+      with jax.named_scope("grad_sync"):
+        return self.layout.sync_grads(grads), dict(metrics, loss=loss)
 
     def accumulate(carry, mb):
       return jax.tree.map(jnp.add, carry, micro_step(mb)), None
@@ -234,13 +236,13 @@ class StepFunctions:
       # FSDP each micro-batch's gradient was reduce-scattered already).
       grads, metrics = jax.tree.map(lambda x: x / k, (grads, metrics))
     opt_state = jax.tree.map(lambda x: x[0], state["opt_state"])
-    update = self.layout.update(grads, opt_state, params)
+    with jax.named_scope("optimizer"):
+      update = self.layout.update(grads, opt_state, params)
     metrics = jax.lax.pmean(metrics, self.batch_axes)
     metrics = dict(metrics, grad_norm=update.grad_norm,
                    learning_rate=self.schedule(state["step"]))
     ok, health = health_lib.update(state["nonfinite"], metrics, state["step"] + 1)
-    # A non-finite step keeps the old params and optimizer state (no update applied).
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+    keep = lambda new, old: health_lib.keep_if(ok, new, old)
     new_state = {"params": keep(update.params, state["params"]),
                  "opt_state": keep(jax.tree.map(lambda x: x[None], update.state),
                                    state["opt_state"]),
@@ -288,9 +290,8 @@ class StepFunctions:
     state = {"params": self.abstract_params(), "opt_state": self.abstract_opt_state(),
              "step": scalar(()), "nonfinite": scalar((3,))}
     frozen = self.abstract_frozen(model_lib.DTYPES[cfg.ref_param_dtype()])
-    groups = cfg.batch_size // rows.pairs
-    shapes = {k: (cfg.batch_size, 2, cfg.max_length)
-              for k in ("tokens", "targets", "loss_mask", "attention_mask")}
+    groups, pair = cfg.batch_size // rows.pairs, (cfg.batch_size, 2, cfg.max_length)
+    shapes = {k: pair for k in ("tokens", "targets", "loss_mask", "attention_mask")}
     shapes.update({k: (groups * rows.rows, rows.length) for k in packing.ROW_KEYS})
     shapes.update({k: (groups * rows.head,) for k in packing.HEAD_KEYS})
     batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.pairs)
@@ -303,10 +304,9 @@ class StepFunctions:
   def put_batch(self, batch: dict) -> dict:
     """Host arrays `[B, 2, T]` of the global batch, with the plan's model rows and head
     slots added (`packing.pack`; a batch that does not fit the plan is a ValueError) ->
-    device arrays split over the data-parallel devices of every slice on the pair axis.
-    Each device gets the pairs the mesh assigns it, wherever its process sits in the
-    mesh (a topology-ordered data axis may interleave hosts; a model axis may span
-    them): only this process's devices are written."""
+    device arrays split over the data-parallel devices of every slice on the pair axis,
+    each getting the pairs the mesh assigns it wherever its process sits (a topology-
+    ordered data axis may interleave hosts): only this process's devices are written."""
     batch = packing.pack(batch, self.plan.rows,
                          self.local_positions(batch["tokens"].shape[0]))
     return {k: jax.make_array_from_callback(v.shape, self.pairs, lambda index, v=v: v[index])

@@ -1,31 +1,62 @@
 """One-line checks of a run config (`TrainConfig.validate`): the first setting that
 cannot work raises `ConfigError` naming its flag. Path flags may be local or remote
-(`storage.paths`)."""
+(`storage.paths`). `CHOICES` holds the allowed values of every choice flag."""
 
 import importlib.util
 
+import tunix_kernels
+from tunix_kernels import attention as attention_lib
 from tunix_kernels import tpu
+from tunix_kernels.dpo_loss import losses as dpo_losses
+from tunix_core import model as model_lib
+from tunix_core.parallel import collectives
 from tunix_core.parallel import tensor_parallel
 from tunix_core.storage import paths
+from tunix_core.training import optim
 from tunix_core.training import tpu_flags
 
 
 # --chat_template values besides a path to a jinja file.
 CHAT_TEMPLATES = ("auto", "none")
+RESUME_MODES = ("auto", "never", "required")
+REFERENCE_MODES = ("step", "precomputed", "none")  # `--reference`
+# --on_nonfinite: a non-finite step ends the run unapplied, or its update is skipped.
+NONFINITE_ACTIONS = ("stop", "skip")
+
+# The allowed values of each choice setting, taken from the module that implements it;
+# the trainer builds its `DEFINE_enum` flags from this table.
+CHOICES = {
+    "model": tuple(model_lib.PRESETS),
+    "param_dtype": tuple(model_lib.DTYPES),
+    "ref_dtype": ("auto",) + tuple(model_lib.DTYPES),
+    "export_dtype": ("auto",) + tuple(model_lib.DTYPES),
+    "compute_dtype": ("auto",) + tuple(model_lib.DTYPES),
+    "reference": REFERENCE_MODES,
+    "remat": tuple(model_lib.REMAT_POLICIES),
+    "optimizer": optim.OPTIMIZERS,
+    "f_divergence_type": dpo_losses.F_DIVERGENCES,
+    "logprob_impl": tunix_kernels.LOGPROB_IMPLS,
+    "attention_impl": attention_lib.ATTENTION_IMPLS,
+    "loss_impl": tunix_kernels.DPO_LOSS_IMPLS,
+    "sync_impl": ("auto",) + collectives.IMPLS,
+    "grad_sync_dtype": tuple(collectives.COMM_DTYPES),
+    "resume": RESUME_MODES,
+    "on_nonfinite": NONFINITE_ACTIONS,
+}
 
 
 class ConfigError(ValueError):
   """A setting that cannot work; the message names the flag."""
 
 
-def check(cfg, num_devices: int, choices: dict) -> None:
+def check(cfg, num_devices: int) -> None:
   """Raises ConfigError for the first setting of `cfg` (a `TrainConfig`) that cannot
-  work on `num_devices` devices; `choices`: each choice flag's allowed values."""
+  work on `num_devices` devices (a choice flag outside its `CHOICES` first)."""
   def need(cond, msg):
     if not cond:
       raise ConfigError(msg)
 
-  for name, allowed in choices.items():
+  for name, allowed in CHOICES.items():
     value = getattr(cfg, name)
     verb = "is not a preset" if name == "model" else "is unknown"
     need(value in allowed, f"--{name}={value!r} {verb}; choose one of {allowed}")
