@@ -1,4 +1,4 @@
-"""One process of the 2-process export test (`test_hf.py`), each on 4 CPU devices:
+"""One process of the 2-process export test (`test_export.py`), each on 4 CPU devices:
 `python tests/export_process.py ADDRESS PROCESS_ID OUT BUDGET`.
 
 Loads the llama3 fixture split over a `("hosts", "local")` mesh of both processes'
@@ -9,7 +9,8 @@ to process 0 by `parallel.mesh.to_host` (`keep` there only, a `BUDGET` of device
 Then every process gathers every leaf for itself (`keep` everywhere) and checks it
 against the fixture read whole. Writes to `OUT/gathered_<PROCESS_ID>.json` what each
 `process_allgather` call was given (`numpy` or not, shape, bytes) and, per tensor
-handed to the gather, its bytes and whether its blocks span both processes.
+handed to the gather, its bytes, how many processes hold its blocks and whether one of
+its blocks lives on one process only.
 """
 
 import functools
@@ -54,8 +55,11 @@ def main(address: str, process_id: int, out: str, budget: int) -> None:
     return allgather(x, *args, **kw)
 
   def record_fetch(x, **kw):
-    holders = {d.process_index for d in x.sharding.device_set}
-    fetched.append(dict(nbytes=int(x.nbytes), processes=len(holders),
+    holders = {}  # block -> the processes whose devices hold it
+    for d, index in x.sharding.devices_indices_map(x.shape).items():
+      holders.setdefault(str(index), set()).add(d.process_index)
+    fetched.append(dict(nbytes=int(x.nbytes), processes=len(set().union(*holders.values())),
+                        lone=any(len(p) == 1 for p in holders.values()),
                         replicated=bool(x.sharding.is_fully_replicated)))
     return mesh_lib.to_host(x, **kw)
 

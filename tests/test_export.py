@@ -53,6 +53,7 @@ def test_two_processes_gather_bounded_pieces_and_export_what_one_process_does(tm
     # What the export hands to the gather spans both processes, replicated nowhere; the
     # embeddings' blocks, on one process each, take 4 rounds of 4 KiB pieces each.
     assert all(t["processes"] == 2 and not t["replicated"] for t in seen["fetched"])
+    assert any(t["lone"] for t in seen["fetched"])  # blocks only one process can send
     for piece in seen["export"] + seen["kept"]:
       assert piece["numpy"] and 2 * piece["nbytes"] <= budget, piece
     assert len(seen["export"]) >= 8 and len(seen["kept"]) >= len(seen["export"])

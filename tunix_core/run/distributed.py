@@ -153,7 +153,7 @@ def start_backend() -> threading.Thread:
   host buffers: seconds on a TPU host) overlaps the rest of the start-up (data, weights,
   the plan); the first `jax.devices()` then waits for it under JAX's own lock. Call it
   after `join` (a job is joined before any backend starts). A backend that fails to
-  start fails again, with its message, at that first call."""
+  start does so as it would at that first call: JAX's own fallback and messages."""
   def open_():
     try:
       jax.devices()

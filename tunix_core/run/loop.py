@@ -87,9 +87,10 @@ def train(cfg: TrainConfig, log=print, devices=None, hooks: Hooks = Hooks()) -> 
   cfg.validate(len(devices))
   with watchdog_lib.Watchdog(cfg.step_timeout) as dog:
 
-    def beat(what: str, first: bool = False, kind: str | None = None) -> None:
+    def beat(what: str, first: bool = False, kind: str | None = None,
+             open_ended: bool = False) -> None:
       """Names the work that starts now to the watchdog (`Watchdog.beat`) and the hooks."""
-      dog.beat(what, first, kind)
+      dog.beat(what, first, kind, open_ended)
       hooks.on_beat(what)
 
     return _train(cfg, devices, log, beat, hooks)
@@ -222,6 +223,8 @@ def _train(cfg, devices, log, beat, hooks):
         if step == start + 1 or (cfg.check_replicas_every
                                  and step % cfg.check_replicas_every == 0):
           steps.check_replicas(state["params"])
+        if step > start + 1:  # the wait for step N - 1's run, queued ahead of step N
+          beat(f"train step {step - 1}: its run", first=step - 1 <= start + 2)
         flush()  # the previous step's metrics, read with this step queued
         if _every(cfg.log_every, step, cfg.steps):
           progress.defer(step, metrics)

@@ -98,15 +98,20 @@ def _write_chunk(parts: str, first: int, end: int, values: list[np.ndarray]) -> 
   paths.write_bytes(_chunk(parts, first, end), buf.getvalue())
 
 
-def _join(parts: str, path: str, pairs: store_lib.PairStore) -> None:
+def _join(parts: str, path: str, pairs: store_lib.PairStore, beat) -> None:
   """Writes `path`: the values of the chunks under `parts` for every pair of `pairs`, in
-  order, streamed (one chunk held at a time) into a local file renamed or uploaded whole."""
+  order, streamed (one chunk held at a time, `beat` naming each) into a local file
+  renamed or uploaded whole."""
   chain = _chain(parts)
   if not chain or chain[-1][1] != len(pairs):
     raise RuntimeError(f"{parts}: the chunks cover {chain[-1][1] if chain else 0} of "
                        f"{len(pairs)} pairs")
   count = int(pairs.scored().sum())
-  chunks = (np.load(io.BytesIO(paths.read_bytes(_chunk(parts, *span)))) for span in chain)
+  def read(first: int, end: int) -> np.ndarray:
+    beat(f"reference log-probs: joining pairs {first:,}-{end:,} into {path}")
+    return np.load(io.BytesIO(paths.read_bytes(_chunk(parts, first, end))))
+
+  chunks = (read(*span) for span in chain)
   local = path if not paths.is_remote(path) else os.path.join(
       tempfile.mkdtemp(prefix="tunix-ref-"), "ref.npy")
   tmp = f"{local}.{os.getpid()}.tmp"
@@ -116,6 +121,7 @@ def _join(parts: str, path: str, pairs: store_lib.PairStore) -> None:
                                                   for c in chunks))
     os.replace(tmp, local)
     if local != path:
+      beat(f"reference log-probs: uploading {path}", open_ended=True)  # block by block
       paths.copy_file(local, path)  # an object appears whole
   finally:
     if os.path.exists(tmp):
@@ -130,8 +136,8 @@ def _writes(parts0: str, key: str) -> bool:
   `parts0` (its chunks' directory) for this run."""
   if jax.process_count() == 1:
     return True
-  token = str(int(multihost_utils.broadcast_one_to_all(
-      np.random.default_rng().integers(1 << 62, dtype=np.int64))))
+  token = str(int(multihost_utils.broadcast_one_to_all(  # int32: JAX's default width
+      np.random.default_rng().integers(1 << 30, dtype=np.int32))))
   marker = paths.join(parts0, "writer")
   if jax.process_index() == 0:
     paths.write_text(marker, token)
@@ -142,7 +148,7 @@ def _writes(parts0: str, key: str) -> bool:
 
 def precompute_ref_logps(steps: step_lib.StepFunctions, ref_params,
                          pairs: store_lib.PairStore, cache_dir: str,
-                         log=lambda _: None, beat=lambda _: None) -> RefTable:
+                         log=lambda _: None, beat=lambda *_, **__: None) -> RefTable:
   """The reference log-probs of every pair of `pairs` (a token store), computed once
   and cached in `cache_dir` (local or remote) under a name that changes with the data,
   the reference params and the model config; a pass cut short resumes after its last
@@ -152,13 +158,15 @@ def precompute_ref_logps(steps: step_lib.StepFunctions, ref_params,
   only those receive the log-probs, the others never hold any of the table."""
   key = cache_key(pairs, ref_params, repr((steps.mcfg, steps.cfg.logprob_impl)))
   path = paths.join(cache_dir, f"ref_logps_{key}.npy")
-  found = paths.exists(path)
+  have = paths.exists(path)
+  found = have
   if jax.process_count() > 1:  # computed by all (a collective) if any process lacks it
     found = bool(multihost_utils.process_allgather(np.array(found)).all())
   if found:
     return RefTable(path, pairs)
   parts = paths.join(cache_dir, f"ref_logps_{key}.chunks-{jax.process_index()}")
-  writer = _writes(paths.join(cache_dir, f"ref_logps_{key}.chunks-0"), key)
+  # A writer that sees the table already (another host lacked it) only takes part.
+  writer = _writes(paths.join(cache_dir, f"ref_logps_{key}.chunks-0"), key) and not have
   n, B = len(pairs), steps.cfg.batch_size
   chain = _chain(parts) if writer else []
   done = chain[-1][1] if chain else (0 if writer else n)
@@ -187,10 +195,10 @@ def precompute_ref_logps(steps: step_lib.StepFunctions, ref_params,
       if start + keep - first >= per_chunk or start + keep == n:
         _write_chunk(parts, first, start + keep, values)
         values, first = [], start + keep
-  beat(f"reference log-probs: writing {path}")  # the others wait for it at the barrier
   if writer:
-    _join(parts, path, pairs)
+    _join(parts, path, pairs, beat)
     paths.remove(parts)
   if jax.process_count() > 1:
+    beat(f"reference log-probs: waiting for {path}", open_ended=True)  # for the writers
     multihost_utils.sync_global_devices(f"ref_logps_{key}")
   return RefTable(path, pairs)

@@ -47,7 +47,11 @@ def _pairs(cfg, path: str, tok, vocab_size: int, log, beat) -> data_lib.PairStor
       data_lib.build_store(path, tok, where, cfg.max_length, cfg.max_prompt_length,
                            cfg.skip_bad_lines, log=log, beat=beat)
     if jax.process_count() > 1:
+      if beat is not None:  # the builders beat per chunk; the others wait for them
+        beat(f"waiting for the token store {where}", open_ended=True)
       multihost_utils.sync_global_devices(f"token store {key} {builder}")
+      if beat is not None:
+        beat(f"start-up: the token store {where}")
   pairs = data_lib.PairStore(where)
   data_lib.check_vocab(pairs, vocab_size)
   return pairs

@@ -55,10 +55,14 @@ class Watchdog:
   def __exit__(self, *_):
     self._done.set()
 
-  def beat(self, what: str, first: bool = False, kind: str | None = None) -> None:
+  def beat(self, what: str, first: bool = False, kind: str | None = None,
+           open_ended: bool = False) -> None:
     """`what` starts now and must end within `--step_timeout`: `FIRST_FACTOR` times that
     when `first`, or when it is the first work of `kind` (e.g. "evaluation") in this
-    process, which compiles."""
+    process, which compiles. `open_ended`: work whose length is not a stall, bounded
+    elsewhere: a wait for another process's work (its own watchdog bounds it unit by
+    unit, and a dead process ends the job) or a bulk transfer (each storage call's
+    clock restarts as data moves): no deadline of its own; storage calls still bounded."""
     first = first or (kind is not None and kind not in self._kinds)
     self._kinds.add(kind)
     if self._thread is None:
@@ -66,7 +70,8 @@ class Watchdog:
     now = time.monotonic()
     limit = self.step_timeout * (FIRST_FACTOR if first else 1)
     with self._lock:
-      self._what, self._started, self._deadline = what, now, now + limit
+      self._what, self._started = what, now
+      self._deadline = None if open_ended else now + limit
 
   def _watch(self) -> None:
     while not self._done.wait(self._poll):

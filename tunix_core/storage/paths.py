@@ -76,6 +76,14 @@ def in_flight() -> list[tuple[str, float]]:
   return [(what, now - started) for what, started in list(_IN_FLIGHT.values())]
 
 
+def _moved() -> None:
+  """The current thread's storage call moved data just now: its clock (`in_flight`)
+  restarts, so the watchdog's bound is on a stalled transfer, not on a long one."""
+  key = threading.get_ident()
+  if key in _IN_FLIGHT:
+    _IN_FLIGHT[key] = (_IN_FLIGHT[key][0], time.monotonic())
+
+
 def call(what: str, path: str, fn, writes: bool = False):
   """`fn()`, retried while it fails transiently (for `RETRY_SECONDS` at most) on a remote
   `path`; a failure is a `StorageError` "`what` `path` failed: reason" (a missing file
@@ -207,13 +215,16 @@ def _files(root: str) -> list[str]:
 
 
 def copy_file(src: str, dst: str) -> None:
-  """Streams one file between any two places (local or remote), 16 MiB at a time."""
+  """Streams one file between any two places (local or remote), 16 MiB at a time (each
+  block restarts the call's clock: `in_flight`)."""
   if not is_remote(dst):
     makedirs(os.path.dirname(dst) or ".")
 
   def copy():
     with _epath(src).open("rb") as fin, _epath(dst).open("wb") as fout:
-      shutil.copyfileobj(fin, fout, 16 << 20)
+      while block := fin.read(16 << 20):
+        fout.write(block)
+        _moved()
 
   call("copying to", dst, copy, writes=True)
 
