@@ -51,9 +51,6 @@ def define_run_flags() -> None:
 
 
 define_run_flags()
-# Deprecated aliases of --reference (older flagfiles keep working).
-flags.DEFINE_bool("precompute_ref_logps", None, "Deprecated: --reference=precomputed.")
-flags.DEFINE_bool("reference_free", None, "Deprecated: --reference=none.")
 # Multi-process (JAX's multi-controller runtime). On a TPU pod none is needed: each host
 # joins the job from the TPU environment.
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0's coordinator "
@@ -71,22 +68,10 @@ flags.DEFINE_bool("library_logging", False, "Show the INFO logging of JAX, Orbax
                   "warnings and errors appear. All of it also goes to "
                   "{output_dir}/trainer.log.")
 
-def config_from_flags(warn=print) -> config_lib.TrainConfig:
-  """The run config of the parsed flags; a deprecated alias sets `--reference` (with one
-  line saying so) unless `--reference` itself was given."""
-  f = flags.FLAGS
-  values = {field.name: f[field.name].value for field in _FIELDS}
-  if f.precompute_ref_logps and f.reference_free:
-    raise config_lib.ConfigError("--precompute_ref_logps makes no sense with "
-                                 "--reference_free")
-  for alias, mode in (("precompute_ref_logps", "precomputed"), ("reference_free", "none")):
-    if f[alias].value:
-      warn(f"trainer.py: --{alias} is deprecated; use --reference={mode}")
-      if f["reference"].present and values["reference"] != mode:
-        raise config_lib.ConfigError(f"--{alias} contradicts --reference="
-                                     f"{values['reference']}")
-      values["reference"] = mode
-  return config_lib.TrainConfig(**values)
+def config_from_flags() -> config_lib.TrainConfig:
+  """The run config of the parsed flags."""
+  return config_lib.TrainConfig(**{field.name: flags.FLAGS[field.name].value
+                                   for field in _FIELDS})
 
 
 def _flag_error(e: flags.Error) -> str:
@@ -158,7 +143,7 @@ def main(argv):
     _exit_now(status)
 
   try:
-    cfg = config_from_flags(warn=lambda line: print(line, file=terminal, flush=True))
+    cfg = config_from_flags()
     say = lambda line: print(line, flush=True)
     f = flags.FLAGS
     job = distributed.plan(f.coordinator_address, f.num_processes, f.process_id)

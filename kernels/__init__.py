@@ -11,9 +11,6 @@ for TPUs, else the XLA paths. "naive" is the oracle; "reference" only ever means
 frozen reference model. `IGNORE_INDEX` is the target id of unscored positions.
 """
 
-import importlib
-import sys
-
 from tunix_kernels.dispatch import IGNORE_INDEX
 from tunix_kernels.dispatch import IMPLS
 from tunix_kernels.dpo_loss import LOSS_TYPES
@@ -26,21 +23,6 @@ from tunix_kernels.logprobs.blocks import BlockSizes as LogprobsBlockSizes
 # Both ops take the same implementations; the two names stay for flag enums.
 LOGPROB_IMPLS = IMPLS
 DPO_LOSS_IMPLS = IMPLS
-
-# The flat module names of earlier releases (`tunix_kernels.logprobs_pallas`, ...) still
-# import, as the modules they became, for code that embeds them.
-_FORMER_NAMES = {
-    "attention_blocks": "attention.blocks", "attention_gspmd": "attention.gspmd",
-    "attention_pallas": "attention.pallas", "attention_tiles": "attention.tiles",
-    "attention_xla": "attention.xla", "dpo_loss_pallas": "dpo_loss.pallas",
-    "dpo_losses": "dpo_loss.losses", "logprobs_blocks": "logprobs.blocks",
-    "logprobs_fused_bwd": "logprobs.fused_bwd", "logprobs_gspmd": "logprobs.gspmd",
-    "logprobs_pallas": "logprobs.pallas", "logprobs_tile": "logprobs.tile",
-    "logprobs_vocab": "logprobs.vocab", "logprobs_xla": "logprobs.xla",
-}
-for _former, _module in _FORMER_NAMES.items():
-  sys.modules[f"{__name__}.{_former}"] = globals()[_former] = importlib.import_module(
-      f"{__name__}.{_module}")
 
 __all__ = ["DPOLossBlockSizes", "DPO_LOSS_IMPLS", "IGNORE_INDEX", "IMPLS", "LOGPROB_IMPLS",
            "LOSS_TYPES", "LogprobsBlockSizes", "REFERENCE_FREE_TYPES", "dpo_loss",

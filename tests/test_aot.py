@@ -115,14 +115,14 @@ def test_7b_does_not_fit_a_v5e_8_without_sharded_params(tmp_path):
       [sys.executable, os.path.join(REPO, "trainer.py"), "--model=7b", "--compile_only",
        "--target_topology=v5e-8", "--batch_size=8", "--max_length=1024",
        "--max_prompt_length=512", "--compute_dtype=bfloat16", "--remat=full",
-       "--precompute_ref_logps", f"--output_dir={tmp_path}"],
+       "--reference=precomputed", f"--output_dir={tmp_path}"],
       env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 1, proc.stdout + proc.stderr[-2000:]
   assert "exceeds available HBM" in proc.stdout, proc.stdout
   assert "6,738,415,616 params" in proc.stdout
-  # No --train_data: planned for the flags' worst case; the old flag still works.
+  # No --train_data: planned for the flags' worst case.
   assert "plan: shared rows, 1 x 1536 tokens and 1040 LM-head slots per 1 pair(s)" in proc.stdout
-  assert "--precompute_ref_logps is deprecated; use --reference=precomputed" in proc.stderr
+  assert "reference: precomputed" in proc.stdout
   assert not os.path.exists(os.path.join(tmp_path, "metrics.jsonl"))
   assert "Traceback" not in proc.stdout + proc.stderr
 

@@ -169,16 +169,10 @@ def test_no_module_far_over_300_lines():
       assert sum(1 for _ in f) <= 320, f"{path} is over ~300 lines: split it by concept"
 
 
-def test_round_3_module_names_import_as_the_modules_they_became():
-  """Code embedding the kernels by their former flat module names keeps working: each
-  name is the op sub-package's module, the very same object."""
+def test_no_former_module_name_imports():
+  """The flat module names of an unreleased layout (`tunix_kernels.logprobs_pallas`, ...)
+  are gone: each op's modules live in its sub-package only."""
   import importlib  # pylint: disable=g-import-not-at-top
-  for former, module in (("logprobs_pallas", "logprobs.pallas"),
-                         ("logprobs_blocks", "logprobs.blocks"),
-                         ("dpo_losses", "dpo_loss.losses"),
-                         ("attention_xla", "attention.xla")):
-    assert (importlib.import_module(f"tunix_kernels.{former}")
-            is importlib.import_module(f"tunix_kernels.{module}"))
-  from tunix_kernels import attention_blocks, logprobs  # pylint: disable=g-import-not-at-top
-  assert attention_blocks.BlockSizes is importlib.import_module("tunix_kernels.attention").BlockSizes
-  assert callable(logprobs.fused_logprobs)
+  for former in ("logprobs_pallas", "dpo_losses", "attention_xla"):
+    with pytest.raises(ImportError):
+      importlib.import_module(f"tunix_kernels.{former}")

@@ -42,7 +42,7 @@ def test_the_flag_table_is_generated_from_the_run_config():
 def test_every_trainer_flag_is_documented():
   source = _read("trainer.py")
   extra = re.findall(r'DEFINE_\w+\(\s*"(\w+)"', source)
-  assert {"coordinator_address", "precompute_ref_logps", "library_logging"} <= set(extra)
+  assert {"coordinator_address", "library_logging"} <= set(extra)
   training = _read("docs", "training.md")
   for name in extra:
     assert f"`--{name}`" in training, f"--{name} is missing from docs/training.md"

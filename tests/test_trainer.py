@@ -42,7 +42,7 @@ def test_flagfile_run_on_8_devices_loss_falls_from_ln2(tmp_path):
       f"--output_dir={tmp_path / 'out'}", f"--train_data={TRAIN}", f"--eval_data={EVAL}",
       "--max_length=40", "--max_prompt_length=20", "--batch_size=16", "--steps=10",
       "--log_every=1", "--eval_every=10", "--learning_rate=2e-3", "--warmup_steps=2",
-      "--precompute_ref_logps", f"--compilation_cache_dir={flagfile}/cache"]) + "\n")
+      "--reference=precomputed", f"--compilation_cache_dir={flagfile}/cache"]) + "\n")
   # A TPU environment naming one worker is a job of one process, with one notice line.
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
              JAX_PLATFORMS="cpu", TPU_WORKER_HOSTNAMES="localhost")
@@ -56,8 +56,7 @@ def test_flagfile_run_on_8_devices_loss_falls_from_ln2(tmp_path):
   assert f"compilation cache: {flagfile}/cache is not writable" in proc.stdout
   assert "step 1: compiled in " in proc.stdout and "(no compilation cache)" in proc.stdout
   assert "again at its first call" not in proc.stdout  # compiled once, beside the start-up
-  # The deprecated flag still works, and says so; the default run saves its last step.
-  assert "--precompute_ref_logps is deprecated; use --reference=precomputed" in proc.stderr
+  # The flagfile's reference mode holds; the default run saves its last step.
   assert "reference: precomputed" in proc.stdout
   assert os.listdir(tmp_path / "out" / "checkpoints") == ["10"]
   rows = _rows(tmp_path / "out")
@@ -96,7 +95,7 @@ def test_precomputed_reference_matches_in_step_reference(tmp_path):
     np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-4, atol=1e-6)
 
 
-def test_every_config_field_is_a_flag_with_its_help_and_the_old_reference_flags_alias():
+def test_every_config_field_is_a_flag_with_its_help_and_no_other_run_flag():
   import trainer  # pylint: disable=g-import-not-at-top  (defines the flags)
   f = trainer.flags.FLAGS
   helpfull = f.get_help()  # what --helpfull prints
@@ -104,20 +103,11 @@ def test_every_config_field_is_a_flag_with_its_help_and_the_old_reference_flags_
   for field in dataclasses.fields(config_lib.TrainConfig):
     assert f"--{field.name}:" in helpfull or f"--[no]{field.name}:" in helpfull
     assert "".join(field.metadata["help"].split()) in squeezed, field.name
+  assert "precompute_ref_logps" not in f and "reference_free" not in f  # no alias left
   try:
-    for argv, want in ((["--reference_free"], "none"),
-                       (["--precompute_ref_logps"], "precomputed"),
-                       (["--reference=precomputed", "--precompute_ref_logps"], "precomputed"),
-                       ([], "step")):
-      lines = []
-      f.unparse_flags()
-      f(["trainer.py", "--output_dir=/tmp/x"] + argv)
-      assert trainer.config_from_flags(warn=lines.append).reference == want
-      assert len(lines) == (want != "step")
     f.unparse_flags()
-    f(["trainer.py", "--output_dir=/tmp/x", "--reference=step", "--reference_free"])
-    with pytest.raises(config_lib.ConfigError, match="--reference_free contradicts"):
-      trainer.config_from_flags(warn=lambda _: None)
+    f(["trainer.py", "--output_dir=/tmp/x", "--reference=precomputed"])
+    assert trainer.config_from_flags().reference == "precomputed"
   finally:
     f.unparse_flags()
 

@@ -184,9 +184,8 @@ class TrainConfig:
                            "(--loss_type=cpo).", group="loss")
   reference: str = _flag("step", "The frozen reference: step (its forward in every step), "
                          "precomputed (run once over the data before training, cached on "
-                         "disk) or none (reference-free: its log-probs are taken as zero). "
-                         "--precompute_ref_logps and --reference_free are deprecated "
-                         "aliases.", group="loss")
+                         "disk) or none (reference-free: its log-probs are taken as "
+                         "zero).", group="loss")
   fsdp: bool = _flag(False, "Fully sharded data parallel (ZeRO-3): params, gradients, the "
                      "reference and the optimizer state split over all devices; each layer "
                      "all-gathered inside the layer scan and its gradient reduce-scattered "
@@ -219,7 +218,7 @@ class TrainConfig:
                             "(the oracle).", group="parallel")
   attention_impl: str = _flag("auto", "Attention (tunix_kernels.attention): auto (the Pallas "
                               "kernels when compiled for TPU, for every row layout, window "
-                              "and soft-cap; else xla), xla (scores materialised), pallas, "
+                              "and soft-cap; else xla), xla (blockwise: no [T, T] scores), pallas, "
                               "interpret (the kernels on CPU, for tests).", group="parallel")
   loss_impl: str = _flag("auto", "tunix_kernels.dpo_loss impl: auto (pallas when compiled for "
                          "TPU, else xla), xla, pallas, interpret or naive (the oracle).",
