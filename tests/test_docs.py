@@ -50,8 +50,17 @@ def test_every_trainer_flag_is_documented():
 
 def test_readme_is_a_short_front_door_to_every_docs_page():
   readme = _read("README.md")
-  assert len(readme.splitlines()) <= 160
-  assert "python trainer.py --flagfile=configs/quickstart.flags" in readme
+  assert len(readme.splitlines()) <= 120
+  assert "pip install -e . && python trainer.py --flagfile=configs/quickstart.flags" in readme
+  assert "pip install -e '.[" in readme and "]' && pytest" in readme
   docs = _section(readme, "Docs")
   for path in sorted(glob.glob(os.path.join(REPO, "docs", "*.md"))):
     assert f"docs/{os.path.basename(path)}" in docs, f"README's Docs map misses {path}"
+
+
+def test_measured_figures_live_in_docs_results_only():
+  """The README and the testing page carry no dated measurement: figures go, with their
+  date and commit, under `docs/results/`."""
+  dated = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+  for path in (("README.md",), ("docs", "testing.md")):
+    assert not dated.search(_read(*path)), f"{os.path.join(*path)} holds a dated figure"
