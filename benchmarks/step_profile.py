@@ -59,7 +59,9 @@ def hlo_ops(hlo_text: str) -> dict:
 def part_of(op_name: str) -> tuple[str, str]:
   """`(part, "forward" | "backward")` of an op traced under `op_name` (module docstring)."""
   for part in PARTS:
-    if re.search(rf"(^|[/(]){part}($|[/)])", op_name):
+    # A scope is a path segment, maybe inside a transform's "jvp(...)"; "jit(name)" is a
+    # function's name, not a scope.
+    if re.search(rf"(^|/|(?<!jit)\(){part}($|[/)])", op_name):
       break
   else:
     part = "other"

@@ -79,3 +79,38 @@ def test_on_chip_dry_run_checks_every_impl_against_the_reference():
   ones = np.ones((4, 3), np.float32)
   assert on_chip._errors((ones, [ones]), (2 * ones, [2 * ones])) == dict(
       value_err=0.5, grad_errs=[0.5])
+
+
+def test_step_profile_attributes_each_op_to_its_scope_and_direction(tmp_path):
+  """`benchmarks/step_profile.py`'s attribution on a profiled CPU run of a function with
+  two named scopes: every op found in the compiled HLO, each part forward and backward
+  where it has both, nothing counted twice (control flow left out)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+  try:
+    import step_profile  # pylint: disable=g-import-not-at-top
+  finally:
+    sys.path.remove(os.path.join(REPO, "benchmarks"))
+  assert step_profile.part_of("jit(f)/transpose(jvp(mlp))/dot") == ("mlp", "backward")
+  assert step_profile.part_of("jit(f)/reference/jvp(attention)/x") == ("reference", "forward")
+  assert step_profile.part_of("jit(f)/transpose(jvp(reference))/x") == ("reference", "forward")
+  assert step_profile.part_of("jit(f)/attention_like/x") == ("other", "forward")
+  assert step_profile.part_of("jit(loss)/jvp(mlp)/x") == ("mlp", "forward")  # a jit's name
+
+  def loss(w, x):
+    h = jax.named_scope("attention")(lambda x: jnp.tanh(x @ w))(x)
+    return jnp.sum(jax.named_scope("mlp")(lambda h: jnp.sin(h @ w))(h) ** 2)
+
+  step = jax.jit(jax.grad(loss))
+  w, x = jnp.ones((64, 64)) / 64, jnp.ones((32, 64))
+  ops = step_profile.hlo_ops(step.lower(w, x).compile().as_text())
+  assert {step_profile.part_of(n)[0] for _, n in ops.values()} >= {"attention", "mlp"}
+  step(w, x).block_until_ready()
+  with jax.profiler.trace(str(tmp_path)):
+    for _ in range(3):
+      step(w, x).block_until_ready()
+  totals, count = step_profile.op_times(str(tmp_path), ops)
+  assert count >= 3 and all(seconds > 0 for seconds in totals.values())
+  assert {("attention", "forward"), ("attention", "backward"), ("mlp", "forward"),
+          ("mlp", "backward")} <= set(totals)
