@@ -288,6 +288,7 @@ def test_a_storage_server_that_never_answers_ends_the_run(tmp_path, gcs):
     assert later.returncode == 5, err[-3000:]
     line = _error_line(err)
     assert "has not finished after" in line and "(--step_timeout=10)" in line, line
+    assert "gs://faults/mid/" in line, line  # the stuck call (or the one in flight) named
   finally:
     for proxy in (at_start, mid_run):
       proxy.stop()
