@@ -21,7 +21,6 @@ total beside the step's wall time: what is left is the device idle or the host.
 import argparse
 import collections
 import glob
-import json
 import os
 import re
 import statistics
@@ -167,8 +166,7 @@ def main() -> int:
                 framework=f"jax {jax.__version__}", trace_dir=trace_dir)
   print(table(result))
   if a.out:
-    with open(a.out, "a", encoding="utf-8") as f:
-      f.write(json.dumps(result) + "\n")
+    gpu._append(a.out, result)  # pylint: disable=protected-access  (gpu.py's own rows)
   return 0
 
 
