@@ -18,6 +18,7 @@ from absl import app
 from absl import flags
 
 from tunix_core import data as data_lib
+from tunix_core import online
 from tunix_core.aot import compile as aot
 from tunix_core.checkpoints import store as checkpoint
 from tunix_core.hf import config as hf_config
@@ -164,7 +165,8 @@ def main(argv):
   except health.NonFiniteStep as e:
     fail(f"error: {e}", NONFINITE_EXIT_CODE)
   except (config_lib.ConfigError, data_lib.DataError, checkpoint.CheckpointError,
-          hf_config.HFError, hf_tokenizer.TokenizerError, paths.StorageError) as e:
+          hf_config.HFError, hf_tokenizer.TokenizerError, paths.StorageError,
+          online.RewardError) as e:
     fail(f"error: {e}", 1)
   except preemption.Preempted as e:
     fail(f"{e}; exiting with status {PREEMPTED_EXIT_CODE}", PREEMPTED_EXIT_CODE)

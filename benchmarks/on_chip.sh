@@ -20,6 +20,9 @@
 # step's time per part (benchmarks/step_profile.py) for PROFILE_CASES (default STEP_CASES),
 # with the step part's compilation caches.
 #
+# "online": online DPO's step (benchmarks/online_step.py; ONLINE_ARGS, ONLINE_LIMIT): K=4
+# samples of 256 new ids for 8 prompts with SmolLM2-135M's shapes, then the DPO step.
+#
 # "tunix": Tunix 0.1.7's DPOTrainer step (benchmarks/peer_tunix.py) on the same pairs and
 # sizes, appended to the step part's $OUT/step.jsonl so that one `gpu.py table` (printed,
 # and written to $OUT/step_table.md) sets both side by side. TUNIX_CASES ("model tokens
@@ -124,5 +127,10 @@ if has profile; then  # the step's time per part (benchmarks/step_profile.py), p
         --tokens "$tokens" ${flags:-} --cache_dir "/tmp/compile-cache/$model-$tokens${flags// /}" \
         --trace_dir "/tmp/profile/$model-$tokens${flags// /}" --out "$OUT/profile.jsonl"
   done
+fi
+if has online; then  # online DPO's step: sampling and the train step (benchmarks/online_step.py)
+  part online "${ONLINE_LIMIT:-420}" env JAX_COMPILATION_CACHE_DIR=/tmp/compile-cache/online \
+      python3 benchmarks/online_step.py ${ONLINE_ARGS:---model smollm2-135m --new_tokens 256 \
+      --samples 4 --prompts 8} --out "$OUT/online.jsonl"
 fi
 echo "done in $(( SECONDS - start )) s"

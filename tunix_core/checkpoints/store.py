@@ -20,6 +20,7 @@ step carries. Finding, checking and restoring the step to resume from is
 `tunix_core.checkpoints.resume`.
 """
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -32,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging as absl_logging
 from jax.experimental import multihost_utils
 
 from tunix_core.storage import paths
@@ -111,6 +113,18 @@ def _os_error(e: BaseException) -> str:
   return text.splitlines()[0][:300] if text else type(e).__name__
 
 
+@contextlib.contextmanager
+def _quiet_absl(quiet: bool):
+  """absl logging above warnings while in the block, if `quiet`."""
+  before = absl_logging.get_verbosity()
+  if quiet:
+    absl_logging.set_verbosity(absl_logging.ERROR)
+  try:
+    yield
+  finally:
+    absl_logging.set_verbosity(before)
+
+
 class Checkpointer:
   """Saves and restores `{"params", "opt_state"}` plus JSON metadata under `directory`.
 
@@ -120,24 +134,31 @@ class Checkpointer:
   """
 
   def __init__(self, directory: str, *, keep: int = 3, keep_period: int | None = None,
-               async_save: bool = True):
+               async_save: bool = True, read_only: bool = False):
+    """`read_only`: another run's checkpoints (`--init_from`), which this process only
+    reads: nothing is created, cleaned up or deleted there (that run may still be
+    writing)."""
     self.directory = directory
     self._writing = None  # the step whose save was started and not yet committed
     self._committed = None  # the newest step this process saw complete (named in errors)
     if paths.is_remote(directory):
       _bound_gcs_retries()
     try:
-      paths.makedirs(directory)
-      probe = paths.join(directory, f".write_probe_{uuid.uuid4().hex}")
-      paths.write_text(probe, "ok")
-      paths.remove(probe)
+      if not read_only:
+        paths.makedirs(directory)
+        probe = paths.join(directory, f".write_probe_{uuid.uuid4().hex}")
+        paths.write_text(probe, "ok")
+        paths.remove(probe)
     except OSError as e:
       raise CheckpointError(f"checkpoint directory {directory} is not writable: {e}") from None
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, keep_period=keep_period,
-        enable_async_checkpointing=async_save, cleanup_tmp_directories=True)
-    self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                         item_names=("state", "meta"))
+        max_to_keep=None if read_only else keep, keep_period=keep_period,
+        save_interval_steps=0 if read_only else 1, read_only=read_only,
+        create=not read_only, enable_async_checkpointing=async_save,
+        cleanup_tmp_directories=not read_only)
+    with _quiet_absl(read_only):  # Orbax warns that a read-only directory is read-only
+      self.manager = ocp.CheckpointManager(self.directory, options=options,
+                                           item_names=("state", "meta"))
 
   def steps(self) -> list[int]:
     """Steps with a complete checkpoint, oldest first (temporary directories excluded)."""
@@ -186,6 +207,14 @@ class Checkpointer:
     """The state at `step`, placed as `abstract_state` (ShapeDtypeStructs with shardings)."""
     return self.manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state)))["state"]
+
+  def restore_params(self, step: int, abstract_params: dict) -> dict:
+    """The params alone of the state at `step` (its optimizer state is not read)."""
+    item = {"params": abstract_params}
+    args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, dtype=a.dtype,
+                                                       global_shape=a.shape), item)
+    return self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item, restore_args=args, partial_restore=True)))["state"]["params"]
 
   def reject(self, step: int) -> str:
     """Moves step `step` aside to `{directory}.rejected/<step>-<time>` (never deletes it),

@@ -181,7 +181,7 @@ def _pack_group(batch: dict, spec: Spec, blank: bool = False) -> dict:
       head["head_src"][slot:slot + len(t)] = r * L + start + where[c, t]
       head["head_targets"][slot:slot + len(t)] = batch["targets"][i, c, t]
       head["head_dst"][slot:slot + len(t)] = (i * 2 + c) * T + t
-      fill[r], segments[r], slot = end, segments[r] + seg.max(), slot + len(t)
+      fill[r], segments[r], slot = end, segments[r] + seg.max(initial=0), slot + len(t)
   return rows | head
 
 

@@ -139,6 +139,10 @@ class PairStore:
     return [tuple(np.split(f, np.cumsum(np.diff(self.offsets[3 * i:3 * i + 3]))))
             for i, f in zip(idx, flat)]
 
+  def prompt_lengths(self) -> np.ndarray:
+    """Ids of each pair's prompt, int64 `[pairs]`."""
+    return self._prompt
+
   def scored(self) -> np.ndarray:
     """Scored positions of each pair (both rows), int64 `[pairs]`."""
     return (self._rows_Px2 - self._first[:, None]).sum(-1)

@@ -15,7 +15,9 @@ import jax
 import jax.numpy as jnp
 
 from tunix_core import data as data_lib
+from tunix_core import generate
 from tunix_core import model as model_lib
+from tunix_core import online as online_lib
 from tunix_core.checkpoints import resume
 from tunix_core.checkpoints import store as checkpoint
 from tunix_core.run import compile_cache
@@ -85,6 +87,8 @@ def train(cfg: TrainConfig, log=print, devices=None, hooks: Hooks = Hooks()) -> 
   """
   devices = devices or jax.devices()
   cfg.validate(len(devices))
+  if cfg.reward_fn:  # user code: imported before any data is read or compiled
+    online_lib.load_reward(cfg.reward_fn)
   with watchdog_lib.Watchdog(cfg.step_timeout) as dog:
 
     def beat(what: str, first: bool = False, kind: str | None = None,
@@ -164,9 +168,14 @@ def _train(cfg, devices, log, beat, hooks):
                                       sinks=observe.open_sinks(cfg, source, log))
             if primary else None)
   profiler = observe.Profiler(cfg, log)
-  sampler = (samples_lib.Sampler(cfg, mcfg, source_lib.tokenizer(cfg),
-                                 samples_lib.read_prompts(cfg), log, start, writer)
+  tok = source_lib.tokenizer(cfg)
+  sampler = (samples_lib.Sampler(cfg, mcfg, tok, samples_lib.read_prompts(cfg), log, start,
+                                 writer)
              if cfg.sample_every else None)  # every process joins the generation
+  # Online DPO's sampling and scoring; with --reward_fn alone, the greedy eval answers'.
+  online = (online_lib.OnlineSampler(cfg, steps, train_set, tok,
+                                     generate.eos_ids(cfg.hf_model_dir, tok))
+            if cfg.reward_fn else None)
   peak, peak_source = flops.peak_flops(
       next(d for d in devices if d.process_index == jax.process_index()),
       model_lib.DTYPES[mcfg.compute_dtype])
@@ -210,9 +219,14 @@ def _train(cfg, devices, log, beat, hooks):
         # read below): the first step may compile again, the second waits for its run.
         beat(f"train step {step}", first=step <= start + 2)
         idx = it.next_indices()
-        batch = ref_cache.host_batch(steps, train_set, idx, train_ref)
+        sampled = {}
+        if cfg.online_samples:  # the pairs of the policy's own samples of these prompts
+          batch, sampled = online(step, steps.policy_params(state["params"], ref_params), idx)
+          progress.count_tokens(int(batch["attention_mask"].sum()))
+        else:
+          batch = ref_cache.host_batch(steps, train_set, idx, train_ref)
+          progress.count_tokens(train_set.num_tokens(idx))
         hooks.after_read(step, idx, train_set)
-        progress.count_tokens(train_set.num_tokens(idx))
         profiler.before(step)
         with compile_cache.FirstCompile() as compiled:
           state, metrics = steps.train_step(state, ref_params, steps.put_batch(batch))
@@ -227,12 +241,17 @@ def _train(cfg, devices, log, beat, hooks):
           beat(f"train step {step - 1}: its run", first=step - 1 <= start + 2)
         flush()  # the previous step's metrics, read with this step queued
         if _every(cfg.log_every, step, cfg.steps):
-          progress.defer(step, metrics)
+          progress.defer(step, dict(metrics, **sampled))
         if eval_set is not None and _every(cfg.eval_every, step, cfg.steps):
           flush()
-          progress.eval(step, evaluate_lib.evaluate(
-              steps, state["params"], ref_params, eval_set, eval_ref,
-              lambda what: beat(f"evaluation at step {step}: {what}", kind="evaluation")))
+          say = lambda what: beat(f"evaluation at step {step}: {what}", kind="evaluation")
+          means = evaluate_lib.evaluate(steps, state["params"], ref_params, eval_set,
+                                        eval_ref, say)
+          if online is not None:
+            say("greedy answers")
+            means.update(online.evaluate(steps.policy_params(state["params"], ref_params),
+                                         eval_set))
+          progress.eval(step, means)
         if sampler and _every(cfg.sample_every, step, cfg.steps):
           flush()
           beat(f"sampling at step {step}", kind="sampling")

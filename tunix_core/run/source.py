@@ -16,6 +16,7 @@ from jax.experimental import multihost_utils
 
 from tunix_core import data as data_lib
 from tunix_core import model as model_lib
+from tunix_core.checkpoints import init_from
 from tunix_core.parallel import mesh as mesh_lib
 from tunix_core.storage import digest as content_digest
 from tunix_core.storage import paths
@@ -98,21 +99,26 @@ def fingerprint(model_dir: str, legacy: bool = False) -> str:
 def source(cfg) -> dict:
   """What the checkpoint metadata records of the initial policy (empty for a preset);
   resuming against a different `hf_fingerprint` is refused."""
+  out = {"init_from": init_from.spec(cfg.init_from)} if cfg.init_from else {}
   if not cfg.hf_model_dir:
-    return {}
+    return out
   where = cfg.hf_model_dir if paths.is_remote(cfg.hf_model_dir) else os.path.abspath(
       cfg.hf_model_dir)
-  return {"hf_model_dir": where,
-          "hf_fingerprint": fingerprint(cfg.hf_model_dir)}
+  return dict(out, hf_model_dir=where, hf_fingerprint=fingerprint(cfg.hf_model_dir))
 
 
 def initial_params(cfg, steps, dtype=None, log=None, beat=None) -> dict | None:
-  """The pretrained weights of `--hf_model_dir` in `steps`' layout (in `dtype`, default
-  `--param_dtype`), or None for a preset (initialised from the seed). Each device reads
+  """The params the run starts from in `steps`' layout (in `dtype`, default
+  `--param_dtype`): another run's saved step (`--init_from`), else the pretrained
+  weights of `--hf_model_dir`, else None for a preset (initialised from the seed). Each device reads
   its block of the logical arrays (`steps.logical_shardings()`: split under FSDP) from
   the files before they are cut into the run's layout. From object storage, `log` gets
   how many of the files' bytes this process fetched (a host reads its devices' rows);
   `beat` names each tensor as it is read."""
+  if cfg.init_from:
+    return steps.place_base(init_from.load_params(
+        cfg.init_from, steps.mcfg, steps.base_logical_shardings(),
+        dtype or model_lib.DTYPES[steps.mcfg.param_dtype]))
   if not cfg.hf_model_dir:
     return None
   from tunix_core import hf  # pylint: disable=g-import-not-at-top

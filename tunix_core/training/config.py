@@ -19,7 +19,7 @@ ConfigError = validation.ConfigError
 # What a resume must keep (the model's own fields apart): data order, optimizer state.
 RESUME_FIELDS = ("max_length", "max_prompt_length", "seed", "batch_size", "optimizer",
                  "train_data", "chat_template", "lora_rank", "lora_alpha", "lora_targets",
-                 "lora_rslora", "lora_init")
+                 "lora_rslora", "lora_init", "init_from")
 
 
 def _flag(default, help_text: str, **metadata):
@@ -121,6 +121,11 @@ class TrainConfig:
                             "initial policy and the reference (reloaded from here on a "
                             "resume). Llama, Mistral, Qwen2/3 and Gemma 1/2/3.",
                             group="model")
+  init_from: str = _flag("", "RUN_DIR[:STEP]: start from the policy another run saved "
+                         "at STEP (default its newest), which is also the reference; that "
+                         "run's data position, optimizer state and step count are not "
+                         "carried over. Needs the same --model or --hf_model_dir.",
+                         group="model")
   param_dtype: str = _flag("float32", "Dtype of the trained params and the optimizer's "
                            "view of them.", group="model")
   ref_dtype: str = _flag("auto", "Dtype of the frozen reference params (auto: "
@@ -186,6 +191,23 @@ class TrainConfig:
                          "precomputed (run once over the data before training, cached on "
                          "disk) or none (reference-free: its log-probs are taken as "
                          "zero).", group="loss")
+  online_samples: int = _flag(0, "Online DPO: each step, sample K completions of every "
+                              "prompt of the batch from the current policy, score them with "
+                              "--reward_fn and train on the best (chosen) and the worst "
+                              "(rejected); the data's responses are unused. 0: offline.",
+                              group="online")
+  reward_fn: str = _flag("", "MODULE:FUNCTION, a callable (prompts, completions) -> list of "
+                         "floats (e.g. tunix_core.online.rewards:quickstart); needed by "
+                         "--online_samples; with --eval_every, eval rows also carry the "
+                         "reward and exact match of greedy answers to the eval prompts.",
+                         group="online")
+  online_temperature: float = _flag(1.0, "Sampling temperature of --online_samples.",
+                                    group="online")
+  online_top_p: float = _flag(1.0, "Nucleus (top-p) sampling of --online_samples.",
+                              group="online")
+  online_max_new_tokens: int = _flag(64, "Ids each online sample may add (stopping at EOS); "
+                                     "with the longest prompt it must fit --max_length.",
+                                     group="online")
   fsdp: bool = _flag(False, "Fully sharded data parallel (ZeRO-3): params, gradients, the "
                      "reference and the optimizer state split over all devices; each layer "
                      "all-gathered inside the layer scan and its gradient reduce-scattered "

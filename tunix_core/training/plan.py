@@ -19,6 +19,7 @@ import numpy as np
 
 from tunix_core import model as model_lib
 from tunix_core.data import packing
+from tunix_core.data import sampled_pairs
 from tunix_core.model import lora as lora_lib
 from tunix_core.parallel import mesh as mesh_lib
 from tunix_core.training import tpu_flags
@@ -88,8 +89,20 @@ def pairs_per_group(cfg: TrainConfig, num_devices: int) -> int:
 
 def data_sizes(cfg: TrainConfig, splits) -> packing.Sizes:
   """The `packing.Sizes` of every pair of `splits` (token stores, or
-  `PreferenceDataset`s), the same on every host."""
-  return packing.Sizes.join([d.sizes(cfg.prefix_sharing) for d in splits])
+  `PreferenceDataset`s; the training data first), the same on every host. Online
+  (`--online_samples`), the training pairs are sampled: sized as the longest prompt
+  with two samples of `--online_max_new_tokens` ids (a `ConfigError` if that row
+  exceeds `--max_length`)."""
+  sizes = [d.sizes(cfg.prefix_sharing) for d in splits]
+  if cfg.online_samples:
+    longest, new = int(splits[0].prompt_lengths().max()), cfg.online_max_new_tokens
+    if longest + new > cfg.max_length:
+      raise ConfigError(f"--online_max_new_tokens={new} with the longest prompt of "
+                        f"--train_data ({longest} ids) exceeds --max_length="
+                        f"{cfg.max_length}")
+    sizes[0] = sampled_pairs.worst_sizes(longest, new, cfg.batch_size, cfg.prefix_sharing,
+                                        cfg.max_length)
+  return packing.Sizes.join(sizes)
 
 
 def worst_case_sizes(cfg: TrainConfig) -> packing.Sizes:

@@ -49,10 +49,9 @@ class StepFunctions:
   - `ref_logps(frozen, batch) -> [B, 2, T]` float32, the reference's log-probs.
   `frozen` is the step's frozen input: the reference params when the plan's reference
   runs in the step (None otherwise), or under LoRA the frozen base (`parallel.lora`).
-  Metrics are device-mean scalars: the `dpo_loss` keys, `loss`, `grad_norm` and `learning_rate` (the
-  one this step used); the train step's also carry `nonfinite`, the state's `[3]`
-  health after the step (read with the metrics, so checking it costs no extra host sync).
-  """
+  Metrics are device-mean scalars: the `dpo_loss` keys, `loss`, `grad_norm`, `learning_rate`
+  (this step's); the train step's also carry `nonfinite`, the state's `[3]` health after
+  the step (read with the metrics: checking it costs no extra host sync)."""
 
   def __init__(self, plan: StepPlan, mesh: Mesh):
     self.plan, self.mesh = plan, mesh
@@ -242,6 +241,8 @@ class StepFunctions:
     metrics = dict(metrics, grad_norm=update.grad_norm,
                    learning_rate=self.schedule(state["step"]))
     ok, health = health_lib.update(state["nonfinite"], metrics, state["step"] + 1)
+    # A batch that scores no token (online DPO where every prompt tied) updates nothing.
+    ok &= jax.lax.psum(jnp.sum(batch["loss_mask"]), self.batch_axes) > 0
     keep = lambda new, old: health_lib.keep_if(ok, new, old)
     new_state = {"params": keep(update.params, state["params"]),
                  "opt_state": keep(jax.tree.map(lambda x: x[None], update.state),

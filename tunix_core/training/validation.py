@@ -140,6 +140,19 @@ def check(cfg, num_devices: int) -> None:
       cfg.lora_config()
     except ValueError as e:  # hf.HFError is one too
       raise ConfigError(f"--lora_*: {e}") from None
+  k = cfg.online_samples
+  need(k == 0 or k >= 2, f"--online_samples={k}: online DPO needs K >= 2 samples per "
+       "prompt (0: offline)")
+  need(not k or cfg.reward_fn, "--online_samples needs --reward_fn (MODULE:FUNCTION)")
+  need(not k or cfg.reference != "precomputed", "--reference=precomputed cannot serve "
+       "--online_samples: the pairs are sampled as the run goes; use --reference=step")
+  need(cfg.online_temperature > 0, "--online_temperature must be positive (K greedy "
+       "samples would all be the same)")
+  need(0 < cfg.online_top_p <= 1, f"--online_top_p={cfg.online_top_p} is not in (0, 1]")
+  need(cfg.online_max_new_tokens > 0, "--online_max_new_tokens must be positive")
+  need(not cfg.init_from or paths.join(cfg.init_from.rstrip("/"), "") != paths.join(
+      cfg.output_dir.rstrip("/"), ""), "--init_from names this run's own --output_dir "
+       "(a resume needs no --init_from)")
   if cfg.target_topology != "local":
     try:
       tpu.parse_topology(cfg.target_topology)

@@ -1,0 +1,31 @@
+"""Reward functions `tests/test_online.py` passes as `--reward_fn=online_rewards:NAME`
+(the trainer subprocesses get `tests/` on their PYTHONPATH)."""
+
+import math
+
+calls = 0
+
+
+def checksum(prompts, completions):
+  """A deterministic score that rarely ties even for an untrained model's samples."""
+  return [float(sum(map(ord, c)) % 7) for c in completions]
+
+
+def raises_at_third_call(prompts, completions):
+  """`checksum` for two calls (two steps), then an error."""
+  global calls
+  calls += 1
+  if calls == 3:
+    raise KeyError("no score for this one")
+  return checksum(prompts, completions)
+
+
+def one_short(prompts, completions):
+  return [1.0] * (len(completions) - 1)
+
+
+def not_finite(prompts, completions):
+  return [math.nan] + [1.0] * (len(completions) - 1)
+
+
+NOT_CALLABLE = 3

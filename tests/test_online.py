@@ -1,0 +1,168 @@
+"""Online DPO (`--online_samples`, `--reward_fn`, `--init_from`): pairs built from scored
+samples against hand-built ones, the shipped rewards by hand, exact resume after a
+SIGKILL, the same samples under FSDP on 8 devices as on one, and bad input in one line."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import runs
+from tunix_core.checkpoints import init_from
+from tunix_core.checkpoints import store as checkpoint
+from tunix_core.data import encode as data_encode
+from tunix_core.data import sampled_pairs as pairs_lib
+from tunix_core.online import reward_fn
+from tunix_core.online import rewards
+from tunix_core.online import sampler as sampler_lib
+from tunix_core.run import loop as train
+from tunix_core.run import source as source_lib
+from tunix_core.training import plan as plan_lib
+from tunix_core.training import step as step_lib
+from tunix_core.training.config import ConfigError
+
+REPO = runs.REPO
+REWARD = "online_rewards:checksum"
+TIMING = ("tokens_per_sec", "mfu", "online/sample_share")
+
+
+def test_pairs_are_the_best_and_worst_sample_and_ties_stay_padding():
+  prompts = [np.array([256, 7, 8]), np.array([256, 9])]
+  samples = np.array([[[1, 2, 257], [3, 257, 0], [4, 5, 6]],
+                      [[1, 257, 0], [2, 257, 0], [3, 257, 0]]], np.int32)
+  lengths = np.array([[3, 2, 3], [2, 2, 2]])
+  scores = np.array([[0.5, 2.0, -1.0], [1.0, 1.0, 1.0]])
+  batch = pairs_lib.build(prompts, samples, lengths, scores, pad_id=258, max_length=8)
+  # Prompt 0: sample 1 (score 2) is chosen, sample 2 (score -1) rejected, as
+  # `build_row` lays out a prompt and its response.
+  for c, response in enumerate(([3, 257], [4, 5, 6])):
+    tokens, targets, loss = data_encode.build_row([], [256, 7, 8], response, 258, 8, 8)
+    np.testing.assert_array_equal(batch["tokens"][0, c], tokens)
+    np.testing.assert_array_equal(batch["targets"][0, c], targets)
+    np.testing.assert_array_equal(batch["loss_mask"][0, c], loss)
+    assert batch["attention_mask"][0, c].sum() == 3 + len(response) - 1
+  # Prompt 1: all three tie: padding, scored nowhere.
+  assert not batch["loss_mask"][1].any() and not batch["attention_mask"][1].any()
+  assert (batch["tokens"][1] == 258).all()
+
+
+def test_shipped_rewards_by_hand():
+  prompts = ["sort 3 1 2\n"] * 4 + ["max 4 9 2\n"] * 3 + ["hello\n"]
+  completions = ["1 2 3", "1 3 2", "cat", "3 2 1 0", "9", "4", "x", "1"]
+  # "1 3 2": 3 of 3 digits from the prompt, 1 in place: 0.4 + 0.35 / 3; "3 2 1 0": 3 of
+  # 4 (the longer) from the prompt, "2" in place; "4": from the prompt, not the answer.
+  want = [1.0, 0.4 + 0.35 / 3, 0.0, 0.4 * 3 / 4 + 0.35 / 4, 1.0, 0.4, 0.0, 0.0]
+  np.testing.assert_allclose(rewards.quickstart(prompts, completions), want)
+  assert rewards.exact_match(prompts, completions) == [1, 0, 0, 0, 1, 0, 0, 0]
+
+
+@pytest.mark.parametrize("fn, message", [
+    (lambda p, c: 1 / 0, "at step 7 raised ZeroDivisionError"),
+    (lambda p, c: [1.0], "at step 7 returned 1 scores for 2 completions"),
+    (lambda p, c: [1.0, float("inf")], "at step 7 returned the non-finite score inf"),
+    (lambda p, c: None, "at step 7 returned NoneType")])
+def test_a_bad_reward_is_one_line_naming_it_and_the_step(fn, message):
+  with pytest.raises(reward_fn.RewardError, match=message):
+    reward_fn.score(fn, "m:f", ["a", "b"], ["c", "d"], "step 7")
+
+
+@pytest.fixture(scope="module")
+def start(tmp_path_factory):
+  """A run to start from: 2 offline steps of the tiny preset, saved."""
+  out = tmp_path_factory.mktemp("start")
+  train.train(runs.config(out, steps=2, save_every=2), **runs.QUIET)
+  return str(out)
+
+
+def _online(out, start, **kw):
+  return runs.config(out, **{**dict(init_from=start, online_samples=2, reward_fn=REWARD,
+                                    online_max_new_tokens=8), **kw})
+
+
+@pytest.mark.slow
+def test_init_from_loads_the_saved_policy_and_refuses_what_does_not_fit(start, tmp_path):
+  cfg = _online(tmp_path, start)
+  steps = runs.steps(dataclasses.replace(cfg, online_samples=0), jax.devices()[:1])
+  got = init_from.load_params(start, steps.mcfg, steps.logical_shardings(), np.float32)
+  ckpt = checkpoint.Checkpointer(os.path.join(start, "checkpoints"), read_only=True)
+  meta = ckpt.read_meta(2)
+  assert checkpoint.fingerprints({"params": got}) == {
+      k: v for k, v in meta["fingerprints"].items() if k.startswith("['params']")}
+  assert init_from.spec(start) == f"{os.path.abspath(start)}:2"
+  with pytest.raises(ConfigError, match="no complete step 5 .*saved: \\[2\\]"):
+    init_from.spec(f"{start}:5")
+  wide = runs.steps(dataclasses.replace(cfg, online_samples=0, model="tiny_tp"),
+                    jax.devices()[:1])
+  with pytest.raises(ConfigError, match="vocab_size=259, this run.s has vocab_size=260"):
+    init_from.load_params(start, wide.mcfg, wide.logical_shardings(), np.float32)
+
+
+@pytest.mark.slow
+def test_fsdp_on_8_devices_samples_what_one_device_does(start, tmp_path):
+  cfg = _online(tmp_path, start)
+  train_set, _ = source_lib.load_data(cfg, lambda *_: None)
+  idx = np.arange(8)
+  got = []
+  for fsdp, devices in ((False, jax.devices()[:1]), (True, jax.devices())):
+    c = dataclasses.replace(cfg, fsdp=fsdp)
+    plan = plan_lib.make_plan(c, devices, plan_lib.data_sizes(c, [train_set]))
+    steps = step_lib.make_steps(plan, devices)
+    params = steps.policy_params(source_lib.initial_params(c, steps), None)
+    sampler = sampler_lib.OnlineSampler(c, steps, train_set, source_lib.tokenizer(c), (257,))
+    batch, metrics = sampler(3, params, idx)
+    got.append((batch, metrics))
+  for key in got[0][0]:
+    np.testing.assert_array_equal(got[0][0][key], got[1][0][key], err_msg=key)
+  assert got[0][1]["online/reward_mean"] == got[1][1]["online/reward_mean"]
+  assert 0 < got[0][1]["online/tie_rate"] < 1  # some pairs, some ties: both paths ran
+
+
+def _trainer(cfg, *extra, script="trainer.py"):
+  flags = [f"--{k}={v}" for k, v in dataclasses.asdict(cfg).items() if v != ""]
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu", PYTHONPATH=os.path.join(REPO, "tests"))
+  return subprocess.run([sys.executable, os.path.join(REPO, script), *extra, *flags],
+                        env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_killed_and_resumed_online_run_equals_the_straight_run(start, tmp_path):
+  cfg = _online(tmp_path / "straight", start, steps=4, save_every=2)
+  train.train(cfg, **runs.QUIET)
+  killed = dataclasses.replace(cfg, output_dir=str(tmp_path / "killed"))
+  proc = _trainer(killed, "--kill_at=train step 4", script="tests/fault_trainer.py")
+  assert proc.returncode == -9, proc.stderr[-2000:]
+  train.train(killed, **runs.QUIET)
+  strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+  want, got = strip(runs.rows(cfg.output_dir)), strip(runs.rows(killed.output_dir))
+  assert [r["step"] for r in want] == [1, 2, 3, 4]
+  assert got == want  # bit-exact: the same samples, scores, pairs and updates
+
+
+@pytest.mark.slow
+def test_bad_online_settings_end_in_one_line_with_status_1(start, tmp_path):
+  cases = [(dict(reward_fn="online_rewards:missing"),
+            "--reward_fn='online_rewards:missing' cannot be imported: AttributeError"),
+           (dict(reward_fn="online_rewards:NOT_CALLABLE"), "is a int, not a function"),
+           (dict(online_samples=1), "--online_samples=1: online DPO needs K >= 2"),
+           (dict(reference="precomputed"), "--reference=precomputed cannot serve")]
+  for kw, message in cases:
+    proc = _trainer(_online(tmp_path / "a", start, **kw))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("trainer.py: error: ") and message in lines[0]
+    assert "compiled" not in proc.stdout  # refused before any compile
+  # A reward that fails at the third step ends the run after step 2's checkpoint.
+  out = tmp_path / "c"
+  proc = _trainer(_online(out, start, steps=6, save_every=2,
+                          reward_fn="online_rewards:raises_at_third_call"))
+  assert proc.returncode == 1
+  assert proc.stderr.strip().splitlines() == [
+      "trainer.py: error: --reward_fn=online_rewards:raises_at_third_call at step 3 raised "
+      "KeyError: 'no score for this one'"]
+  assert sorted(os.listdir(out / "checkpoints")) == ["2"]
