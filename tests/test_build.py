@@ -89,7 +89,7 @@ def test_binaries_and_listed_files_exist():
 FLOORS = {"tunix_kernels": 0, "tunix_core.storage": 0, "tunix_core.model": 1, "tunix_core.data": 1, "tunix_core.hf": 2,
           "tunix_core.parallel": 2, "tunix_core.training": 3, "tunix_core.generate": 3,
           "tunix_core.checkpoints": 4, "tunix_core.online": 4,
-          "tunix_core.run": 5, "tunix_core.aot": 6, "tunix_core.plot": 6}
+          "tunix_core.run": 5, "tunix_core.aot": 6, "tunix_core.plot": 6, "tunix_core.cli": 7}
 
 
 def _modules() -> dict:

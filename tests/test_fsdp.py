@@ -47,7 +47,7 @@ def test_layout_cuts_each_layer_as_numpy_does():
   shapes = jax.eval_shape(lambda: model_lib.init_params(jax.random.PRNGKey(0), TINY))
   params = jax.tree.map(np.asarray, model_lib.init_params(jax.random.PRNGKey(1), TINY))
   n = 3  # divides nothing of the tiny model: every leaf is padded
-  layout = fsdp.Layout(shapes, n)
+  layout = fsdp.FsdpLayout(shapes, n)
   pieces = jax.device_get(layout.to_pieces(params))
   for name, x in params["layers"].items():  # [L, *s] -> [n, L, piece]
     L, size = x.shape[0], x[0].size
@@ -76,7 +76,7 @@ def test_gather_is_full_and_its_vjp_is_the_mean_reduce_scatter(impl, comm):
   params = jax.tree.map(lambda s: rng.normal(size=s.shape).astype(np.float32), shapes)
   # Per-device cotangent weights: the loss of device d is sum(c_d * gathered).
   cots = jax.tree.map(lambda s: rng.normal(size=(n,) + s.shape).astype(np.float32), shapes)
-  layout = fsdp.Layout(shapes, n, impl=impl, comm_dtype=comm)
+  layout = fsdp.FsdpLayout(shapes, n, impl=impl, comm_dtype=comm)
 
   def per_device(pieces, c):
     local, c = layout.local(pieces), jax.tree.map(lambda x: x[0], c)
@@ -200,7 +200,7 @@ def test_zero1_relayout_round_trips_through_fsdp():
   shapes = jax.eval_shape(lambda: model_lib.init_params(jax.random.PRNGKey(0), TINY))
   mu = model_lib.init_params(jax.random.PRNGKey(2), TINY)
   z8 = zero.Zero1Layout(collectives.BucketPlan.create(shapes, 8))
-  f3 = fsdp.Layout(shapes, 3)
+  f3 = fsdp.FsdpLayout(shapes, 3)
   state = ({"count": jnp.zeros((8,), jnp.int32), "mu": z8.to_pieces(mu)},)
   out = zero.relayout_opt_state(state, z8, f3)
   assert out[0]["count"].shape == (3,)

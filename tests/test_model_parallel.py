@@ -57,7 +57,7 @@ def test_stacked_layout_rows_are_each_slices_pieces():
   local = jax.eval_shape(lambda: model_lib.init_params(jax.random.PRNGKey(0),
                                                        tp.local_config(TINY_TP, k)))
   params = jax.tree.map(np.asarray, model_lib.init_params(jax.random.PRNGKey(1), TINY_TP))
-  for inner in (fsdp.Layout(local, n), zero.Zero1Layout(collectives.BucketPlan.create(local, n))):
+  for inner in (fsdp.FsdpLayout(local, n), zero.Zero1Layout(collectives.BucketPlan.create(local, n))):
     layout = tp.Stacked(inner, model_lib.param_specs(TINY_TP, "model"), k)
     pieces = jax.device_get(layout.to_pieces(params))
     for j in range(k):

@@ -14,6 +14,7 @@ from tunix_core import data as data_lib
 from tunix_core.run import loop as train
 from tunix_core.training import config as config_lib
 from tunix_core.training import plan as plan_lib
+from tunix_core.training import remat
 from tunix_core.training import step as step_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -180,3 +181,21 @@ def test_eval_counts_every_pair_of_a_set_that_is_not_a_multiple_of_the_batch(tmp
   assert got[4].keys() == got[2].keys() and abs(got[2]["eval/rewards/margins"]) > 1e-3
   for k, v in got[2].items():
     assert got[4][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+
+
+@pytest.mark.slow
+def test_remat_auto_takes_the_cheapest_policy_that_fits(tmp_path):
+  """`--remat=auto` (`training.remat`): none without a memory bound; with one, the first
+  of none, dots, full whose compiled step fits, by the compiler's own memory figures."""
+  cfg = runs.config(tmp_path, batch_size=64)
+  devices = jax.devices()[:1]
+  plan = plan_lib.make_plan(cfg, devices, plan_lib.data_sizes(cfg, [runs.dataset(40, 20)]))
+  assert cfg.remat == "auto" and remat.resolve(plan, devices, None).model.remat == "none"
+  with_policy = lambda p: dataclasses.replace(plan, model=dataclasses.replace(plan.model,
+                                                                              remat=p))
+  need = {p: remat.need(with_policy(p), devices) for p in remat.CANDIDATES}
+  assert need["none"] > need["dots"] > need["full"]  # activations dominate this step
+  lines = []
+  for limit, want in ((need["none"] - 1, "dots"), (need["full"] - 1, "full")):
+    assert remat.resolve(plan, devices, limit, lines.append).model.remat == want
+  assert lines[-1].startswith("--remat=auto: no policy fits")

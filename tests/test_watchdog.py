@@ -4,6 +4,7 @@ has one, and a long copy restarts its call's clock block by block."""
 
 import time
 
+from tunix_core.run import exit_status
 from tunix_core.run import watchdog as watchdog_lib
 from tunix_core.storage import paths
 
@@ -16,11 +17,11 @@ def test_open_ended_work_has_no_deadline_but_its_storage_calls_do(monkeypatch, c
     time.sleep(0.5)  # 2.5x the timeout
     assert not exits
     paths.call("reading", "/nowhere/file", lambda: time.sleep(0.4))  # stuck past 0.2 s
-    assert exits[:1] == [watchdog_lib.EXIT_STATUS]
+    assert exits[:1] == [exit_status.WATCHDOG]
     dog.beat("train step 3")
     exits.clear()
     time.sleep(0.5)
-    assert exits[:1] == [watchdog_lib.EXIT_STATUS]  # bounded work: the deadline again
+    assert exits[:1] == [exit_status.WATCHDOG]  # bounded work: the deadline again
   err = capfd.readouterr().err
   assert ("the storage call reading /nowhere/file (during waiting for the token store) "
           "has not finished after") in err

@@ -145,7 +145,7 @@ def attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis: Visibility, *, scale: float,
   q, k, v = map(heads_first, (q_BxTxHxK, k_BxTxVxK, v_BxTxVxK))
 
   def run(interpret):
-    d = attention_tiles.Dims(t=T, bq=bq, bk=bk, nq=nq, nk=nk,
+    d = attention_tiles.TileDims(t=T, bq=bq, bk=bk, nq=nq, nk=nk,
                              groups=H // KV, scale=float(scale), softcap=float(softcap),
                              windowed=windowed, vmem_limit_bytes=bs.vmem_limit_bytes,
                              interpret=interpret)

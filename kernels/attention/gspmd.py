@@ -14,36 +14,36 @@ import jax
 
 from tunix_kernels.attention import pallas as attention_pallas
 from tunix_kernels import gspmd
-from tunix_kernels.attention.tiles import Dims
+from tunix_kernels.attention.tiles import TileDims
 
 _SPLIT = {"b": "batch", "v": "heads"}
 
 
-def _factors(d: Dims):
+def _factors(d: TileDims):
   heads = "v" if d.groups == 1 else "(v g)"
   q, kv, vec = f"b {heads} t e", "b v t e", "b t"
   ins = (q, kv, kv) + (vec,) * 4 + ("w",)
   return ins, (q, f"b {heads} o t"), ({} if d.groups == 1 else {"g": d.groups})
 
 
-def _forward_body(d: Dims, axes, q, k, v, *vectors):
+def _forward_body(d: TileDims, axes, q, k, v, *vectors):
   del axes  # rows and heads are independent
   return attention_pallas.forward(d, q, k, v, attention_pallas.rows(*vectors, d.bq, d.bk))
 
 
-def _backward_body(d: Dims, axes, q, k, v, *rest):
+def _backward_body(d: TileDims, axes, q, k, v, *rest):
   del axes
   vectors, (o, lse, do) = rest[:5], rest[5:]
   rows = attention_pallas.rows(*vectors, d.bq, d.bk)
   return attention_pallas.backward(d, q, k, v, rows, o, lse, do)
 
 
-def _forward_op(d: Dims):
+def _forward_op(d: TileDims):
   ins, outs, sizes = _factors(d)
   return gspmd.partitioned(functools.partial(_forward_body, d), ins, outs, _SPLIT, **sizes)
 
 
-def _backward_op(d: Dims):
+def _backward_op(d: TileDims):
   ins, outs, sizes = _factors(d)
   q, lse = outs
   return gspmd.partitioned(functools.partial(_backward_body, d), ins + (q, lse, q),
@@ -51,7 +51,7 @@ def _backward_op(d: Dims):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def flash_attention(d: Dims, q_BxHxTxK, k_BxVxTxK, v_BxVxTxK, vectors):
+def flash_attention(d: TileDims, q_BxHxTxK, k_BxVxTxK, v_BxVxTxK, vectors):
   """`attention_pallas.flash_attention` partitioned over the operands' shardings, with
   the rows' `vectors` (segments, branches, positions, valid `[B, T]` int32, the window
   `[1]`) in place of the kernels' `Rows`; differentiable in q, k, v."""

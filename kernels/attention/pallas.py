@@ -36,7 +36,7 @@ from tunix_kernels.attention import blocks as attention_blocks
 from tunix_kernels.attention import tiles as tiles
 from tunix_kernels.attention.tiles import F32
 from tunix_kernels.common import MASK_VALUE
-from tunix_kernels.attention.tiles import Dims
+from tunix_kernels.attention.tiles import TileDims
 from tunix_kernels.common import cotangent_for
 from tunix_kernels.common import out_struct
 from tunix_kernels.dispatch import LANES
@@ -55,7 +55,7 @@ class Rows(NamedTuple):
 
 
 def _fwd_kernel(kv_index, kv_count, window, q_ref, k_ref, v_ref, qv_ref, kv_ref,
-                o_ref, lse_ref, m_sc, l_sc, acc_sc, *, d: Dims):
+                o_ref, lse_ref, m_sc, l_sc, acc_sc, *, d: TileDims):
   b, qi, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   row = b * d.nq + qi
 
@@ -93,7 +93,7 @@ def _fwd_kernel(kv_index, kv_count, window, q_ref, k_ref, v_ref, qv_ref, kv_ref,
 
 
 def _dq_kernel(kv_index, kv_count, window, q_ref, k_ref, v_ref, qv_ref, kv_ref, do_ref,
-               lse_ref, delta_ref, dq_ref, acc_sc, *, d: Dims):
+               lse_ref, delta_ref, dq_ref, acc_sc, *, d: TileDims):
   b, qi, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   row = b * d.nq + qi
 
@@ -120,7 +120,7 @@ def _dq_kernel(kv_index, kv_count, window, q_ref, k_ref, v_ref, qv_ref, kv_ref, 
 
 
 def _dkv_kernel(q_index, q_count, window, q_ref, k_ref, v_ref, qv_ref, kv_ref, do_ref,
-                lse_ref, delta_ref, dk_ref, dv_ref, dk_sc, dv_sc, *, d: Dims):
+                lse_ref, delta_ref, dk_ref, dv_ref, dk_sc, dv_sc, *, d: TileDims):
   b, kj, g, i = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
   col = b * d.nk + kj
 
@@ -158,17 +158,17 @@ def rows(segments, branches, positions, valid, window_1, bq: int, bk: int) -> Ro
                                              window_1[0], bq, bk))
 
 
-def _params(d: Dims, semantics):
+def _params(d: TileDims, semantics):
   return pltpu.CompilerParams(dimension_semantics=semantics,
                               vmem_limit_bytes=d.vmem_limit_bytes)
 
 
-def _cost(kernel, q, d: Dims):
+def _cost(kernel, q, d: TileDims):
   B, H, T, K = q.shape
   return attention_blocks.cost_estimate(kernel, B, H, T, K, q.dtype, d.bq, d.bk, d.softcap)
 
 
-def forward(d: Dims, q, k, v, rows: Rows):
+def forward(d: TileDims, q, k, v, rows: Rows):
   """`(out [B, H, T, K] in q's dtype, lse [B, H, 1, T] float32)`."""
   B, H, T, K = q.shape
   vis = rows.visits
@@ -195,7 +195,7 @@ def forward(d: Dims, q, k, v, rows: Rows):
   )(vis.kv_index, vis.kv_count, rows.window, q, k, v, rows.q_cols, rows.k_rows)
 
 
-def backward(d: Dims, q, k, v, rows: Rows, o, lse, do):
+def backward(d: TileDims, q, k, v, rows: Rows, o, lse, do):
   """`(dq, dk, dv)` in their operands' dtypes, from `forward`'s out and lse."""
   B, H, T, K = q.shape
   KV = k.shape[1]
@@ -261,7 +261,7 @@ def backward(d: Dims, q, k, v, rows: Rows, o, lse, do):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def flash_attention(d: Dims, q_BxHxTxK, k_BxVxTxK, v_BxVxTxK, rows: Rows):
+def flash_attention(d: TileDims, q_BxHxTxK, k_BxVxTxK, v_BxVxTxK, rows: Rows):
   """`[B, H, T, K]` attention out in the dtype of q; differentiable in q, k, v (the
   int32 `rows` get no cotangent)."""
   return forward(d, q_BxHxTxK, k_BxVxTxK, v_BxVxTxK, rows)[0]

@@ -1,5 +1,5 @@
 """The math of one attention tile, shared by the Pallas kernels (`attention_pallas`):
-the static `Dims`, the visibility mask built from the row vectors, the scaled and
+the static `TileDims`, the visibility mask built from the row vectors, the scaled and
 soft-capped scores, and the backward's `p` and `dS`."""
 
 from typing import NamedTuple
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 F32 = jnp.float32
 
 
-class Dims(NamedTuple):
+class TileDims(NamedTuple):
   """Static facts a kernel body needs (hashable)."""
   t: int
   bq: int
@@ -33,7 +33,7 @@ class Dims(NamedTuple):
     return self.t % self.bk != 0
 
 
-def mask(q_first, k_first, qv, kv, window, d: Dims, keys_down=False):
+def mask(q_first, k_first, qv, kv, window, d: TileDims, keys_down=False):
   """Which entries of the tile of query block `q_first` and key block `k_first` are
   visible: `[bq, bk]` from query vectors `qv [bq, 3]` and key vectors `kv [3, bk]`, or,
   with `keys_down`, `[bk, bq]` from `kv [bk, 3]` and `qv [3, bq]` (the backward's
@@ -56,13 +56,13 @@ def mask(q_first, k_first, qv, kv, window, d: Dims, keys_down=False):
   return ok
 
 
-def real_rows(x, block, first, d: Dims):
+def real_rows(x, block, first, d: TileDims):
   """`x [n, K]` with rows past the row's end zeroed (0 * garbage may be NaN)."""
   rows = first * block + jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
   return jnp.where(rows < d.t, x, jnp.zeros_like(x))
 
 
-def scores(q, k, d: Dims):
+def scores(q, k, d: TileDims):
   """float32 `q k^T * scale`, soft-capped; and `1 - tanh^2` of the cap (None without)."""
   s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32)
   s = s * d.scale
@@ -72,7 +72,7 @@ def scores(q, k, d: Dims):
   return d.softcap * t, 1.0 - t * t
 
 
-def grad_tile(q, k, v, do, lse, delta, ok, d: Dims):
+def grad_tile(q, k, v, do, lse, delta, ok, d: TileDims):
   """`p^T` and `dS^T` (the cotangent of the raw scaled scores), float32 `[bk, bq]`, of
   one tile; `lse`, `delta` are `[1, bq]` rows."""
   s, dcap = scores(k, q, d)

@@ -27,7 +27,7 @@ from tunix_kernels.attention import tiles as attention_tiles
 _FILL = -1e30  # a masked score: finite, so a query that sees nothing stays free of NaN
 
 
-class Dims(NamedTuple):
+class BlockwiseDims(NamedTuple):
   """Static shape of one call: tiles `bq x bk` over rows padded to `t`."""
   t: int
   bq: int
@@ -48,7 +48,7 @@ def _block(x, start, size, axis):
   return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
 
 
-def _tile(d: Dims, rule, q_i, k_j, i, j):
+def _tile(d: BlockwiseDims, rule, q_i, k_j, i, j):
   """Scores of query block i against key block j: `(s, allowed, t)`, s float32 `[B, KV,
   G, bq, bk]` soft-capped and masked, t the soft-cap's tanh (for its derivative)."""
   s = jnp.einsum("bvgqk,bvsk->bvgqs", q_i, k_j, preferred_element_type=jnp.float32)
@@ -61,13 +61,13 @@ def _tile(d: Dims, rule, q_i, k_j, i, j):
   return jnp.where(allowed, s, _FILL), allowed, t
 
 
-def _rule(d: Dims, vectors):
+def _rule(d: BlockwiseDims, vectors):
   """`rule(i, j)`: `[B, bq, bk]` bool, the `Visibility` rule on tile (i, j): the Pallas
   kernels' own mask (`attention_tiles.mask`), row by row."""
   *rows, window = vectors
   q_vectors, k_vectors = attention_blocks.row_vectors(*rows)
   q_cols = jnp.swapaxes(q_vectors, 1, 2)  # [B, t, 3]
-  tile = attention_tiles.Dims(t=d.t, bq=d.bq, bk=d.bk, nq=d.t // d.bq, nk=d.t // d.bk,
+  tile = attention_tiles.TileDims(t=d.t, bq=d.bq, bk=d.bk, nq=d.t // d.bq, nk=d.t // d.bk,
                               groups=1, scale=d.scale, softcap=d.softcap, windowed=True,
                               vmem_limit_bytes=None, interpret=False)
 
@@ -94,7 +94,7 @@ def _walk(lists, which, block, n: int, body, carry):
                            carry)
 
 
-def _forward(d: Dims, q, k, v, vectors, lists):
+def _forward(d: BlockwiseDims, q, k, v, vectors, lists):
   nk = d.t // d.bk
   B, KV, G, _, K = q.shape
   rule = _rule(d, vectors)
@@ -129,7 +129,7 @@ def _forward(d: Dims, q, k, v, vectors, lists):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def blockwise(d: Dims, q, k, v, vectors, lists):
+def blockwise(d: BlockwiseDims, q, k, v, vectors, lists):
   """Attention of heads-first `q [B, KV, G, t, K]` over `k, v [B, KV, t, K]`: the
   output in q's dtype; differentiable in q, k, v. `vectors`: the `[B, t]` segments,
   branches, positions and valid of the rule and the effective window (an int32 scalar);
@@ -206,6 +206,6 @@ def xla_attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vectors, *, scale: float,
              *attention_blocks.tile_lists(jnp.swapaxes(visible, 1, 2)))
   q = jnp.moveaxis(pad(q_BxTxHxK).reshape(B, t, KV, H // KV, K), 1, 3)
   k, v = (jnp.moveaxis(pad(x), 1, 2) for x in (k_BxTxVxK, v_BxTxVxK))
-  d = Dims(t=t, bq=bq, bk=bk, scale=float(scale), softcap=float(softcap))
+  d = BlockwiseDims(t=t, bq=bq, bk=bk, scale=float(scale), softcap=float(softcap))
   out = blockwise(d, q, k, v, (*rows, window), lists)
   return jnp.moveaxis(out, 3, 1).reshape(B, t, H, K)[:, :T]

@@ -43,7 +43,7 @@ from tunix_kernels.dispatch import LANES
 F32 = jnp.float32
 
 
-class Dims(NamedTuple):
+class FusedDims(NamedTuple):
   """Static sizes of one fused backward (hashable, for `functools.partial`)."""
   n: int
   v: int
@@ -75,13 +75,13 @@ class Dims(NamedTuple):
     return tuple((lo, piece) for lo in range(0, self.d, piece))
 
 
-def dims_of(hidden, weight, bs, softcap, cores) -> Dims:
-  """`Dims` of `hidden [N, D]`, `weight [D, V]` under tiles `bs` (its backward tiles) on
+def dims_of(hidden, weight, bs, softcap, cores) -> FusedDims:
+  """`FusedDims` of `hidden [N, D]`, `weight [D, V]` under tiles `bs` (its backward tiles) on
   `cores` TensorCores, fewer when there are too few vocabulary blocks for each core to
   get at least one (`used_cores`)."""
   (n, d), v = hidden.shape, weight.shape[1]
   bn, bv = bs.backward_tiles
-  return Dims(n, v, d, bn, bv, used_cores(cores, pl.cdiv(v, bv)), softcap)
+  return FusedDims(n, v, d, bn, bv, used_cores(cores, pl.cdiv(v, bv)), softcap)
 
 
 def _count(dims, c):

@@ -41,7 +41,7 @@ from tunix_kernels.logprobs.blocks import cost_estimate
 F32 = jnp.float32
 
 
-class _Dims(NamedTuple):
+class _KernelDims(NamedTuple):
   """Static sizes a kernel body needs (hashable, for `functools.partial`)."""
   n: int
   v: int
@@ -61,7 +61,7 @@ def _dims(hidden, weight, bs, softcap):
   (n, d), v = hidden.shape, weight.shape[1]
   bd = d if bs.block_d is None else bs.block_d
   nd = d // bd
-  return _Dims(n, v, bs.block_n, bs.block_v, bd, nd, 1 if nd == 1 else 2 * nd, softcap)
+  return _KernelDims(n, v, bs.block_n, bs.block_v, bd, nd, 1 if nd == 1 else 2 * nd, softcap)
 
 
 def _accumulate_logits(logits_sc, h_ref, w_ref, k):

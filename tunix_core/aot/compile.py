@@ -31,6 +31,7 @@ from tunix_core.data import packing
 from tunix_core.run import source
 from tunix_core.training import flops
 from tunix_core.training import plan as plan_lib
+from tunix_core.training import remat
 from tunix_core.training import step as step_lib
 from tunix_core.training.config import ConfigError
 
@@ -141,13 +142,20 @@ def compile_only(cfg, target: str, log=print) -> int:
   (`compile_stats`' "need") exceeds HBM."""
   chip, devices = target_devices(target)
   where = f"{target} ({len(devices)} x {devices[0].device_kind})"
-  plan = plan_for(cfg, devices, log)
+  compiled = {}  # each candidate of --remat=auto compiles once, its figures kept
+
+  def measure(candidate, devices):
+    compiled[candidate.model.remat] = stats = compile_stats(candidate, chip, devices)
+    return None if stats["error"] else stats["need"]
+
+  plan = remat.resolve(plan_for(cfg, devices, log), devices,
+                       chip.hbm_bytes if chip else remat.capacity(devices), log, measure)
   num_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(
       lambda: model_lib.init_params(jax.random.PRNGKey(0), plan.model))))
   log(f"compile only: {cfg.hf_model_dir or cfg.model} ({num_params:,} params, "
       f"{plan.layout}) for {where}")
   log(plan.describe())
-  stats = compile_stats(plan, chip, devices)
+  stats = compiled.get(plan.model.remat) or compile_stats(plan, chip, devices)
   if stats["error"] is not None:
     said = "does not fit" if stats["memory"] else "the compiler refused the step"
     log(f"{said}: {stats['error']}")

@@ -61,7 +61,7 @@ def remat_scan(body, gather, x, pieces, settings, rows):
     body: `(x, layer, setting, rows) -> x`: one layer on its gathered weights.
     gather: a device's pieces of one layer -> that layer's weights, leaf for leaf (the
       same tree structure); differentiable, its VJP the gradient's reduce-scatter
-      (`parallel.fsdp.Layout.gather_layer`, or LoRA's wrapper around it).
+      (`parallel.fsdp.FsdpLayout.gather_layer`, or LoRA's wrapper around it).
     x: the stack's input, e.g. `[B, T, D]`; differentiable.
     pieces: a tree of `[L, ...]` leaves, a device's pieces of every layer; differentiable.
     settings: a tree of `[L, ...]` per-layer constants; not differentiated.

@@ -81,7 +81,7 @@ def _gather_op(plan_param, plan_compute, axis_name, impl, comm_dtype, stages):
   return gather
 
 
-class Layout:
+class FsdpLayout:
   """The FSDP layout of a model's params on `num_shards` devices of `axis_name`.
 
   Args:

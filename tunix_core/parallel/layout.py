@@ -7,7 +7,7 @@ and updates them; the step calls the protocol and never asks which layout it has
 
 - `Zero1`: params replicated over "data"; the optimizer state is 1/N per device
   (`zero.ShardedOptimizer`: bucketed reduce-scatter, local update, all-gather).
-- `FSDP`: params in `fsdp.Layout`'s flat pieces split over "data", one layer gathered at
+- `FSDP`: params in `fsdp.FsdpLayout`'s flat pieces split over "data", one layer gathered at
   a time inside the layer scan; the update stays local.
 - `TensorParallel`: either of them applied to each of the K slices of a "model" axis
   (`tensor_parallel`): heads, MLP columns and vocabulary split Megatron-style.
@@ -169,7 +169,7 @@ class Zero1(Whole):
 
 
 class FSDP(Zero1):
-  """FSDP: params, gradients and optimizer state split over "data" in `fsdp.Layout`'s
+  """FSDP: params, gradients and optimizer state split over "data" in `fsdp.FsdpLayout`'s
   pieces (`[N, ...]` step form, a `[1, ...]` block per device)."""
 
   name, replica_axis = "fsdp", None
@@ -177,7 +177,7 @@ class FSDP(Zero1):
   def __init__(self, param_shapes: dict, opt: zero.ShardedOptimizer, compute_dtype,
                comm_dtype, gather_stages=None):
     self.param_shapes, self.opt = param_shapes, opt
-    self.cut = fsdp_lib.Layout(param_shapes, opt.plan.num_shards, DATA,
+    self.cut = fsdp_lib.FsdpLayout(param_shapes, opt.plan.num_shards, DATA,
                                compute_dtype=compute_dtype, impl=opt.impl,
                                comm_dtype=comm_dtype, gather_stages=gather_stages)
     self.num_shards = self.cut.num_shards

@@ -97,7 +97,7 @@ def split_dims(specs: dict, axis: str = "model") -> dict:
 
 
 class Stacked:
-  """A one-slice layout (`zero.Zero1Layout` or `fsdp.Layout` over one slice's shapes, e.g.
+  """A one-slice layout (`zero.Zero1Layout` or `fsdp.FsdpLayout` over one slice's shapes, e.g.
   of `local_config(cfg, k)`, cut over the data axis) applied to each of the `k` slices of
   the model axis, which `specs` (PartitionSpecs over "model" of the logical params) say. Its pieces have rows `i k + j` = data piece i of model slice j, the block
   device (i, j) of a `("data", "model")` mesh holds under `P(("data", "model"))`; inside

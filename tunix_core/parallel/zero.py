@@ -127,7 +127,7 @@ class ShardedOptimizer:
 
 def abstract_opt_state(layout, tx: optax.GradientTransformation, sharding):
   """ShapeDtypeStructs of the optimizer state of `tx` kept in the cut `layout` (a
-  `Zero1Layout`, `fsdp.Layout` or `tensor_parallel.Stacked`; a `parallel.layout.Layout`'s
+  `Zero1Layout`, `fsdp.FsdpLayout` or `tensor_parallel.Stacked`; a `parallel.layout.Layout`'s
   `cut`): each device's state of its pieces, stacked on a leading `[layout.num_shards]`
   axis placed with `sharding`."""
   local = jax.eval_shape(tx.init, layout.local_shapes())
@@ -138,7 +138,7 @@ def abstract_opt_state(layout, tx: optax.GradientTransformation, sharding):
 class Zero1Layout:
   """ZeRO-1's cut of a params-structured tree (the optimizer state's `mu`, `nu`): each leaf
   flattened, zero-padded and split into `[N, piece]` rows (`plan.local_pieces`).
-  `fsdp.Layout` has the same two conversions for its own cut; `parallel.layout.Zero1`
+  `fsdp.FsdpLayout` has the same two conversions for its own cut; `parallel.layout.Zero1`
   is the whole ZeRO-1 parameter layout built on it."""
 
   def __init__(self, plan: collectives.BucketPlan):
@@ -165,7 +165,7 @@ class Zero1Layout:
 
 def relayout_opt_state(opt_state, old, new):
   """Optimizer state laid out by `old`, re-cut as `new` (each a `Zero1Layout` or an
-  `fsdp.Layout`, for any device counts): ZeRO-1 on 8 -> 4 -> 1 devices, ZeRO-1 <-> FSDP.
+  `fsdp.FsdpLayout`, for any device counts): ZeRO-1 on 8 -> 4 -> 1 devices, ZeRO-1 <-> FSDP.
 
   Subtrees shaped like the params (adam's `mu`, `nu`, ...) are joined into logical
   arrays and cut again. Other leaves (step counts) are equal on every device and are

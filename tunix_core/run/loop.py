@@ -33,6 +33,7 @@ from tunix_core.storage import paths
 from tunix_core.training import flops
 from tunix_core.training import health as health_lib
 from tunix_core.training import plan as plan_lib
+from tunix_core.training import remat
 from tunix_core.training import step as step_lib
 from tunix_core.training.config import ConfigError
 from tunix_core.training.config import TrainConfig
@@ -83,7 +84,7 @@ def train(cfg: TrainConfig, log=print, devices=None, hooks: Hooks = Hooks()) -> 
   `health.NonFiniteStep` when a step is NaN/Inf under `--on_nonfinite=stop`,
   `checkpoint.CheckpointWriteError` when a save fails, and `ConfigError`,
   `data_lib.DataError` or `checkpoint.CheckpointError` on bad input. Work that outlives
-  `--step_timeout` ends the process with `watchdog.EXIT_STATUS` (`run.watchdog`).
+  `--step_timeout` ends the process with `exit_status.WATCHDOG` (`run.watchdog`).
   """
   devices = devices or jax.devices()
   cfg.validate(len(devices))
@@ -117,8 +118,9 @@ def _train(cfg, devices, log, beat, hooks):
   except paths.StorageError as e:
     raise ConfigError(f"--output_dir={cfg.output_dir!r} cannot be created: {e}") from None
   train_set, eval_set = source_lib.load_data(cfg, log, beat=startup)
-  plan = plan_lib.make_plan(cfg, devices, plan_lib.data_sizes(
-      cfg, [d for d in (train_set, eval_set) if d is not None]))
+  plan = remat.resolve(plan_lib.make_plan(cfg, devices, plan_lib.data_sizes(
+      cfg, [d for d in (train_set, eval_set) if d is not None])), devices,
+                       remat.capacity(devices), log)
   mcfg = plan.model
   steps = step_lib.make_steps(plan, devices)
   # The step compiles (or loads from the compilation cache) while the state is made.

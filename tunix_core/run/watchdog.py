@@ -17,8 +17,8 @@ quickly at start-up as mid-run.
 When a deadline passes, a background thread prints one line naming the work (or the
 storage call), for how long, and any storage call in flight, writes every thread's
 stack to `sys.stderr` (the trainer routes it to `trainer.log`), and ends the process
-with `EXIT_STATUS`: nothing else can interrupt a thread blocked in a collective or a
-socket.
+with `exit_status.WATCHDOG`: nothing else can interrupt a thread blocked in a collective
+or a socket.
 """
 
 import os
@@ -27,9 +27,9 @@ import threading
 import time
 import traceback
 
+from tunix_core.run import exit_status
 from tunix_core.storage import paths
 
-EXIT_STATUS = 5     # the trainer's other statuses: 1 (error), 3, 4 and 42
 FIRST_FACTOR = 4    # start-up, compiles and the export
 
 
@@ -100,7 +100,7 @@ class Watchdog:
             f"(--step_timeout={self.step_timeout:g})"
             + (f"; storage call in flight: {'; '.join(storage)}" if storage else "")
             + f"; every thread's stack is in the library log; exiting with status "
-            f"{EXIT_STATUS}\n")
+            f"{exit_status.WATCHDOG}\n")
     sys.__stderr__.write(line)
     sys.__stderr__.flush()
-    os._exit(EXIT_STATUS)  # pylint: disable=protected-access
+    os._exit(exit_status.WATCHDOG)  # pylint: disable=protected-access

@@ -133,9 +133,10 @@ class TrainConfig:
   compute_dtype: str = _flag("auto", "Activation/matmul dtype (auto: bfloat16 on TPU and "
                              "GPU, float32 on CPU); params keep --param_dtype.",
                              group="model")
-  remat: str = _flag("none", "Rematerialisation policy of each layer in the backward "
-                     "(offload: matmul outputs to pinned host memory and back; "
-                     "full_prefetch: full, with --fsdp's backward transfers under its "
+  remat: str = _flag("auto", "Rematerialisation of each layer in the backward: auto (the "
+                     "first of none, dots, full whose step fits a TPU chip; else none), "
+                     "offload (matmul outputs to pinned host memory and back), "
+                     "full_prefetch (full, with --fsdp's backward transfers under its "
                      "compute, for one more layer in HBM).", group="model")
   export_hf_dir: str = _flag("", "After the last step, write the policy here as a Hugging "
                              "Face directory (with --hf_model_dir's config and tokenizer "
@@ -269,9 +270,8 @@ class TrainConfig:
     weights = [float(w) for w in self.loss_weights.split(",")] if self.loss_weights else None
     return dict(loss_type=self.loss_type, loss_weights=weights, beta=self.beta,
                 label_smoothing=self.label_smoothing, discopop_tau=self.discopop_tau,
-                f_divergence_type=self.f_divergence_type,
-                f_alpha_divergence_coef=self.f_alpha_divergence_coef,
-                simpo_gamma=self.simpo_gamma, cpo_alpha=self.cpo_alpha)
+                f_divergence_type=self.f_divergence_type, simpo_gamma=self.simpo_gamma,
+                f_alpha_divergence_coef=self.f_alpha_divergence_coef, cpo_alpha=self.cpo_alpha)
 
   def loss_spec(self) -> dpo_losses.LossSpec:
     """The checked loss terms (ValueError naming the bad argument)."""
@@ -298,10 +298,10 @@ class TrainConfig:
   def model_config(self, platform: str = "cpu") -> model_lib.ModelConfig:
     """The preset's config, or with `--hf_model_dir` the checkpoint's (`hf.HFError` if it
     cannot be represented exactly), computing as `--compute_dtype` resolves on
-    `platform`."""
-    overrides = dict(param_dtype=self.param_dtype,
+    `platform`; `--remat=auto` is none until `training.remat` resolves it."""
+    overrides = dict(param_dtype=self.param_dtype, attention_impl=self.attention_impl,
                      compute_dtype=self.resolved_compute_dtype(platform),
-                     remat=self.remat, attention_impl=self.attention_impl)
+                     remat="none" if self.remat == "auto" else self.remat)
     if self.hf_model_dir:
       from tunix_core.hf import config as hf_config  # pylint: disable=g-import-not-at-top
       return hf_config.read_config(self.hf_model_dir, **overrides)

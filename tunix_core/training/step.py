@@ -60,10 +60,9 @@ class StepFunctions:
     self.model_parallel = dict(mesh.shape).get("model", 1)
     self.tx, self.schedule = optim.make_optimizer(cfg)
     layout_kw = dict(data_shards=self.num_devices, model_parallel=self.model_parallel,
-                     fsdp=cfg.fsdp,
-                     bucket_bytes=int(cfg.bucket_mb * 2**20), sync_impl=plan.sync_impl,
+                     fsdp=cfg.fsdp, bucket_bytes=int(cfg.bucket_mb * 2**20),
+                     sync_impl=plan.sync_impl, max_grad_norm=cfg.max_grad_norm or None,
                      comm_dtype=collectives.COMM_DTYPES[cfg.grad_sync_dtype],
-                     max_grad_norm=cfg.max_grad_norm or None,
                      slice_axis=mesh_lib.slice_axis(mesh),
                      gather_stages=mesh_lib.gather_stages(mesh))
     if plan.lora is None:
@@ -237,13 +236,15 @@ class StepFunctions:
     opt_state = jax.tree.map(lambda x: x[0], state["opt_state"])
     with jax.named_scope("optimizer"):
       update = self.layout.update(grads, opt_state, params)
-    metrics = jax.lax.pmean(metrics, self.batch_axes)
+    # A batch that scores no token (online DPO, every prompt tied) updates nothing; its
+    # count rides the metrics' mean (one all-reduce).
+    scored = jnp.sum(batch["loss_mask"], dtype=jnp.float32)
+    metrics = jax.lax.pmean(dict(metrics, scored=scored), self.batch_axes)
+    scored = metrics.pop("scored") > 0
     metrics = dict(metrics, grad_norm=update.grad_norm,
                    learning_rate=self.schedule(state["step"]))
     ok, health = health_lib.update(state["nonfinite"], metrics, state["step"] + 1)
-    # A batch that scores no token (online DPO where every prompt tied) updates nothing.
-    ok &= jax.lax.psum(jnp.sum(batch["loss_mask"]), self.batch_axes) > 0
-    keep = lambda new, old: health_lib.keep_if(ok, new, old)
+    keep = lambda new, old: health_lib.keep_if(ok & scored, new, old)
     new_state = {"params": keep(update.params, state["params"]),
                  "opt_state": keep(jax.tree.map(lambda x: x[None], update.state),
                                    state["opt_state"]),
@@ -298,8 +299,7 @@ class StepFunctions:
     batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.pairs)
              for k, shape in shapes.items()}
     if self.plan.reference == "precomputed":
-      batch["ref_logps"] = jax.ShapeDtypeStruct(shapes["tokens"], jnp.float32,
-                                                sharding=self.pairs)
+      batch["ref_logps"] = jax.ShapeDtypeStruct(shapes["tokens"], jnp.float32, sharding=self.pairs)
     return state, frozen, batch
 
   def put_batch(self, batch: dict) -> dict:

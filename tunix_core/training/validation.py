@@ -32,7 +32,7 @@ CHOICES = {
     "export_dtype": ("auto",) + tuple(model_lib.DTYPES),
     "compute_dtype": ("auto",) + tuple(model_lib.DTYPES),
     "reference": REFERENCE_MODES,
-    "remat": tuple(model_lib.REMAT_POLICIES),
+    "remat": ("auto",) + tuple(model_lib.REMAT_POLICIES),
     "optimizer": optim.OPTIMIZERS,
     "f_divergence_type": dpo_losses.F_DIVERGENCES,
     "logprob_impl": tunix_kernels.LOGPROB_IMPLS,

@@ -1,0 +1,68 @@
+"""`--remat=auto`: the cheapest rematerialisation policy whose step fits the device.
+
+Rematerialisation trades memory for compute: `none` keeps every activation for the
+backward, `dots` keeps only the matmul outputs and recomputes the rest, `full` recomputes
+each layer's forward. `auto` compiles the plan's step under each policy in that order of
+cost and takes the first whose compiled memory (`need`) fits the device's capacity; a
+step that fits under none of them gets `full` and fails as it would. Without a capacity (CPU and GPU devices:
+host memory, or an unknown bound) it is `none`. Each compile is the very step the run
+then executes, so with the persistent compilation cache the chosen one is loaded, not
+compiled again, and a restart finds every candidate cached.
+"""
+
+import dataclasses
+
+import jax
+from tunix_kernels import tpu
+
+from tunix_core.training import plan as plan_lib
+from tunix_core.training import step as step_lib
+
+CANDIDATES = ("none", "dots", "full")  # cheapest first
+
+
+def capacity(devices) -> int | None:
+  """Bytes one device may hold: a TPU's `bytes_limit`, else None (no bound known)."""
+  if devices[0].platform != "tpu":
+    return None
+  return (devices[0].memory_stats() or {}).get("bytes_limit")
+
+
+def need(plan: plan_lib.StepPlan, devices) -> int | None:
+  """Per-device bytes of `plan`'s compiled train step on `devices`, or None when the
+  compiler refuses it for memory."""
+  steps = step_lib.make_steps(plan, devices)
+  try:
+    with jax.set_mesh(steps.mesh):
+      compiled = steps.train_step.lower(*steps.abstract_inputs()).compile()
+  except Exception as e:  # noqa: BLE001 - the compiler's refusal is the answer
+    if "RESOURCE_EXHAUSTED" in str(e) or "exceeds" in str(e):
+      return None
+    raise
+  stats = tpu.compiled_stats(compiled)
+  held = stats["argument"] + stats["output"] - stats["alias"]
+  # The TPU compiler's peak of live bytes; elsewhere (CPU) its peak leaves out the
+  # temporaries, so they are added whole.
+  peak = stats["peak"] if devices[0].platform == "tpu" else None
+  return max(peak or held + stats["temp"], held)
+
+
+def resolve(plan: plan_lib.StepPlan, devices, limit: int | None, log=lambda *_: None,
+            measure=need) -> plan_lib.StepPlan:
+  """`plan` with `--remat=auto` resolved for devices holding `limit` bytes each (None:
+  no bound, `none`); any other `--remat` as given. `measure(plan, devices)`: a
+  candidate's bytes per device, None if it does not compile (default `need`)."""
+  if plan.cfg.remat != "auto":
+    return plan
+  with_policy = lambda p: dataclasses.replace(plan, model=dataclasses.replace(plan.model,
+                                                                              remat=p))
+  if limit is None:
+    return with_policy("none")
+  for policy in CANDIDATES:
+    bytes_ = measure(with_policy(policy), devices)
+    if bytes_ is not None and bytes_ <= limit:
+      log(f"--remat=auto: {policy} ({bytes_ / 2**30:.3g} of {limit / 2**30:.3g} GiB per "
+          "device)")
+      return with_policy(policy)
+  log(f"--remat=auto: no policy fits {limit / 2**30:.3g} GiB per device; full")
+  return with_policy("full")
