@@ -3,6 +3,7 @@ the package keeps its architecture: imports only go down the sub-packages' floor
 import cycle (imports inside functions included), no module far over 300 lines."""
 
 import ast
+import dataclasses
 import glob
 import os
 
@@ -176,3 +177,46 @@ def test_no_former_module_name_imports():
   for former in ("logprobs_pallas", "dpo_losses", "attention_xla"):
     with pytest.raises(ImportError):
       importlib.import_module(f"tunix_kernels.{former}")
+
+
+def test_below_the_plan_nothing_reads_the_run_config():
+  """Below the step plan (the kernels, model, parallel, data, storage, hf, and training
+  but for the config, its flags and the plan) no module imports `training.config`, and
+  the plan holds what it resolved, not the config."""
+  below = ("tunix_kernels", "tunix_core.model", "tunix_core.parallel", "tunix_core.data",
+           "tunix_core.storage", "tunix_core.hf", "tunix_core.training")
+  allowed = {f"tunix_core.training.{m}" for m in ("config", "flags", "plan")}
+  for module, imported in _graph().items():
+    if _package(module) in below and module not in allowed:
+      assert "tunix_core.training.config" not in imported, module
+  from tunix_core.training import config as config_lib  # pylint: disable=g-import-not-at-top
+  from tunix_core.training import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  for field in dataclasses.fields(plan_lib.StepPlan):
+    assert field.type not in (config_lib.TrainConfig, "TrainConfig"), field.name
+
+
+# Per-op idioms that each op defines for itself, as JAX's Pallas ops do.
+SAME_NAME_BY_DESIGN = {"BlockSizes"}
+
+
+def test_one_name_per_concept():
+  """No class name is defined in two modules (but `SAME_NAME_BY_DESIGN`), and no name
+  is exported by two packages' `__init__` as two different functions."""
+  import collections  # pylint: disable=g-import-not-at-top
+  import importlib  # pylint: disable=g-import-not-at-top
+  import inspect  # pylint: disable=g-import-not-at-top
+  modules = _modules()
+  classes = collections.defaultdict(list)
+  for name, path in modules.items():
+    for node in ast.parse(open(path, encoding="utf-8").read()).body:
+      if isinstance(node, ast.ClassDef):
+        classes[node.name].append(name)
+  twice = {c: m for c, m in classes.items() if len(m) > 1 and c not in SAME_NAME_BY_DESIGN}
+  assert not twice, twice
+  exported = collections.defaultdict(set)
+  for name, path in modules.items():
+    if path.endswith("__init__.py"):
+      for key, value in vars(importlib.import_module(name)).items():
+        if inspect.isfunction(value) and not key.startswith("_"):
+          exported[key].add(f"{value.__module__}.{value.__qualname__}")
+  assert not {k: v for k, v in exported.items() if len(v) > 1}

@@ -160,7 +160,7 @@ def test_every_loss_type_and_its_gradient_equal_on_plain_and_packed_rows():
   cfg = runs.config("/tmp", loss_type=",".join(types), label_smoothing=0.1,
                     loss_weights=",".join(str(0.5 + i / 10) for i in range(len(types))))
   run = jax.jit(jax.value_and_grad(
-      lambda p, b, rows: objective.dpo_objective(p, ref_logps, b, cfg, mcfg, rows),
+      lambda p, b, rows: objective.dpo_objective(p, ref_logps, b, cfg.loss_spec(), mcfg, rows),
       has_aux=True), static_argnums=2)
   (want, want_m), want_g = run(params, jax.tree.map(jnp.asarray, packing.pack(host, plain)),
                                plain)

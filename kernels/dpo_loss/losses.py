@@ -65,6 +65,13 @@ class LossSpec:
     return all(t in REFERENCE_FREE_TYPES for t in self.loss_types)
 
 
+def kwargs(spec: LossSpec) -> dict:
+  """`spec` as the keyword arguments of `tunix_kernels.dpo_loss` (inverse of `make_spec`)."""
+  out = dataclasses.asdict(spec)
+  out["loss_type"] = out.pop("loss_types")
+  return out
+
+
 def parse_loss_types(loss_type) -> tuple:
   """`"sigmoid"`, `"sigmoid,sft"` or a sequence of names -> a tuple of names."""
   names = loss_type.split(",") if isinstance(loss_type, str) else list(loss_type)

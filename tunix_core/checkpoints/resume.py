@@ -50,7 +50,7 @@ def _saved_layout(steps, meta: dict):
   """The cut of the optimizer state the checkpoint described by `meta` was written in
   (older checkpoints carry no "layout" and no "model_parallel": they are ZeRO-1 without
   TP)."""
-  kw = dict(data_shards=meta["num_shards"], bucket_bytes=int(steps.cfg.bucket_mb * 2**20),
+  kw = dict(data_shards=meta["num_shards"], bucket_bytes=steps.plan.bucket_bytes,
             model_parallel=meta.get("model_parallel", 1))
   if steps.plan.lora is not None:  # the adapters' ZeRO-1 rows, whatever the base's layout
     return lora_layout.make(steps.mcfg, steps.plan.lora, steps.tx, **kw).cut

@@ -10,7 +10,7 @@ from tunix_core.model.config import PRESETS
 from tunix_core.model.config import REMAT_POLICIES
 from tunix_core.model.config import RematPolicy
 from tunix_core.model.config import ROPE_TYPES
-from tunix_core.model.decoder import attention
+from tunix_core.model.decoder import self_attention
 from tunix_core.model.decoder import decoder
 from tunix_core.model.decoder import default_positions
 from tunix_core.model.decoder import embed

@@ -131,8 +131,8 @@ def project(x_NxI, layer, name: str, cfg: ModelConfig):
 
 
 @jax.named_scope("attention")
-def attention(x_BxTxD, layer, setting, positions_BxT, mask_BxT, cfg: ModelConfig,
-              segments_BxT=None, branches_BxT=None, band: int | None = None):
+def self_attention(x_BxTxD, layer, setting, positions_BxT, mask_BxT, cfg: ModelConfig,
+                   segments_BxT=None, branches_BxT=None, band: int | None = None):
   """Causal grouped-query attention; keys where `mask_BxT` is 0 are never attended, nor
   keys `setting["window"]` or more positions back (when it is not 0), nor keys of another
   segment or response branch (`tunix_kernels.attention.Visibility`). On TPU the Pallas kernels
@@ -262,9 +262,9 @@ def decoder(params: dict, x_BxTxD: jax.Array, mask_BxT: jax.Array | None, cfg: M
   def body(x_BxTxD, layer, setting, rows):
     positions_BxT, mask_BxT, segments_BxT, branches_BxT = rows
     layer = jax.tree.map(lambda w: w.astype(compute), layer)
-    attend = lambda h: (attention(h, layer, setting, positions_BxT, mask_BxT, lcfg,
-                                  segments_BxT=segments_BxT, branches_BxT=branches_BxT,
-                                  band=band), None)
+    attend = lambda h: (self_attention(h, layer, setting, positions_BxT, mask_BxT, lcfg,
+                                       segments_BxT=segments_BxT, branches_BxT=branches_BxT,
+                                       band=band), None)
     return block(x_BxTxD, layer, attend, cfg, lcfg, enter, leave)[0]
 
   x_BxTxD = layer_stack.scan(body, x_BxTxD, params["layers"], layer_settings(cfg), rows,

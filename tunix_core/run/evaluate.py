@@ -22,7 +22,7 @@ def evaluate(steps: step_lib.StepFunctions, params, ref_params, dataset,
   """`{"eval/<key>": mean over the eval set's pairs}`; keys as the train step's metrics.
   `dataset`: a token store (`data.store.PairStore`) or a `data.PreferenceDataset`;
   `beat`, if given, is called with each batch's name as it starts (a watchdog's beat)."""
-  B = steps.cfg.batch_size
+  B = steps.plan.batch_size
 
   def means(idx: np.ndarray) -> dict:
     batch = ref_cache.host_batch(steps, dataset, idx, ref_table)

@@ -156,7 +156,7 @@ def precompute_ref_logps(steps: step_lib.StepFunctions, ref_params,
   batches, `beat` the name of each batch as it starts. Every process takes part (each
   batch is a collective); process 0 writes, and any process that cannot see its files:
   only those receive the log-probs, the others never hold any of the table."""
-  key = cache_key(pairs, ref_params, repr((steps.mcfg, steps.cfg.logprob_impl)))
+  key = cache_key(pairs, ref_params, repr((steps.mcfg, steps.plan.logprob_impl)))
   path = paths.join(cache_dir, f"ref_logps_{key}.npy")
   have = paths.exists(path)
   found = have
@@ -167,7 +167,7 @@ def precompute_ref_logps(steps: step_lib.StepFunctions, ref_params,
   parts = paths.join(cache_dir, f"ref_logps_{key}.chunks-{jax.process_index()}")
   # A writer that sees the table already (another host lacked it) only takes part.
   writer = _writes(paths.join(cache_dir, f"ref_logps_{key}.chunks-0"), key) and not have
-  n, B = len(pairs), steps.cfg.batch_size
+  n, B = len(pairs), steps.plan.batch_size
   chain = _chain(parts) if writer else []
   done = chain[-1][1] if chain else (0 if writer else n)
   if jax.process_count() > 1:  # every process starts where the writer furthest behind is

@@ -9,10 +9,10 @@ import dataclasses
 from tunix_kernels.dpo_loss import losses as dpo_losses
 from tunix_core import model as model_lib
 from tunix_core.model import lora as lora_lib
+from tunix_core.training import optim
 from tunix_core.training import tpu_flags
 from tunix_core.training import validation
 
-CHAT_TEMPLATES = validation.CHAT_TEMPLATES  # --chat_template values besides a file
 CHOICES = validation.CHOICES  # each choice flag's values (the trainer's enums)
 ConfigError = validation.ConfigError
 
@@ -265,18 +265,18 @@ class TrainConfig:
     """Raises ConfigError with one line naming the offending setting."""
     validation.check(self, num_devices)
 
-  def loss_kwargs(self) -> dict:
-    """The keyword arguments of `tunix_kernels.dpo_loss` this config sets (but the impl)."""
-    weights = [float(w) for w in self.loss_weights.split(",")] if self.loss_weights else None
-    return dict(loss_type=self.loss_type, loss_weights=weights, beta=self.beta,
-                label_smoothing=self.label_smoothing, discopop_tau=self.discopop_tau,
-                f_divergence_type=self.f_divergence_type, simpo_gamma=self.simpo_gamma,
-                f_alpha_divergence_coef=self.f_alpha_divergence_coef, cpo_alpha=self.cpo_alpha)
-
   def loss_spec(self) -> dpo_losses.LossSpec:
-    """The checked loss terms (ValueError naming the bad argument)."""
-    kw = self.loss_kwargs()
-    return dpo_losses.make_spec(kw.pop("loss_type"), kw.pop("loss_weights"), **kw)
+    """The checked loss terms and parameters (ValueError naming the bad argument)."""
+    weights = [float(w) for w in self.loss_weights.split(",")] if self.loss_weights else None
+    return dpo_losses.make_spec(
+        self.loss_type, weights, beta=self.beta, label_smoothing=self.label_smoothing,
+        discopop_tau=self.discopop_tau, f_divergence_type=self.f_divergence_type,
+        f_alpha_divergence_coef=self.f_alpha_divergence_coef, simpo_gamma=self.simpo_gamma,
+        cpo_alpha=self.cpo_alpha)
+
+  def optimizer_config(self) -> optim.OptimizerConfig:
+    return optim.OptimizerConfig(self.optimizer, self.learning_rate, self.warmup_steps,
+                                 self.weight_decay)
 
   def lora_config(self) -> lora_lib.LoraConfig | None:
     """The run's adapters (None: full fine-tuning): from `--lora_init`'s adapter config

@@ -94,7 +94,7 @@ def attended_pairs(plan) -> int:
   mcfg, rows = plan.model, plan.rows
   bq, bk = attention_blocks.BlockSizes.get_default(
       mcfg.head_dim, jnp.dtype(mcfg.compute_dtype), seq_len=rows.length).tiles(rows.length)
-  segments, branches, positions = planned_row(rows, plan.cfg.max_prompt_length)
+  segments, branches, positions = planned_row(rows, plan.max_prompt_length)
   valid = np.ones_like(segments)
   count = lambda window: int(np.sum(attention_blocks.visible_tiles(
       segments, branches, positions, valid, window, bq, bk))) * bq * bk
@@ -106,7 +106,7 @@ def attended_pairs(plan) -> int:
 def step_flops(plan) -> float:
   """Model FLOPs of one train step of `plan` (a `plan.StepPlan`) over all devices."""
   rows, mcfg = plan.rows, plan.model
-  groups = plan.cfg.batch_size // rows.pairs
+  groups = plan.batch_size // rows.pairs
   attention = 4 * mcfg.num_heads * mcfg.head_dim * rows.rows * attended_pairs(plan)
   # keys=0: the attention is the kernels' visited tiles above, not a key count per position
   forward = groups * (forward_flops(mcfg, rows.rows * rows.length, 0, rows.head)

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 import tunix_kernels
+from tunix_kernels.dpo_loss import losses as dpo_losses
 from tunix_core import model as model_lib
 from tunix_core.data import packing
 from tunix_core.parallel import layout as layout_lib
@@ -58,26 +59,27 @@ def drift_metrics(logps_Bx2xT, ref_logps_Bx2xT, mask_Bx2xT) -> dict:
   return jax.lax.stop_gradient(out)
 
 
-def dpo_objective(params, ref_logps_Bx2xT, batch: dict, cfg, mcfg: model_lib.ModelConfig,
-                  rows: packing.Spec, layout: layout_lib.Layout = layout_lib.WHOLE,
-                  drift: bool = False):
+def dpo_objective(params, ref_logps_Bx2xT, batch: dict, loss: dpo_losses.LossSpec,
+                  mcfg: model_lib.ModelConfig, rows: packing.Spec,
+                  layout: layout_lib.Layout = layout_lib.WHOLE, drift: bool = False, *,
+                  logprob_impl: str = "auto", loss_impl: str = "auto"):
   """`(loss, metrics)` of `tunix_kernels.dpo_loss` for `params` on a `[B, 2, T]` pair batch.
 
   `ref_logps_Bx2xT` are the frozen reference's per-token log-probs (None when the run is
-  reference-free: `--reference=none`, or only reference-free loss types); `cfg` is a
-  `TrainConfig` (its loss terms and impls); `layout` and `rows` as in `sequence_logps`.
-  Differentiable in `params`. With `drift` (evaluation), the metrics also carry
-  `drift_metrics`.
+  reference-free: `--reference=none`, or only reference-free loss types); `loss` the
+  terms and their parameters; `layout` and `rows` as in `sequence_logps`; the impls those
+  of `tunix_kernels.fused_logprobs` and `tunix_kernels.dpo_loss`. Differentiable in
+  `params`. With `drift` (evaluation), the metrics also carry `drift_metrics`.
   """
-  logps_Bx2xT = sequence_logps(params, batch, mcfg, cfg.logprob_impl, rows, layout)
+  logps_Bx2xT = sequence_logps(params, batch, mcfg, logprob_impl, rows, layout)
   mask_Bx2xT = batch["loss_mask"]
   ref = (None, None) if ref_logps_Bx2xT is None else (ref_logps_Bx2xT[:, 0],
                                                       ref_logps_Bx2xT[:, 1])
   with jax.named_scope("loss"):
-    loss, metrics = tunix_kernels.dpo_loss(
+    value, metrics = tunix_kernels.dpo_loss(
         logps_Bx2xT[:, 0], logps_Bx2xT[:, 1], *ref,
         chosen_mask=mask_Bx2xT[:, 0], rejected_mask=mask_Bx2xT[:, 1],
-        reference_free=ref_logps_Bx2xT is None, impl=cfg.loss_impl, **cfg.loss_kwargs())
+        reference_free=ref_logps_Bx2xT is None, impl=loss_impl, **dpo_losses.kwargs(loss))
   if drift:
     metrics = dict(metrics, **drift_metrics(logps_Bx2xT, ref_logps_Bx2xT, mask_Bx2xT))
-  return loss, metrics
+  return value, metrics

@@ -4,15 +4,27 @@ Clipping is not in here: `zero.ShardedOptimizer` clips by the global norm of the
 model, which a transformation applied to one device's shard could not see.
 """
 
+import dataclasses
+
 import jax
 import optax
 
 OPTIMIZERS = ("adamw", "rmsprop", "sgd")
 
 
-def make_optimizer(cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """`(tx, schedule)` for a config with `optimizer`, `learning_rate`, `warmup_steps` and
-  `weight_decay` (a `TrainConfig`).
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """The optimizer of a step (`--optimizer`, `--learning_rate`, `--warmup_steps`,
+  `--weight_decay`)."""
+  optimizer: str = "adamw"
+  learning_rate: float = 1e-6
+  warmup_steps: int = 0
+  weight_decay: float = 0.0
+
+
+def make_optimizer(cfg: OptimizerConfig) -> tuple[optax.GradientTransformation,
+                                                  optax.Schedule]:
+  """`(tx, schedule)` of an `OptimizerConfig`.
 
   The schedule warms up linearly from 0 to `learning_rate`, then stays constant.
   AdamW's weight decay skips the norm scales (params whose name ends in `norm`).

@@ -4,9 +4,10 @@ A `StepPlan` is built in one place (`make_plan`) from the run config, the data's
 statistics and the devices, and fixes what the compiled step is: the row layout and its
 static shapes (`data.packing.Spec`: plain, shared, packed; row length, LM-head slots,
 pairs per micro-batch), pairs per device and micro-batches, the reference mode, the
-parameter layout, the model config with its resolved dtypes and attention impl. The
-trainer, `--compile_only`, the benchmarks and the tests all build `step.StepFunctions`
-from a plan and nothing else, so what is compiled, measured and tested is what runs.
+parameter layout, the model config with its resolved dtypes and attention impl, the
+loss, the optimizer and the gradient sync. The trainer, `--compile_only`, the benchmarks
+and the tests all build `step.StepFunctions` from a plan and nothing else (never from
+the run config), so what is compiled, measured and tested is what runs.
 
 Without data (`--compile_only` with no `--train_data`) the plan is sized for the worst
 case of the flags (`worst_case_sizes`): every row full (`--max_length` tokens) with a
@@ -16,12 +17,14 @@ prompt of `--max_prompt_length` tokens.
 import dataclasses
 
 import numpy as np
+from tunix_kernels.dpo_loss import losses as dpo_losses
 
 from tunix_core import model as model_lib
 from tunix_core.data import packing
 from tunix_core.data import sampled_pairs
 from tunix_core.model import lora as lora_lib
 from tunix_core.parallel import mesh as mesh_lib
+from tunix_core.training import optim
 from tunix_core.training import tpu_flags
 from tunix_core.training.config import ConfigError, TrainConfig
 
@@ -35,11 +38,28 @@ ALL_TO_ALL_CHIPS = range(9, 65)
 class StepPlan:
   """The static choices of a train step (hashable; see the module docstring)."""
 
-  cfg: TrainConfig                  # loss, optimizer, impls, sync settings
   model: model_lib.ModelConfig      # with compute dtype and remat resolved
   rows: packing.Spec                # one device's micro-batch of model rows
   data_shards: int                  # data-parallel devices, of all slices
   model_parallel: int               # devices of the "model" axis (1: no TP)
+  batch_size: int                   # pairs per step over every device
+  max_length: int                   # T of the step's pair batch [B, 2, T]
+  max_prompt_length: int            # prompt ids a planned row holds (`flops`)
+  loss: dpo_losses.LossSpec         # the loss terms and their parameters
+  optimizer: optim.OptimizerConfig
+  micro_batches: int = 1            # --grad_accum_steps
+  # "step" (the frozen reference's forward in every step), "precomputed" (its log-probs
+  # ride with the batch) or "none" (reference-free, also when every loss type is).
+  reference: str = "step"
+  ref_dtype: str = "float32"        # the frozen reference's params
+  ref_adapters: bool = False        # LoRA: the reference is the base with --lora_init's
+  logprob_impl: str = "auto"        # `tunix_kernels.fused_logprobs`' impl
+  loss_impl: str = "auto"           # `tunix_kernels.dpo_loss`' impl
+  fsdp: bool = False                # else ZeRO-1
+  bucket_bytes: int = 25 << 20      # gradient buckets of the sync
+  grad_sync_dtype: str = "float32"  # gradients on the wire
+  max_grad_norm: float | None = 1.0  # None: no clipping
+  remat_auto: bool = False          # `training.remat` picks `model.remat`
   num_slices: int = 1               # the "slice" axis (1: none); "data" is
                                     # data_shards / num_slices devices
   lora: lora_lib.LoraConfig | None = None  # adapters train, the base is frozen
@@ -47,25 +67,14 @@ class StepPlan:
   sync_impl: str = "xla"            # --sync_impl resolved (`collectives.IMPLS`)
 
   @property
-  def reference(self) -> str:
-    """"step" (the frozen reference's forward in every step), "precomputed" (its
-    log-probs ride with the batch) or "none" (reference-free, also when every loss
-    type is: SimPO, CPO, ORPO never read it)."""
-    return "none" if self.cfg.loss_spec().reference_free else self.cfg.reference
-
-  @property
   def pairs_per_device(self) -> int:
-    return self.cfg.batch_size // self.data_shards
-
-  @property
-  def micro_batches(self) -> int:
-    return self.cfg.grad_accum_steps
+    return self.batch_size // self.data_shards
 
   @property
   def layout(self) -> str:
     lora = (f"LoRA r={self.lora.rank} on {len(self.lora.targets)} projection(s), base "
             if self.lora else "")
-    return lora + ("FSDP" if self.cfg.fsdp else "ZeRO-1") + (
+    return lora + ("FSDP" if self.fsdp else "ZeRO-1") + (
         f" x TP {self.model_parallel}" if self.model_parallel > 1 else "") + (
         f", data across {self.num_slices} slices" if self.num_slices > 1 else "")
 
@@ -147,7 +156,16 @@ def make_plan(cfg: TrainConfig, devices, sizes: packing.Sizes | None = None,
     # over 256 chips did not compile in 18 minutes (docs/tpu.md#communication).
     per_slice = len(devices) // cfg.model_parallel // slices
     sync_impl = "all_to_all" if platform == "tpu" and per_slice in ALL_TO_ALL_CHIPS else "xla"
-  return StepPlan(cfg=cfg, model=mcfg, rows=rows,
-                  data_shards=len(devices) // cfg.model_parallel,
-                  model_parallel=cfg.model_parallel, num_slices=slices, lora=lora,
-                  compiler_options=tuple(sorted(options.items())), sync_impl=sync_impl)
+  loss = cfg.loss_spec()
+  return StepPlan(
+      model=mcfg, rows=rows, data_shards=len(devices) // cfg.model_parallel,
+      model_parallel=cfg.model_parallel, batch_size=cfg.batch_size,
+      max_length=cfg.max_length, max_prompt_length=cfg.max_prompt_length, loss=loss,
+      optimizer=cfg.optimizer_config(), micro_batches=cfg.grad_accum_steps,
+      reference="none" if loss.reference_free else cfg.reference,
+      ref_dtype=cfg.ref_param_dtype(), ref_adapters=bool(lora and cfg.lora_init),
+      logprob_impl=cfg.logprob_impl, loss_impl=cfg.loss_impl, fsdp=cfg.fsdp,
+      bucket_bytes=int(cfg.bucket_mb * 2**20), grad_sync_dtype=cfg.grad_sync_dtype,
+      max_grad_norm=cfg.max_grad_norm or None, remat_auto=cfg.remat == "auto",
+      num_slices=slices, lora=lora, compiler_options=tuple(sorted(options.items())),
+      sync_impl=sync_impl)

@@ -52,7 +52,7 @@ def resolve(plan: plan_lib.StepPlan, devices, limit: int | None, log=lambda *_: 
   """`plan` with `--remat=auto` resolved for devices holding `limit` bytes each (None:
   no bound, `none`); any other `--remat` as given. `measure(plan, devices)`: a
   candidate's bytes per device, None if it does not compile (default `need`)."""
-  if plan.cfg.remat != "auto":
+  if not plan.remat_auto:
     return plan
   with_policy = lambda p: dataclasses.replace(plan, model=dataclasses.replace(plan.model,
                                                                               remat=p))

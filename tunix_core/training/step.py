@@ -55,14 +55,14 @@ class StepFunctions:
 
   def __init__(self, plan: StepPlan, mesh: Mesh):
     self.plan, self.mesh = plan, mesh
-    self.cfg, self.mcfg = cfg, mcfg = plan.cfg, plan.model
+    self.mcfg = mcfg = plan.model
     self.num_devices = mesh.shape["data"]  # data-parallel shards of one slice
     self.model_parallel = dict(mesh.shape).get("model", 1)
-    self.tx, self.schedule = optim.make_optimizer(cfg)
+    self.tx, self.schedule = optim.make_optimizer(plan.optimizer)
     layout_kw = dict(data_shards=self.num_devices, model_parallel=self.model_parallel,
-                     fsdp=cfg.fsdp, bucket_bytes=int(cfg.bucket_mb * 2**20),
-                     sync_impl=plan.sync_impl, max_grad_norm=cfg.max_grad_norm or None,
-                     comm_dtype=collectives.COMM_DTYPES[cfg.grad_sync_dtype],
+                     fsdp=plan.fsdp, bucket_bytes=plan.bucket_bytes,
+                     sync_impl=plan.sync_impl, max_grad_norm=plan.max_grad_norm,
+                     comm_dtype=collectives.COMM_DTYPES[plan.grad_sync_dtype],
                      slice_axis=mesh_lib.slice_axis(mesh),
                      gather_stages=mesh_lib.gather_stages(mesh))
     if plan.lora is None:
@@ -78,11 +78,9 @@ class StepFunctions:
     pspec = self.layout.param_specs
     self.param_sharding = self._shardings(pspec)
     self.base_sharding = self._shardings(self.base_layout.param_specs)
-    # The step's frozen input: the reference params (full fine-tuning with the
-    # reference in the step; else none), or LoRA's base (`parallel.lora`).
-    self.ref_adapters = bool(plan.lora and cfg.lora_init)
+    # The step's frozen input (the class docstring) and the reference pass's.
     if plan.lora is not None:
-      frozen_spec = ref_spec = self.layout.frozen_specs(self.ref_adapters)
+      frozen_spec = ref_spec = self.layout.frozen_specs(plan.ref_adapters)
     else:  # reference log-probs are computed from the reference params in any mode
       frozen_spec, ref_spec = (pspec if plan.reference == "step" else P()), pspec
     self.frozen_sharding = self._shardings(frozen_spec)
@@ -144,7 +142,7 @@ class StepFunctions:
     if self.plan.lora is not None:
       return jax.tree.map(
           lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-          self.layout.abstract_frozen(dtype, self.ref_adapters), self.frozen_sharding)
+          self.layout.abstract_frozen(dtype, self.plan.ref_adapters), self.frozen_sharding)
     return self.abstract_params(dtype) if self.plan.reference == "step" else None
 
   def logical_shardings(self) -> dict:
@@ -193,13 +191,15 @@ class StepFunctions:
     return jax.device_put(jnp.asarray(health, jnp.int32), self.replicated)
 
   def _objective(self, params, frozen, ref_logps, batch, drift=False):
-    return objective.dpo_objective(self.layout.policy(params, frozen), ref_logps, batch,
-                                   self.cfg, self.mcfg, self.plan.rows, self.layout, drift)
+    p = self.plan
+    return objective.dpo_objective(self.layout.policy(params, frozen), ref_logps, batch, p.loss,
+                                   p.model, p.rows, self.layout, drift,
+                                   logprob_impl=p.logprob_impl, loss_impl=p.loss_impl)
 
   @jax.named_scope("reference")  # a part of benchmarks/step_profile.py's breakdown
   def _ref_logps(self, frozen, batch):
     return jax.lax.stop_gradient(objective.sequence_logps(
-        self.layout.reference(frozen), batch, self.mcfg, self.cfg.logprob_impl,
+        self.layout.reference(frozen), batch, self.mcfg, self.plan.logprob_impl,
         self.plan.rows, self.layout))
 
   def _resolve_ref(self, frozen, batch):
@@ -279,7 +279,7 @@ class StepFunctions:
     """Positions in a global batch of `B` pairs (default `--batch_size`) of the pairs
     this process's devices get: all its host needs to read (`put_batch` writes only
     those)."""
-    B = B or self.cfg.batch_size
+    B = B or self.plan.batch_size
     index = self.pairs.addressable_devices_indices_map((B,))
     return np.unique(np.concatenate([np.arange(B)[i] for i in index.values()]))
 
@@ -287,12 +287,12 @@ class StepFunctions:
     """`(state, frozen, batch)` of `train_step` as sharded ShapeDtypeStructs, exactly as
     the loop passes them (so compiling these is compiling the run's step): the batch
     with its plan's model rows and head slots (`data.packing`)."""
-    cfg, rows = self.cfg, self.plan.rows
+    plan, rows = self.plan, self.plan.rows
     scalar = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.replicated)
     state = {"params": self.abstract_params(), "opt_state": self.abstract_opt_state(),
              "step": scalar(()), "nonfinite": scalar((3,))}
-    frozen = self.abstract_frozen(model_lib.DTYPES[cfg.ref_param_dtype()])
-    groups, pair = cfg.batch_size // rows.pairs, (cfg.batch_size, 2, cfg.max_length)
+    frozen = self.abstract_frozen(model_lib.DTYPES[plan.ref_dtype])
+    groups, pair = plan.batch_size // rows.pairs, (plan.batch_size, 2, plan.max_length)
     shapes = {k: pair for k in ("tokens", "targets", "loss_mask", "attention_mask")}
     shapes.update({k: (groups * rows.rows, rows.length) for k in packing.ROW_KEYS})
     shapes.update({k: (groups * rows.head,) for k in packing.HEAD_KEYS})
