@@ -1,4 +1,5 @@
-"""Helpers shared by the kernels: shard_map axis types and TPU interpret mode.
+"""Helpers shared by the kernels: tile arithmetic and `BlockSizes` checks, shard_map axis
+types and TPU interpret mode.
 
 Inside `jax.shard_map(check_vma=True)` every value records the mesh axes it varies
 over. Kernels built from `pallas_call`, `lax.scan` carries and `custom_vjp` have to
@@ -12,6 +13,23 @@ from jax.experimental.pallas import tpu as pltpu
 # The masked score of the kernels' online softmaxes: a large finite negative instead of
 # -inf keeps `m_old - m_new` free of inf - inf.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def round_up(x: int, m: int) -> int:
+  """`x` rounded up to a multiple of `m` (tile arithmetic)."""
+  return -(-x // m) * m
+
+
+def check_block(name: str, value, multiple: int) -> None:
+  """A `BlockSizes` tile: a positive multiple of `multiple`, else a ValueError naming it."""
+  if not isinstance(value, int) or value <= 0 or value % multiple:
+    raise ValueError(f"BlockSizes.{name}={value!r} must be a positive multiple of {multiple}")
+
+
+def check_vmem_limit(value) -> None:
+  """A `BlockSizes.vmem_limit_bytes`: a positive int or None, else a ValueError."""
+  if value is not None and (not isinstance(value, int) or value <= 0):
+    raise ValueError(f"BlockSizes.vmem_limit_bytes={value!r} must be a positive int or None")
 
 
 def _varying(x) -> frozenset:

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from tunix_kernels import common
 from tunix_kernels import tpu
 from tunix_kernels.dispatch import LANES
 
@@ -19,10 +20,6 @@ _CANDIDATES = ((512, 512), (256, 512), (256, 256), (128, 256), (128, 128))
 NO_KEY = int(jnp.iinfo(jnp.int32).min)
 # The "window" of unwindowed layers: longer than any row.
 NO_WINDOW = 1 << 30
-
-
-def _round_up(x, m):
-  return -(-x // m) * m
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,14 +40,8 @@ class BlockSizes:
 
   def __post_init__(self):
     for name in ("block_q", "block_k"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or value <= 0 or value % LANES:
-        raise ValueError(f"BlockSizes.{name}={value!r} must be a positive multiple of "
-                         f"{LANES}")
-    if self.vmem_limit_bytes is not None and (
-        not isinstance(self.vmem_limit_bytes, int) or self.vmem_limit_bytes <= 0):
-      raise ValueError(f"BlockSizes.vmem_limit_bytes={self.vmem_limit_bytes!r} must be a "
-                       "positive int or None")
+      common.check_block(name, getattr(self, name), LANES)
+    common.check_vmem_limit(self.vmem_limit_bytes)
 
   @classmethod
   def get_default(cls, head_dim, dtype=jnp.bfloat16, chip=None, *, seq_len=None
@@ -61,7 +52,7 @@ class BlockSizes:
     fits it returns the smallest tiles and leaves the last word to the compiler."""
     chip = None if chip is None else tpu.get_chip(chip)
     scoped = tpu.MIN_SCOPED_VMEM_BYTES if chip is None else chip.scoped_vmem_bytes
-    cap = _round_up(seq_len, LANES) if seq_len else None
+    cap = common.round_up(seq_len, LANES) if seq_len else None
     for bq, bk in _CANDIDATES:
       bs = cls(min(bq, cap or bq), min(bk, cap or bk))
       if bs.vmem_bytes(head_dim, dtype) <= scoped * tpu.VMEM_HEADROOM:

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from tunix_kernels import common
 from tunix_kernels import tpu
 from tunix_kernels.dispatch import LANES
 
@@ -26,10 +27,6 @@ _BACKWARD_CANDIDATES = ((256, 2048), (256, 1024), (128, 1024), (256, 512), (128,
 
 # The head the tiles are chosen for when the caller does not know N or V.
 _TYPICAL_N, _TYPICAL_V = 8192, 128256
-
-
-def _round_up(x, m):
-  return -(-x // m) * m
 
 
 def _sublanes(dtype):
@@ -62,15 +59,9 @@ class BlockSizes:
     for name, multiple in (("block_n", SUBLANES), ("block_v", LANES), ("block_d", LANES),
                            ("block_n_bwd", SUBLANES), ("block_v_bwd", LANES)):
       value = getattr(self, name)
-      if value is None and name not in ("block_n", "block_v"):
-        continue
-      if not isinstance(value, int) or value <= 0 or value % multiple:
-        raise ValueError(f"BlockSizes.{name}={value!r} must be a positive multiple of "
-                         f"{multiple}")
-    if self.vmem_limit_bytes is not None and (
-        not isinstance(self.vmem_limit_bytes, int) or self.vmem_limit_bytes <= 0):
-      raise ValueError(f"BlockSizes.vmem_limit_bytes={self.vmem_limit_bytes!r} must be a "
-                       "positive int or None")
+      if value is not None or name in ("block_n", "block_v"):
+        common.check_block(name, value, multiple)
+    common.check_vmem_limit(self.vmem_limit_bytes)
 
   @property
   def fused(self) -> bool:
@@ -105,13 +96,13 @@ class BlockSizes:
     scoped = tpu.MIN_SCOPED_VMEM_BYTES if chip is None else chip.scoped_vmem_bytes
     budget = int((scoped if chip is None else max(scoped, chip.vmem_bytes))
                  * tpu.VMEM_HEADROOM)
-    n_cap = _round_up(num_tokens, _sublanes(dtype)) if num_tokens else None
-    v_cap = _round_up(vocab_size, LANES) if vocab_size else None
+    n_cap = common.round_up(num_tokens, _sublanes(dtype)) if num_tokens else None
+    v_cap = common.round_up(vocab_size, LANES) if vocab_size else None
     capped = lambda bn, bv: (min(bn, n_cap or bn), min(bv, v_cap or bv))
 
     def limited(bs):
       need = bs.vmem_bytes(d_model, dtype)
-      limit = None if need <= scoped * tpu.VMEM_HEADROOM else _round_up(
+      limit = None if need <= scoped * tpu.VMEM_HEADROOM else common.round_up(
           int(need / tpu.VMEM_HEADROOM), 1 << 20)
       return dataclasses.replace(bs, vmem_limit_bytes=limit)
 
@@ -252,7 +243,7 @@ def cost_estimate(kernel, hidden, weight, bs, softcap=None, cores=1) -> pl.CostE
     cores = used_cores(cores, vb)
     rows_again = vb if nb > 1 else cores
     partials = (2 * vb - cores) * nb * bn * d * 4
-    dw = d * _round_up(v, LANES) * weight.dtype.itemsize  # copied out lane-aligned
+    dw = d * common.round_up(v, LANES) * weight.dtype.itemsize  # copied out lane-aligned
     return pl.CostEstimate(flops=6 * n * d * v, transcendentals=per_logit,
                            bytes_accessed=rows_again * (h + _stats(n)) + w + dw + partials)
   nb, vb = pl.cdiv(n, bs.block_n), pl.cdiv(v, bs.block_v)

@@ -22,8 +22,6 @@ import io
 import json
 import os
 import re
-import shutil
-import tempfile
 
 import jax
 from jax.experimental import multihost_utils
@@ -112,22 +110,10 @@ def _join(parts: str, path: str, pairs: store_lib.PairStore, beat) -> None:
     return np.load(io.BytesIO(paths.read_bytes(_chunk(parts, first, end))))
 
   chunks = (read(*span) for span in chain)
-  local = path if not paths.is_remote(path) else os.path.join(
-      tempfile.mkdtemp(prefix="tunix-ref-"), "ref.npy")
-  tmp = f"{local}.{os.getpid()}.tmp"
-  try:
-    paths.makedirs(os.path.dirname(local))
+  uploading = lambda: beat(f"reference log-probs: uploading {path}", open_ended=True)
+  with paths.staged_file(path, uploading) as tmp:  # block by block, its clock restarting
     store_lib.write_flat(tmp, np.float32, count, (c.astype(np.float32).tobytes()
                                                   for c in chunks))
-    os.replace(tmp, local)
-    if local != path:
-      beat(f"reference log-probs: uploading {path}", open_ended=True)  # block by block
-      paths.copy_file(local, path)  # an object appears whole
-  finally:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    if local != path:
-      shutil.rmtree(os.path.dirname(local), ignore_errors=True)
 
 
 def _writes(parts0: str, key: str) -> bool:

@@ -284,6 +284,28 @@ def staged_dir(path: str):
 
 
 @contextlib.contextmanager
+def staged_file(path: str, before_upload=lambda: None):
+  """A local file name to write `path`'s bytes to, put in place whole on a clean exit:
+  renamed over a local `path`, uploaded to a remote one (after `before_upload()`);
+  removed either way."""
+  stage = tempfile.mkdtemp(prefix="tunix-stage-") if is_remote(path) else None
+  local = os.path.join(stage, "staged") if stage else path
+  tmp = f"{local}.{os.getpid()}.tmp"
+  try:
+    makedirs(os.path.dirname(local) or ".")
+    yield tmp
+    os.replace(tmp, local)
+    if stage:
+      before_upload()
+      copy_file(local, path)  # an object appears whole
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    if stage:
+      shutil.rmtree(stage, ignore_errors=True)
+
+
+@contextlib.contextmanager
 def local_copy(path: str):
   """A local directory holding `path`'s files: `path` itself when local; a remote
   `path` is downloaded into a temporary directory, removed on exit."""
