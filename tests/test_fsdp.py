@@ -2,7 +2,6 @@
 its reduce-scatter VJP, agreement with ZeRO-1 and with one device, per-device bytes and
 the collectives of the compiled step, and restores across device counts and layouts."""
 
-import json
 import os
 import re
 
@@ -189,9 +188,7 @@ def test_resume_fsdp_as_zero1_on_one_device_continues_the_run(tmp_path):
   train.train(_config(tmp_path / "a", fsdp=True, steps=2, save_every=2), **QUIET)
   train.train(_config(tmp_path / "a", steps=4), devices=jax.devices()[:1], **QUIET)
   train.train(_config(tmp_path / "b", fsdp=True, steps=4), **QUIET)
-  rows = lambda d: {r["step"]: r["loss"] for r in map(json.loads, open(d / "metrics.jsonl"))
-                    if "loss" in r}
-  a, b = rows(tmp_path / "a"), rows(tmp_path / "b")
+  a, b = runs.losses(tmp_path / "a"), runs.losses(tmp_path / "b")
   np.testing.assert_allclose([a[s] for s in range(1, 5)], [b[s] for s in range(1, 5)],
                              rtol=1e-5, atol=1e-5)
 
@@ -225,8 +222,7 @@ def test_bfloat16_gradient_sync_stays_within_its_documented_tolerance(tmp_path):
   for dtype in ("float32", "bfloat16"):
     out = tmp_path / dtype
     train.train(_config(out, steps=20, fsdp=True, grad_sync_dtype=dtype), **QUIET)
-    losses[dtype] = np.array([r["loss"] for r in map(json.loads, open(out / "metrics.jsonl"))
-                              if "loss" in r])
+    losses[dtype] = np.array(list(runs.losses(out).values()))
   assert len(losses["float32"]) == 20
   gap = np.abs(losses["bfloat16"] - losses["float32"])
   assert 0 < gap.max() <= 1e-3, gap

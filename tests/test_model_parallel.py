@@ -3,7 +3,6 @@ FSDP x TP on a 4 x 2 mesh of 8 devices against ZeRO-1 on one device, the per-sli
 `Stacked` layout against NumPy, restores from TP to no TP, and one-line config errors."""
 
 import dataclasses
-import json
 
 import jax
 import numpy as np
@@ -99,9 +98,7 @@ def test_tp_run_resumes_without_tp_and_checks_replicas(tmp_path):
                          check_replicas_every=1), **runs.QUIET)
   train.train(_tp_config(tmp_path / "a", steps=4), devices=jax.devices()[:1], **runs.QUIET)
   train.train(_tp_config(tmp_path / "b", steps=4), devices=jax.devices()[:1], **runs.QUIET)
-  rows = lambda d: {r["step"]: r["loss"] for r in map(json.loads, open(d / "metrics.jsonl"))
-                    if "loss" in r}
-  a, b = rows(tmp_path / "a"), rows(tmp_path / "b")
+  a, b = runs.losses(tmp_path / "a"), runs.losses(tmp_path / "b")
   np.testing.assert_allclose([a[s] for s in range(1, 5)], [b[s] for s in range(1, 5)],
                              rtol=1e-5, atol=1e-5)
 
