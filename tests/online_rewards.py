@@ -29,3 +29,9 @@ def not_finite(prompts, completions):
 
 
 NOT_CALLABLE = 3
+
+
+def ones(prompts, completions):
+  """How many "1" characters the completion holds: a reward an untrained policy can
+  climb."""
+  return [float(c.count("1")) for c in completions]

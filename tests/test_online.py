@@ -131,6 +131,22 @@ def _trainer(cfg, *extra, script="trainer.py"):
 
 
 @pytest.mark.slow
+def test_online_climbs_the_reward_offline_dpo_does_not(start, tmp_path):
+  """12 steps from the same start, evaluated by the greedy answers' reward (the count of
+  "1"s in 8 new ids): online DPO on the policy's own scored samples reaches the top,
+  offline DPO on the data's pairs stays near zero."""
+  evals = tmp_path / "eval.jsonl"
+  evals.write_text("".join(open(os.path.join(REPO, "data", "eval.jsonl")).readlines()[:32]))
+  got = {}
+  for k in (4, 0):
+    cfg = _online(tmp_path / str(k), start, online_samples=k, reward_fn="online_rewards:ones",
+                  steps=12, eval_data=str(evals), eval_every=12, save_every=0)
+    train.train(cfg, **runs.QUIET)
+    got[k] = [r["eval/reward"] for r in runs.rows(cfg.output_dir) if "eval/reward" in r][-1]
+  assert got[4] > 4 > 1 > got[0], got
+
+
+@pytest.mark.slow
 def test_killed_and_resumed_online_run_equals_the_straight_run(start, tmp_path):
   cfg = _online(tmp_path / "straight", start, steps=4, save_every=2)
   train.train(cfg, **runs.QUIET)
