@@ -60,6 +60,7 @@ def main() -> int:
   p.add_argument("--steps", type=int, default=6)
   p.add_argument("--warmup", type=int, default=2)
   p.add_argument("--remat", default="none")
+  p.add_argument("--temperature", type=float, default=1.0, help="0: greedy (every K tie)")
   p.add_argument("--out", default="")
   a = p.parse_args()
 
@@ -83,7 +84,7 @@ def main() -> int:
       hf_model_dir=model_dir, batch_size=a.prompts, max_length=longest + a.new_tokens,
       max_prompt_length=longest, remat=a.remat, online_samples=a.samples,
       reward_fn="tunix_core.online.rewards:completion_length",
-      online_max_new_tokens=a.new_tokens)
+      online_max_new_tokens=a.new_tokens, online_temperature=a.temperature or 1.0)
   devices = jax.devices()[:1]
   plan = plan_lib.make_plan(cfg, devices, plan_lib.data_sizes(cfg, [prompts]))
   steps = step_lib.make_steps(plan, devices)
@@ -91,6 +92,8 @@ def main() -> int:
   frozen = loop.frozen_copy(state["params"], state["params"]["embed"].dtype)
   sampler = sampler_lib.OnlineSampler(dataclasses.replace(cfg, compile_only=False), steps,
                                       prompts, _Words(), (gpu.EOS,))
+  if not a.temperature:  # the sampler's cost without drawing random numbers
+    sampler.sampling = sampler.greedy
   sample_s, train_s, metrics = [], [], {}
   for step in range(1, a.warmup + a.steps + 1):
     idx = np.arange((step - 1) * a.prompts, step * a.prompts)
@@ -104,7 +107,8 @@ def main() -> int:
     train_s.append(t2 - t1)
     print(f"step {step}: sampling {t1 - t0:.3f} s, train step {t2 - t1:.3f} s", flush=True)
   med = lambda xs: statistics.median(xs[a.warmup:])
-  row = dict(case=f"online {a.model} K={a.samples} x {a.prompts} prompts, {a.new_tokens} new",
+  row = dict(case=f"online {a.model} K={a.samples} x {a.prompts} prompts, {a.new_tokens} new"
+             f", temperature {a.temperature}",
              step_s=med(sample_s) + med(train_s), sample_s=med(sample_s), train_s=med(train_s),
              sample_share=med(sample_s) / (med(sample_s) + med(train_s)),
              sample_length=float(metrics["online/sample_length"]), plan=plan.describe(),
