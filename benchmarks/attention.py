@@ -43,6 +43,7 @@ import numpy as np  # noqa: E402
 
 from tunix_kernels import attention  # noqa: E402
 from tunix_kernels import tpu  # noqa: E402
+from tunix_kernels import aot_tpu  # noqa: E402
 from tunix_core.aot import compile as aot  # noqa: E402
 from tunix_core.training import config as config_lib  # noqa: E402
 
@@ -76,7 +77,7 @@ def layer_stats(chip, T, impl, head_dim=K):
   q = S((1, T, H, head_dim), jnp.bfloat16)
   kv = S((1, T, KV, head_dim), jnp.bfloat16)
   try:
-    stats = tpu.compiled_stats(tpu.compile_for(chip, grads, q, kv, kv, q))
+    stats = aot_tpu.compiled_stats(aot_tpu.compile_for(chip, grads, q, kv, kv, q))
   except Exception as e:  # noqa: BLE001 - the compiler's refusal is the answer
     return {"error": str(e).splitlines()[0][:120]}
   return stats
@@ -201,7 +202,7 @@ def main():
   p.add_argument("--topology", default="v5e-8")
   p.add_argument("--out", default=None)
   a = p.parse_args()
-  if not tpu.has_libtpu():
+  if not aot_tpu.has_libtpu():
     raise SystemExit("needs libtpu (the `tpu` extra)")
   ints = lambda text: [int(x) for x in text.split(",")]
   parts = {

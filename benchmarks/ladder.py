@@ -36,7 +36,7 @@ if __name__ == "__main__":  # before JAX starts
 
 import jax  # noqa: E402
 
-from tunix_kernels import tpu  # noqa: E402
+from tunix_kernels import aot_tpu  # noqa: E402
 from tunix_kernels.logprobs import blocks as logprobs_blocks  # noqa: E402
 from tunix_core.aot import comms  # noqa: E402
 from tunix_core.aot import compile as aot  # noqa: E402
@@ -123,7 +123,7 @@ def main():
   p.add_argument("--split_backward", action="store_true",
                  help="the log-prob kernels' split backward wherever it fits")
   a = p.parse_args()
-  if not tpu.has_libtpu():
+  if not aot_tpu.has_libtpu():
     raise SystemExit("needs libtpu (the `tpu` extra)")
   if a.split_backward:
     # The default tiles take the faster backward on the chip's roofline; rank the split

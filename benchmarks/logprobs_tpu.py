@@ -30,6 +30,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import tunix_kernels  # noqa: E402
 from tunix_kernels import tpu  # noqa: E402
+from tunix_kernels import aot_tpu  # noqa: E402
 
 
 def _fwd_bwd(impl, logit_softcap=None):
@@ -48,13 +49,13 @@ def _fwd_bwd(impl, logit_softcap=None):
 
 
 def compile_case(chip, n, d, v, dtype, impl, chip_known=True, logit_softcap=None) -> dict:
-  """Compiles one case; returns `tpu.compiled_stats` plus `ok`, `seconds`, and `error`
+  """Compiles one case; returns `aot_tpu.compiled_stats` plus `ok`, `seconds`, and `error`
   (the compiler's first line) when it does not compile."""
   shapes = (jax.ShapeDtypeStruct((n, d), dtype), jax.ShapeDtypeStruct((d, v), dtype),
             jax.ShapeDtypeStruct((n,), jnp.int32))
   start = time.perf_counter()
   try:
-    stats = tpu.compiled_stats(tpu.compile_for(chip, _fwd_bwd(impl, logit_softcap), *shapes,
+    stats = aot_tpu.compiled_stats(aot_tpu.compile_for(chip, _fwd_bwd(impl, logit_softcap), *shapes,
                                                chip_known=chip_known))
     stats.update(ok=True)
   except Exception as e:  # pylint: disable=broad-except  (a table row, not a crash)
@@ -98,7 +99,7 @@ def main():
                       help="also compile these: naive (XLA's logits), tokamax")
   parser.add_argument("--json", help="append one JSON object per case to this file")
   args = parser.parse_args()
-  if not tpu.has_libtpu():
+  if not aot_tpu.has_libtpu():
     sys.exit("benchmarks/logprobs_tpu.py needs libtpu: pip install -e '.[tpu]'")
   dtype = jnp.dtype(args.dtype)
   compare = [c for c in args.compare.split(",") if c]

@@ -23,7 +23,7 @@ import subprocess  # noqa: E402
 
 import jax  # noqa: E402
 
-from tunix_kernels import tpu  # noqa: E402
+from tunix_kernels import aot_tpu  # noqa: E402
 from tunix_core.aot import compile as aot  # noqa: E402
 from tunix_core.training import config as config_lib  # noqa: E402
 
@@ -55,7 +55,7 @@ def main():
   p.add_argument("--rank", type=int, default=16)
   p.add_argument("--out", default=None)
   a = p.parse_args()
-  if not tpu.has_libtpu():
+  if not aot_tpu.has_libtpu():
     raise SystemExit("needs libtpu (the `tpu` extra)")
   lines = ["| model | slice | L | training | arguments | temporaries | needed | fits |",
            "|---|---|---|---|---|---|---|---|"]

@@ -162,7 +162,7 @@ def main():
                  help="comma-separated: precomputed, bf16 and/or f32")
   p.add_argument("--layouts", default="zero1,fsdp,fsdp+tp2",
                  help="comma-separated: zero1, fsdp, fsdp+tpK (--model_parallel=K)")
-  p.add_argument("--topology", default="v5e-8", help="a Cloud TPU slice name (tunix_kernels.tpu.parse_topology)")
+  p.add_argument("--topology", default="v5e-8", help="a Cloud TPU slice name (tunix_kernels.aot_tpu.parse_topology)")
   p.add_argument("--throughput_steps", type=int, default=7, help="0: skip the CPU timing")
   p.add_argument("--out", default=None, help="where to write the memory table (default: "
                  "docs/results/memory_<topology>.md; empty: nowhere)")

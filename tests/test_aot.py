@@ -13,6 +13,7 @@ import pytest
 
 import runs
 from tunix_kernels import tpu
+from tunix_kernels import aot_tpu
 from tunix_core.aot import comms
 from tunix_core.aot import overlap
 from tunix_core.aot import compile as aot
@@ -24,7 +25,7 @@ from tunix_core.training import tpu_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "data", "train.jsonl")
-needs_libtpu = pytest.mark.skipif(not tpu.has_libtpu(), reason="needs libtpu (.[tpu] extra)")
+needs_libtpu = pytest.mark.skipif(not aot_tpu.has_libtpu(), reason="needs libtpu (.[tpu] extra)")
 
 
 def _config(tmp_path, **kw):
@@ -49,17 +50,17 @@ def test_compute_dtype_auto_is_bfloat16_on_tpu_and_gpu_float32_on_cpu(tmp_path):
 
 
 def test_slice_names_as_cloud_tpu_spells_them():
-  assert tpu.parse_topology("v5e-8") == ("v5e", "v5e:2x4", "default", (2, 2, 1), 1)
-  assert tpu.parse_topology("v5e-256")[1] == "v5e:16x16"
-  assert tpu.parse_topology("v6e-64")[1] == "v6e:8x8"
-  assert tpu.parse_topology("v5p-128") == ("v5p", "v5p:4x4x4", "megacore", (2, 2, 1), 1)
-  assert tpu.parse_topology("v4-8")[1:3] == ("v4:2x2x1", "megacore")  # 8 cores, 4 chips
-  assert tpu.parse_topology("2xv5e-256")[1:] == ("v5e:16x16", "default", (2, 2, 1), 2)
-  assert tpu.parse_topology("v5e-1")[1:4] == ("v5e:1x1", "default", (1, 1, 1))
+  assert aot_tpu.parse_topology("v5e-8") == ("v5e", "v5e:2x4", "default", (2, 2, 1), 1)
+  assert aot_tpu.parse_topology("v5e-256")[1] == "v5e:16x16"
+  assert aot_tpu.parse_topology("v6e-64")[1] == "v6e:8x8"
+  assert aot_tpu.parse_topology("v5p-128") == ("v5p", "v5p:4x4x4", "megacore", (2, 2, 1), 1)
+  assert aot_tpu.parse_topology("v4-8")[1:3] == ("v4:2x2x1", "megacore")  # 8 cores, 4 chips
+  assert aot_tpu.parse_topology("2xv5e-256")[1:] == ("v5e:16x16", "default", (2, 2, 1), 2)
+  assert aot_tpu.parse_topology("v5e-1")[1:4] == ("v5e:1x1", "default", (1, 1, 1))
   with pytest.raises(ValueError, match="expected a Cloud TPU slice name"):
-    tpu.parse_topology("v7-8")
+    aot_tpu.parse_topology("v7-8")
   with pytest.raises(ValueError, match="counts TensorCores"):
-    tpu.parse_topology("v5p-6")
+    aot_tpu.parse_topology("v5p-6")
   with pytest.raises(config_lib.ConfigError, match="--target_topology: unknown TPU topology"):
     _config("/tmp/unused", target_topology="tpu-8").validate(8)
 
@@ -330,7 +331,7 @@ def test_mesh_neighbours_are_ici_neighbours_on_3d_tori(name):
   topology), consecutive devices along the data axis, and within a model group, sit one
   link apart, in every slice; `jax.devices()`' own order does not."""
   from tunix_core.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-  _, devices = tpu.topology_devices(name)
+  _, devices = aot_tpu.topology_devices(name)
   slices = mesh_lib.device_slices(devices)
 
   def hop(a, b) -> int:   # links between two chips of one slice (torus wraparound)

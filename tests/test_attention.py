@@ -17,6 +17,7 @@ import runs
 from tunix_kernels import attention
 from tunix_kernels.attention import blocks as attention_blocks
 from tunix_kernels import tpu
+from tunix_kernels import aot_tpu
 from oracles import numpy_attention
 from oracles import numpy_attention_mask
 from oracles import rel_error
@@ -28,7 +29,7 @@ from tunix_core.training import objective
 from tunix_core.training import plan as plan_lib
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf")
-needs_libtpu = pytest.mark.skipif(not tpu.has_libtpu(), reason="needs libtpu (.[tpu] extra)")
+needs_libtpu = pytest.mark.skipif(not aot_tpu.has_libtpu(), reason="needs libtpu (.[tpu] extra)")
 
 
 def _layout(rng, B, T, sequences=3, pad=0.1):
@@ -221,9 +222,9 @@ def test_dispatch_tiles_and_errors():
   q = jnp.zeros((1, 8, 3, 4))
   with pytest.raises(ValueError, match="multiple of KV"):
     attention.attention(q, q[:, :, :2], q[:, :, :2], None, scale=1.0)
-  if not tpu.has_libtpu():
+  if not aot_tpu.has_libtpu():
     pytest.skip("needs libtpu for a TPU mesh")
-  _, devices = tpu.topology_devices("v5e-8")
+  _, devices = aot_tpu.topology_devices("v5e-8")
   picked = []
   jax.jit(jax.shard_map(lambda x: picked.append(attention.resolve("auto")) or x,
                         mesh=Mesh(np.array(devices), ("data",)), in_specs=P("data"),
@@ -242,7 +243,7 @@ def _compile_grads(chip, T, K, H=8, KV=2, dtype=jnp.bfloat16, softcap=0.0, windo
 
   S = jax.ShapeDtypeStruct
   rows = [S((1, T), jnp.int32)] * 4
-  return tpu.compile_for(chip, grads, S((1, T, H, K), dtype), *[S((1, T, KV, K), dtype)] * 2,
+  return aot_tpu.compile_for(chip, grads, S((1, T, H, K), dtype), *[S((1, T, KV, K), dtype)] * 2,
                          S((1, T, H, K), dtype), *rows)
 
 
@@ -256,7 +257,7 @@ def test_kernels_compile_for_tpu_with_memory_linear_in_the_row():
     text = _compile_grads(chip, T, K, softcap=30.0, window=256).as_text()
     assert all(f'"attention_{k}"' in text or f"attention_{k}" in text
                for k in ("fwd", "dq", "dkv")), chip
-  peak = {T: tpu.compiled_stats(_compile_grads("v5e", T, 128))["peak"] for T in (2048, 8192)}
+  peak = {T: aot_tpu.compiled_stats(_compile_grads("v5e", T, 128))["peak"] for T in (2048, 8192)}
   assert peak[8192] <= 4.4 * peak[2048], peak
 
 
@@ -268,7 +269,7 @@ def test_shared_prefix_train_step_for_v5e_runs_the_kernels_without_t_by_t_scores
   XLA attention's step holds its `[T, T]` scores."""
   cfg = runs.config(tmp_path, model="tiny", batch_size=16, max_length=160,
                     max_prompt_length=80)
-  _, devices = tpu.topology_devices("v5e-8")
+  _, devices = aot_tpu.topology_devices("v5e-8")
   scores = {}
   for impl in ("auto", "xla"):
     plan = plan_lib.make_plan(dataclasses.replace(cfg, attention_impl=impl), devices)

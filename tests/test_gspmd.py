@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 import tunix_kernels
 import runs
 from tunix_kernels import attention as attn
-from tunix_kernels import tpu
+from tunix_kernels import aot_tpu
 
 B, T, D, V = 8, 8, 128, 512          # log-probs: 64 tokens, 256 ids per vocabulary slice
 AB, AT, H, KV, K = 4, 256, 4, 2, 128  # attention: two query tiles per row, GQA
@@ -113,9 +113,9 @@ def _stats(compiled):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not tpu.has_libtpu(), reason="needs libtpu (.[tpu] extra)")
+@pytest.mark.skipif(not aot_tpu.has_libtpu(), reason="needs libtpu (.[tpu] extra)")
 def test_compiled_for_a_v5e_8_without_gathers_and_with_shard_map_temporaries():
-  _, devices = tpu.topology_devices("v5e-8")
+  _, devices = aot_tpu.topology_devices("v5e-8")
   mesh = _mesh(devices, AxisType.Explicit)
   sds = lambda shape, dtype, *spec: jax.ShapeDtypeStruct(
       shape, dtype, sharding=NamedSharding(mesh, P(*spec)))

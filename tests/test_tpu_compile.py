@@ -19,6 +19,7 @@ import tunix_kernels
 from tunix_kernels.logprobs import blocks as logprobs_blocks
 from tunix_kernels.logprobs import pallas as logprobs_pallas
 from tunix_kernels import tpu
+from tunix_kernels import aot_tpu
 
 # The benchmark script's compile, by path: the repository is not on sys.path (conftest.py).
 _BENCH = importlib.util.spec_from_file_location("logprobs_tpu", os.path.join(
@@ -28,7 +29,7 @@ _BENCH.loader.exec_module(_bench)
 compile_case = _bench.compile_case
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not tpu.has_libtpu(), reason="needs libtpu (.[tpu] extra)")]
+              pytest.mark.skipif(not aot_tpu.has_libtpu(), reason="needs libtpu (.[tpu] extra)")]
 
 N = 8192
 CHIPS = sorted(tpu.CHIPS)
@@ -100,7 +101,7 @@ def test_vmem_model_is_at_least_what_the_compiler_allocates(d, dtype, bs):
   shapes = (jax.ShapeDtypeStruct((N, d), dtype), jax.ShapeDtypeStruct((d, 128256), dtype),
             jax.ShapeDtypeStruct((N,), jnp.int32))
   with pytest.raises(Exception, match="CompileTimeScopedVmemOom") as info:
-    tpu.compile_for("v5e", f, *shapes)
+    aot_tpu.compile_for("v5e", f, *shapes)
   wanted = re.search(r"Scoped allocation with size ([\d.]+)M", str(info.value))
   assert wanted, str(info.value)[:500]
   assert bs.vmem_bytes(d, dtype) >= float(wanted.group(1)) * 2**20
@@ -116,5 +117,5 @@ def test_dpo_loss_kernels_compile_up_to_64_pairs_of_8192_tokens(chip):
   for b, t in ((64, 8192), (37, 3000), (1, 128)):
     x = jax.ShapeDtypeStruct((b, t), jnp.float32)
     m = jax.ShapeDtypeStruct((b, t), jnp.int32)
-    compiled = tpu.compile_for(chip, loss, x, x, x, x, m, m)
+    compiled = aot_tpu.compile_for(chip, loss, x, x, x, x, m, m)
     assert "dpo_loss_fwd" in compiled.as_text()

@@ -4,7 +4,7 @@ topology, and whether it fits, without allocating anything.
 The plan is the one `run.loop.train` builds (`training.plan.make_plan`): from the data
 when `--train_data` is given (it is read and encoded, nothing else), else from the
 flags' worst case. With `libtpu` installed, `--target_topology=v5e-8` (or any Cloud TPU
-slice name, `tunix_kernels.tpu.parse_topology`) gives the devices of that TPU slice on any
+slice name, `tunix_kernels.aot_tpu.parse_topology`) gives the devices of that TPU slice on any
 host, even with `JAX_PLATFORMS=cpu`; the step is lowered with `jax.ShapeDtypeStruct` inputs sharded on a
 mesh of them and compiled by the real TPU compiler (Pallas kernels included). Nothing is
 initialised or loaded: the params, optimizer state, reference and batch are abstract
@@ -24,6 +24,7 @@ import tempfile
 import jax
 
 from tunix_kernels import tpu
+from tunix_kernels import aot_tpu
 from tunix_core import model as model_lib
 from tunix_core.aot import comms
 from tunix_core.aot import overlap
@@ -42,10 +43,10 @@ def target_devices(name: str) -> tuple[tpu.Chip | None, list]:
   """`(chip or None for local devices, devices)` of a `--target_topology`."""
   if name == "local":
     return None, jax.devices()
-  if not tpu.has_libtpu():
+  if not aot_tpu.has_libtpu():
     raise RuntimeError("compiling for a TPU topology needs libtpu: pip install "
                        "'jax[tpu]' (the `tpu` extra)")
-  return tpu.topology_devices(name)
+  return aot_tpu.topology_devices(name)
 
 
 def lower(plan: plan_lib.StepPlan, devices):
@@ -75,7 +76,7 @@ def _allocated_in_hbm(dump_dir: str) -> int | None:
 def compile_stats(plan: plan_lib.StepPlan, chip, devices) -> dict:
   """Compiles `plan`'s train step for `devices` (of `chip`, None for local devices).
   Returns `{"chip",
-  "devices", "num_params", "error"}` plus, when it compiled, `tunix_kernels.tpu.compiled_stats`
+  "devices", "num_params", "error"}` plus, when it compiled, `tunix_kernels.aot_tpu.compiled_stats`
   per device, `"total"` (arguments + outputs not in donated arguments + temporaries as
   analysed), `"hbm"` (for a TPU target: the bytes the compiler's buffer assignment
   allocates in HBM, read from an XLA dump into a temporary directory; None where the
@@ -109,7 +110,7 @@ def compile_stats(plan: plan_lib.StepPlan, chip, devices) -> dict:
       out["memory"] = bool(lines)  # a refusal over memory, not another precondition
       return out
     hbm = _allocated_in_hbm(dump_dir) if chip is not None else None
-  stats = tpu.compiled_stats(compiled)
+  stats = aot_tpu.compiled_stats(compiled)
   text, mesh_shape = compiled.as_text(), dict(steps.mesh.shape)
   stats["collectives"] = comms.collectives(text, mesh_shape)
   stats["overlap"] = overlap.exposed(text, mesh_shape, chip.name) if chip else None

@@ -29,7 +29,7 @@ import urllib.request
 
 import jax
 
-from tunix_kernels import tpu
+from tunix_kernels import aot_tpu
 
 from tunix_core.training.config import ConfigError
 
@@ -52,7 +52,7 @@ def has_tpu_chips() -> bool:
   """TPU device files on this host (without starting a backend): VFIO devices only with
   libtpu installed (a GPU passed through is VFIO too)."""
   return bool(glob.glob("/dev/accel*")
-              or (glob.glob("/dev/vfio/[0-9]*") and tpu.has_libtpu()))
+              or (glob.glob("/dev/vfio/[0-9]*") and aot_tpu.has_libtpu()))
 
 
 def _workers(environ) -> tuple[str, list[str]] | None:

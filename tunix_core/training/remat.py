@@ -13,7 +13,7 @@ compiled again, and a restart finds every candidate cached.
 import dataclasses
 
 import jax
-from tunix_kernels import tpu
+from tunix_kernels import aot_tpu
 
 from tunix_core.training import plan as plan_lib
 from tunix_core.training import step as step_lib
@@ -39,7 +39,7 @@ def need(plan: plan_lib.StepPlan, devices) -> int | None:
     if "RESOURCE_EXHAUSTED" in str(e) or "exceeds" in str(e):
       return None
     raise
-  stats = tpu.compiled_stats(compiled)
+  stats = aot_tpu.compiled_stats(compiled)
   held = stats["argument"] + stats["output"] - stats["alias"]
   # The TPU compiler's peak of live bytes; elsewhere (CPU) its peak leaves out the
   # temporaries, so they are added whole.

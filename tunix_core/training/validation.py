@@ -6,7 +6,7 @@ import importlib.util
 
 import tunix_kernels
 from tunix_kernels import attention as attention_lib
-from tunix_kernels import tpu
+from tunix_kernels import aot_tpu
 from tunix_kernels.dpo_loss import losses as dpo_losses
 from tunix_core import model as model_lib
 from tunix_core.parallel import collectives
@@ -155,7 +155,7 @@ def check(cfg, num_devices: int) -> None:
        "(a resume needs no --init_from)")
   if cfg.target_topology != "local":
     try:
-      tpu.parse_topology(cfg.target_topology)
+      aot_tpu.parse_topology(cfg.target_topology)
     except ValueError as e:
       raise ConfigError(f"--target_topology: {e}") from None
   steps = cfg.profile_steps
