@@ -149,8 +149,9 @@ def compile_only(cfg, target: str, log=print) -> int:
     compiled[candidate.model.remat] = stats = compile_stats(candidate, chip, devices)
     return None if stats["error"] else stats["need"]
 
+  # (the plan line names the policy --remat=auto chose)
   plan = remat.resolve(plan_for(cfg, devices, log), devices,
-                       chip.hbm_bytes if chip else remat.capacity(devices), log, measure)
+                       chip.hbm_bytes if chip else remat.capacity(devices), measure=measure)
   num_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(
       lambda: model_lib.init_params(jax.random.PRNGKey(0), plan.model))))
   log(f"compile only: {cfg.hf_model_dir or cfg.model} ({num_params:,} params, "
