@@ -130,18 +130,26 @@ def test_7b_does_not_fit_a_v5e_8_without_sharded_params(tmp_path):
 
 @pytest.mark.slow
 @needs_libtpu
-def test_fit_is_judged_on_what_the_buffer_assignment_allocates(tmp_path):
+def test_fit_is_judged_on_what_the_buffer_assignment_allocates(tmp_path, monkeypatch):
   """The fit check uses the HBM bytes the TPU compiler's buffer assignment allocates (its
   XLA dump: the arguments, outputs and one preallocated block of temporaries), never
   less than the buffers the caller holds through the step (arguments, outputs not
   donated)."""
   chip, devices = aot.target_devices("v5e-8")
-  stats = aot.compile_stats(aot.plan_for(_config(tmp_path, fsdp=True), devices), chip, devices)
+  compiled, real = [], aot.compile_stats  # (plan, stats) of --compile_only's compiles
+
+  def spy(plan, *args):
+    compiled.append((plan, real(plan, *args)))
+    return compiled[-1][1]
+
+  monkeypatch.setattr(aot, "compile_stats", spy)
+  lines = []
+  assert aot.compile_only(_config(tmp_path, fsdp=True), "v5e-8", log=lines.append) == 0
+  (plan, stats), = compiled  # one compile, of the flags' plan: what the fit is judged on
+  assert plan == aot.plan_for(_config(tmp_path, fsdp=True), devices)
   assert stats["error"] is None and stats["hbm"] is not None
   held = stats["argument"] + stats["output"] - stats["alias"]
   assert 0 < held < stats["hbm"] == stats["need"]
-  lines = []
-  assert aot.compile_only(_config(tmp_path, fsdp=True), "v5e-8", log=lines.append) == 0
   total = next(l for l in lines if l.startswith("total "))
   assert total.startswith(f"total {aot._gib(stats['hbm'])} per device of 16.0 GiB HBM: "
                           "fits (allocated by the compiler's buffer assignment; ")

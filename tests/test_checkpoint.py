@@ -280,7 +280,7 @@ def test_two_processes_killed_and_resumed_equal_one_process(tmp_path, gcs, lora)
   export on `gs://`: full fine-tuning on 2 x 4 devices, FSDP with a model axis of 2 on
   each host; LoRA with --export_merged on 2 x 1 device, a model axis of 2 across both
   hosts. The full run is killed (SIGKILL, both processes) before step 7 and the same
-  command resumes it from the bucket to step 12. Both end with status 0, every step's
+  command resumes it from the bucket to step 9. Both end with status 0, every step's
   loss on the curve of one process on as many devices that never stopped, and the
   export (LoRA: the PEFT adapter and merged/) equal to that process's. The full run
   starts from HF weights in the bucket, of which each process fetches only its devices'
@@ -303,7 +303,7 @@ def test_two_processes_killed_and_resumed_equal_one_process(tmp_path, gcs, lora)
     for name in ("tokenizer.json", "tokenizer_config.json"):
       shutil.copy(os.path.join(REPO, "tests", "fixtures", "hf", "tokenizer", name), model_dir)
     gcs_lib.upload(gcs, str(model_dir), out + "/model")
-  steps = 3 if lora else 12
+  steps = 3 if lora else 9
   cfg = _config(out, steps=steps, save_every=3, export_hf_dir=out + "/export", **layout)
 
   def launch(*faults):
@@ -316,7 +316,7 @@ def test_two_processes_killed_and_resumed_equal_one_process(tmp_path, gcs, lora)
     return [(p,) + p.communicate(timeout=600) for p in procs]
 
   # Full: both processes are killed (SIGKILL) as step 7 starts, then the same command
-  # resumes from the last checkpoint the bucket holds and runs to step 12.
+  # resumes from the last checkpoint the bucket holds and runs to step 9.
   first = launch(*([] if lora else ["--kill_at=train step 7"]))
   ends = first if lora else launch()
   for i, (p, stdout, err) in enumerate(first):

@@ -40,6 +40,21 @@ _config, _losses = runs.config, runs.losses
 pytestmark = pytest.mark.slow  # every test here runs the trainer end to end
 
 
+@pytest.fixture(scope="module")
+def straight_losses(tmp_path_factory):
+  """`losses(steps)`: every step's loss of an uninterrupted run of `steps` steps, the
+  curve a faulted run must end on; each length is trained once for the module."""
+  done = {}
+
+  def losses(steps):
+    if steps not in done:
+      out = tmp_path_factory.mktemp("straight")
+      train.train(_config(out, steps=steps), **QUIET)
+      done[steps] = _losses(out)
+    return done[steps]
+  return losses
+
+
 def _steps(out):
   ckpt = checkpoint.Checkpointer(os.path.join(out, "checkpoints"))
   try:
@@ -71,7 +86,7 @@ def _truncate(path):
 
 # Flipped bytes in an array are the object-storage test's damage (tests/test_storage.py).
 @pytest.mark.parametrize("damage", ["truncate_array", "flip_meta"])
-def test_damaged_latest_step_falls_back_or_fails(tmp_path, damage):
+def test_damaged_latest_step_falls_back_or_fails(tmp_path, damage, straight_losses):
   out = tmp_path / "run"
   train.train(_config(out, steps=4, save_every=2), **QUIET)  # steps 2 and 4
   step_dir = out / "checkpoints" / "4"
@@ -91,8 +106,7 @@ def test_damaged_latest_step_falls_back_or_fails(tmp_path, damage):
   (rejected,) = os.listdir(f"{out}/checkpoints.rejected")
   assert rejected.startswith("4-")  # kept, never deleted
   assert _steps(out) == [4, 6] or _steps(out) == [2, 4, 6]  # step 4 was written again
-  train.train(_config(tmp_path / "straight", steps=6), **QUIET)
-  assert _losses(out) == _losses(tmp_path / "straight")  # bit-identical
+  assert _losses(out) == straight_losses(6)  # bit-identical
 
 
 def _poison_step_3(monkeypatch):
@@ -112,7 +126,7 @@ def _poison_step_3(monkeypatch):
   monkeypatch.setattr(objective, "dpo_objective", poisoned)
 
 
-def test_nan_step_stops_the_run_before_it_is_saved(tmp_path, monkeypatch):
+def test_nan_step_stops_the_run_before_it_is_saved(tmp_path, monkeypatch, straight_losses):
   _poison_step_3(monkeypatch)
   out = tmp_path / "run"
   with pytest.raises(health.NonFiniteStep, match=r"^step 3 produced non-finite loss;"):
@@ -120,8 +134,7 @@ def test_nan_step_stops_the_run_before_it_is_saved(tmp_path, monkeypatch):
   assert _steps(out) == [2]  # nothing from step 3 on was checkpointed
   monkeypatch.undo()
   train.train(_config(out, steps=4), **QUIET)  # the intact step 2 resumes (and verifies)
-  train.train(_config(tmp_path / "straight", steps=4), **QUIET)
-  assert _losses(out) == _losses(tmp_path / "straight")
+  assert _losses(out) == straight_losses(4)
 
 
 def test_skipped_nan_steps_are_counted_and_resume_exactly(tmp_path, monkeypatch):
@@ -136,7 +149,7 @@ def test_skipped_nan_steps_are_counted_and_resume_exactly(tmp_path, monkeypatch)
   assert [int(x) for x in resumed["state"]["nonfinite"]] == [1, 3, 1]
 
 
-def test_torn_metrics_line_is_dropped_on_resume(tmp_path):
+def test_torn_metrics_line_is_dropped_on_resume(tmp_path, straight_losses):
   out = tmp_path / "run"
   train.train(_config(out, steps=4, save_every=4), **QUIET)
   with open(out / "metrics.jsonl", "a") as f:
@@ -144,11 +157,10 @@ def test_torn_metrics_line_is_dropped_on_resume(tmp_path):
   lines = []
   train.train(_config(out), log=lines.append)
   assert any(l.startswith("warning:") and "dropped 2 " in l for l in lines)
-  train.train(_config(tmp_path / "straight"), **QUIET)
-  assert _losses(out) == _losses(tmp_path / "straight")
+  assert _losses(out) == straight_losses(6)
 
 
-def test_failed_checkpoint_write_ends_with_one_line(tmp_path):
+def test_failed_checkpoint_write_ends_with_one_line(tmp_path, straight_losses):
   out = tmp_path / "run"
   train.train(_config(out, steps=2, save_every=2), **QUIET)
   cfg = _config(out, steps=4, save_every=2)
@@ -170,8 +182,7 @@ def test_failed_checkpoint_write_ends_with_one_line(tmp_path):
   assert os.path.exists(out / "trainer.log")
   assert _steps(out) == [2]  # the previous checkpoint is intact, step 4 not half-committed
   train.train(_config(out, steps=4), **QUIET)
-  train.train(_config(tmp_path / "straight", steps=4), **QUIET)
-  assert _losses(out) == _losses(tmp_path / "straight")
+  assert _losses(out) == straight_losses(4)
 
 
 def _watchdog_run(out, extra, timeout, faults=(), data=TRAIN, env_extra=None, wait=True):

@@ -14,6 +14,10 @@ CFG = model.ModelConfig(vocab_size=50, d_model=32, num_layers=2, num_heads=4, nu
                         head_dim=8, mlp_dim=48)
 
 
+# One compile per shape and config instead of XLA compiling each op of an eager forward.
+forward = jax.jit(model.forward, static_argnums=3)
+
+
 def _tokens(key, B=2, T=10, V=50):
   return jax.random.randint(key, (B, T), 0, V)
 
@@ -61,7 +65,7 @@ def numpy_forward(params, tokens, cfg):
 def test_shapes_and_specs(tie):
   cfg = dataclasses.replace(CFG, tie_embeddings=tie)
   params = model.init_params(jax.random.PRNGKey(0), cfg)
-  hidden = model.forward(params, _tokens(jax.random.PRNGKey(1)), None, cfg)
+  hidden = forward(params, _tokens(jax.random.PRNGKey(1)), None, cfg)
   chex.assert_shape(hidden, (2, 10, cfg.d_model))
   assert model.lm_head(params, cfg).shape == (cfg.d_model, cfg.vocab_size)
   assert ("lm_head" in params) == (not tie)
@@ -76,7 +80,7 @@ def test_shapes_and_specs(tie):
 def test_matches_float64_numpy():
   params = model.init_params(jax.random.PRNGKey(0), CFG)
   tokens = _tokens(jax.random.PRNGKey(1))
-  got = model.forward(params, tokens, None, CFG)
+  got = forward(params, tokens, None, CFG)
   want = numpy_forward(params, np.asarray(tokens), CFG)
   np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-4)
 
@@ -85,8 +89,8 @@ def test_causal():
   params = model.init_params(jax.random.PRNGKey(0), CFG)
   tokens = _tokens(jax.random.PRNGKey(1))
   changed = tokens.at[:, 6].set((tokens[:, 6] + 1) % CFG.vocab_size)
-  a = model.forward(params, tokens, None, CFG)
-  b = model.forward(params, changed, None, CFG)
+  a = forward(params, tokens, None, CFG)
+  b = forward(params, changed, None, CFG)
   np.testing.assert_array_equal(np.asarray(a[:, :6]), np.asarray(b[:, :6]))
   assert np.abs(np.asarray(a[:, 6:] - b[:, 6:])).max() > 1e-3
 
@@ -104,8 +108,8 @@ def test_padding_leaves_real_positions_unchanged(side):
     padded = jnp.concatenate([tokens, pad], 1)
     mask = jnp.concatenate([jnp.ones((1, 7), jnp.int32), jnp.zeros((1, 5), jnp.int32)], 1)
     real = slice(0, 7)
-  want = model.forward(params, tokens, None, CFG)
-  got = model.forward(params, padded, mask, CFG)
+  want = forward(params, tokens, None, CFG)
+  got = forward(params, padded, mask, CFG)
   np.testing.assert_allclose(np.asarray(got[:, real]), np.asarray(want), rtol=1e-5, atol=1e-5)
   assert np.isfinite(np.asarray(got)).all()
 
@@ -120,16 +124,17 @@ def test_remat_same_gradients(remat):
   def loss(p, cfg):
     return jnp.sum(model.forward(p, tokens, None, cfg) ** 2)
 
-  want = jax.grad(loss)(params, CFG)
-  got = jax.jit(jax.grad(loss), static_argnums=1)(params, dataclasses.replace(CFG, remat=remat))
+  grad = jax.jit(jax.grad(loss), static_argnums=1)
+  want = grad(params, CFG)
+  got = grad(params, dataclasses.replace(CFG, remat=remat))
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_bf16_compute_close_to_f32():
   params = model.init_params(jax.random.PRNGKey(0), CFG)
   tokens = _tokens(jax.random.PRNGKey(1))
-  f32 = model.forward(params, tokens, None, CFG)
-  bf16 = model.forward(params, tokens, None, dataclasses.replace(CFG, compute_dtype="bfloat16"))
+  f32 = forward(params, tokens, None, CFG)
+  bf16 = forward(params, tokens, None, dataclasses.replace(CFG, compute_dtype="bfloat16"))
   assert bf16.dtype == jnp.bfloat16 and params["embed"].dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(bf16, np.float32), np.asarray(f32), atol=0.15)
 

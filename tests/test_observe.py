@@ -53,9 +53,15 @@ def test_tensorboard_wandb_plots_and_profile_hold_the_metrics(tmp_path, gcs, mon
   monkeypatch.setenv("WANDB_MODE", "offline")
   monkeypatch.setenv("WANDB_SILENT", "true")
   out = gcs.bucket("observe") + "/run"
+  # 64 of the 512 eval pairs: what is checked is where the eval rows land, and each of
+  # the two evaluations (one inside the profiled steps) then takes 8 batches, not 64.
+  eval_data = tmp_path / "eval.jsonl"
+  with open(f"{runs.REPO}/data/eval.jsonl") as f:
+    eval_data.write_text("".join(f.readlines()[:64]))
   cfg = runs.quickstart_config(out, steps=4, log_every=1, eval_every=2, save_every=0,
                                batch_size=8, wandb_project="tunix-tests", profile_steps="2:3",
-                               sample_every=2, sample_max_new_tokens=3)
+                               sample_every=2, sample_max_new_tokens=3,
+                               eval_data=str(eval_data))
   lines = []
   train.train(cfg, log=lines.append)
   assert f"TensorBoard: {out}/tensorboard" in lines

@@ -217,8 +217,9 @@ def _trainer(args, env_extra=None, cwd=None, timeout=600):
 
 
 def _pod_inputs(tmp_path, server, bucket: str) -> dict:
-  """Uploads the shipped pairs and a tiny HF model directory (with a tokenizer) to
-  `bucket`; returns the path flags that read them from there."""
+  """Uploads the shipped train pairs, the first 64 eval pairs (each evaluation of the
+  runs then takes 8 batches, not 64) and a tiny HF model directory (with a tokenizer)
+  to `bucket`; returns the path flags that read them from there."""
   from tunix_core import model as model_lib  # pylint: disable=g-import-not-at-top
   cfg = dataclasses.replace(model_lib.preset("tiny"), vocab_size=320)
   model_dir = tmp_path / "model"
@@ -227,8 +228,9 @@ def _pod_inputs(tmp_path, server, bucket: str) -> dict:
   for name in ("tokenizer.json", "tokenizer_config.json"):
     shutil.copy(os.path.join(HF, "tokenizer", name), model_dir)
   gcs_lib.upload(server, str(model_dir), f"{bucket}/model")
-  for name in ("train.jsonl", "eval.jsonl"):
-    gcs_lib.upload(server, os.path.join(runs.REPO, "data", name), f"{bucket}/data/{name}")
+  gcs_lib.upload(server, runs.TRAIN, f"{bucket}/data/train.jsonl")
+  with open(os.path.join(runs.REPO, "data", "eval.jsonl"), "rb") as f:
+    gcs_lib.upload_bytes(server, b"".join(f.readlines()[:64]), f"{bucket}/data/eval.jsonl")
   return {"hf_model_dir": f"{bucket}/model", "train_data": f"{bucket}/data/train.jsonl",
           "eval_data": f"{bucket}/data/eval.jsonl"}
 
@@ -475,7 +477,7 @@ def test_storage_failures_end_in_one_line_and_keep_the_last_checkpoint(tmp_path)
     server.stop()
     # Whichever write meets the dead server first names itself: a checkpoint's (status
     # 4, naming the newest complete step) or metrics.jsonl's (status 1). It used to hang
-    # now and then at exit, in Orbax's threads of the failed save (trainer._exit_now).
+    # now and then at exit, in Orbax's threads of the failed save (`cli.train._exit_now`).
     line = _one_error_line(proc, ERROR_SECONDS, [1, 4])
     assert "gs://pod/killed" in line and "failed" in line
     server.start()

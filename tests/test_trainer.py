@@ -1,6 +1,7 @@
 """End-to-end trainer runs on 8 simulated CPU devices."""
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -37,9 +38,16 @@ def _config(tmp_path, **kw):
 
 @pytest.mark.slow
 def test_flagfile_run_on_8_devices_loss_falls_from_ln2(tmp_path):
+  # 512 train and 64 eval pairs: the precomputed reference pass over both is 36 batches,
+  # not 288; the 10 steps read 160 pairs either way.
+  train_data, eval_data = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+  for path, src, n in ((train_data, TRAIN, 512), (eval_data, EVAL, 64)):
+    with open(src) as f:
+      path.write_text("".join(f.readlines()[:n]))
   flagfile = tmp_path / "run.flags"
   flagfile.write_text("\n".join([
-      f"--output_dir={tmp_path / 'out'}", f"--train_data={TRAIN}", f"--eval_data={EVAL}",
+      f"--output_dir={tmp_path / 'out'}", f"--train_data={train_data}",
+      f"--eval_data={eval_data}",
       "--max_length=40", "--max_prompt_length=20", "--batch_size=16", "--steps=10",
       "--log_every=1", "--eval_every=10", "--learning_rate=2e-3", "--warmup_steps=2",
       "--reference=precomputed", f"--compilation_cache_dir={flagfile}/cache"]) + "\n")
@@ -79,8 +87,14 @@ def test_flagfile_run_on_8_devices_loss_falls_from_ln2(tmp_path):
 
 @pytest.mark.slow
 def test_precomputed_reference_matches_in_step_reference(tmp_path):
-  a = train.train(_config(tmp_path / "a"), log=lambda *_: None)
-  b = train.train(_config(tmp_path / "b", reference="precomputed"), log=lambda *_: None)
+  # 512 of the 4,096 pairs: b's reference pass over the whole set is then 64 batches,
+  # not 512; the 6 steps read 48 pairs either way.
+  data = tmp_path / "pairs.jsonl"
+  with open(TRAIN) as f:
+    data.write_text("".join(f.readlines()[:512]))
+  config = functools.partial(_config, train_data=str(data))
+  a = train.train(config(tmp_path / "a"), log=lambda *_: None)
+  b = train.train(config(tmp_path / "b", reference="precomputed"), log=lambda *_: None)
   la = [r["loss"] for r in _rows(tmp_path / "a")]
   lb = [r["loss"] for r in _rows(tmp_path / "b")]
   np.testing.assert_allclose(lb, la, rtol=1e-5, atol=1e-6)
@@ -88,7 +102,7 @@ def test_precomputed_reference_matches_in_step_reference(tmp_path):
   assert len(cache) == 2 and cache[0].startswith("pairs-") and cache[1].startswith(
       "ref_logps_")
   # A second run reuses the stores and the cache files (same data, same initial params).
-  train.train(_config(tmp_path / "b", reference="precomputed", steps=1), log=lambda *_: None)
+  train.train(config(tmp_path / "b", reference="precomputed", steps=1), log=lambda *_: None)
   assert sorted(os.listdir(tmp_path / "b" / "data_cache")) == cache
   chex_params = [a["state"]["params"], b["state"]["params"]]
   for x, y in zip(*map(jax.tree.leaves, chex_params)):
