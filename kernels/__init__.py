@@ -20,10 +20,5 @@ from tunix_kernels.dpo_loss.pallas import BlockSizes as DPOLossBlockSizes
 from tunix_kernels.logprobs import fused_logprobs
 from tunix_kernels.logprobs.blocks import BlockSizes as LogprobsBlockSizes
 
-# Both ops take the same implementations; the two names stay for flag enums.
-LOGPROB_IMPLS = IMPLS
-DPO_LOSS_IMPLS = IMPLS
-
-__all__ = ["DPOLossBlockSizes", "DPO_LOSS_IMPLS", "IGNORE_INDEX", "IMPLS", "LOGPROB_IMPLS",
-           "LOSS_TYPES", "LogprobsBlockSizes", "REFERENCE_FREE_TYPES", "dpo_loss",
+__all__ = ["DPOLossBlockSizes", "IGNORE_INDEX", "IMPLS", "LOSS_TYPES", "LogprobsBlockSizes", "REFERENCE_FREE_TYPES", "dpo_loss",
            "fused_logprobs"]

@@ -1,8 +1,9 @@
 """Naive implementations (`impl="naive"`), the oracles: short, obviously correct, and
 memory-hungry.
 
-`logprobs_naive` materialises the `[N, V]` logits; `dpo_sums_naive` reduces the loss
-inputs by plain masked sums for the formulas of `tunix_kernels.dpo_loss.losses` (whose float64
+`logprobs_naive` materialises the `[N, V]` logits; `attention_naive` the `[B, H, T, T]`
+scores and the visibility mask; `dpo_sums_naive` reduces the loss inputs by plain masked
+sums for the formulas of `tunix_kernels.dpo_loss.losses` (whose float64
 NumPy oracle, written from TRL's code, lives in the tests). Tests compare the fast paths
 against these; production code never calls them.
 """
@@ -44,3 +45,34 @@ def dpo_sums_naive(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps,
   sums = [jnp.sum(jnp.asarray(x, jnp.float32) * m, axis=-1) for x, m in zip(args, masks)]
   return dpo_losses.Sums(*sums, jnp.sum(chosen_mask, -1).astype(jnp.float32),
                          jnp.sum(rejected_mask, -1).astype(jnp.float32))
+
+
+def attention_naive(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, segments_BxT, branches_BxT,
+                    positions_BxT, valid_BxT, window, *, scale: float, softcap: float = 0.0):
+  """Grouped-query attention over the whole `[B, H, T, T]` scores, in float32: query i
+  sees key j when j <= i, j is a real token (`valid`), of i's segment, of the trunk
+  (branch 0) or i's own branch, and fewer than `window` rope positions back (an int32
+  scalar; `tunix_kernels.attention.blocks.NO_WINDOW` for none): the `Visibility` rule
+  written out. A query that sees no key returns 0. `[B, T, H, K]` in q's dtype,
+  differentiable in q, k, v by plain autodiff."""
+  f32 = lambda x: x.astype(jnp.float32)
+  groups = q_BxTxHxK.shape[2] // k_BxTxVxK.shape[2]
+  k = jnp.repeat(f32(k_BxTxVxK), groups, axis=2)
+  v = jnp.repeat(f32(v_BxTxVxK), groups, axis=2)
+  scores_BxHxTxT = jnp.einsum("bqhk,bshk->bhqs", f32(q_BxTxHxK), k) * scale
+  if softcap:
+    scores_BxHxTxT = softcap * jnp.tanh(scores_BxHxTxT / softcap)
+  T = q_BxTxHxK.shape[1]
+  i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+  seen_BxTxT = ((j <= i) & (valid_BxT[:, None, :] > 0)
+                & (segments_BxT[:, :, None] == segments_BxT[:, None, :])
+                & ((branches_BxT[:, None, :] == 0)
+                   | (branches_BxT[:, None, :] == branches_BxT[:, :, None]))
+                & (positions_BxT[:, :, None] - positions_BxT[:, None, :] < window))
+  seen = seen_BxTxT[:, None]
+  masked = jnp.where(seen, scores_BxHxTxT, -jnp.inf)
+  top = jax.lax.stop_gradient(jnp.max(masked, axis=-1, keepdims=True))
+  e = jnp.where(seen, jnp.exp(masked - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+  total = jnp.sum(e, axis=-1, keepdims=True)
+  p = e / jnp.where(total > 0, total, 1.0)
+  return jnp.einsum("bhqs,bshk->bqhk", p, v).astype(q_BxTxHxK.dtype)

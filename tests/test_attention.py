@@ -15,6 +15,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import runs
 from tunix_kernels import attention
+from tunix_kernels import dispatch
 from tunix_kernels.attention import blocks as attention_blocks
 from tunix_kernels import tpu
 from tunix_kernels import aot_tpu
@@ -64,11 +65,12 @@ CASES = {  # T, H, KV, K, softcap, window, dtype, blocks
 
 @pytest.mark.parametrize("impl,case", [
     pytest.param(i, c, marks=() if c == "ragged-gqa" else pytest.mark.slow)
-    for i in ("interpret", "auto") for c in CASES])
+    for i in ("interpret", "auto", "naive") for c in CASES])
 def test_attention_matches_the_float64_oracle(impl, case, monkeypatch):
-  """The Pallas kernels (interpret mode) in the case's tiles and the blockwise XLA path
+  """The Pallas kernels (interpret mode) in the case's tiles, the blockwise XLA path
   that `impl="auto"` takes off TPU in 128 x 128 tiles (several per row, the last one
-  padded), in values and in the gradients of q, k and v."""
+  padded) and the naive oracle (whole scores), in values and in the gradients of q, k
+  and v."""
   T, H, KV, K, softcap, window, dtype, blocks = CASES[case]
   if impl == "auto":
     blocks = (128, 128)
@@ -208,9 +210,10 @@ def test_shared_and_packed_rows_through_the_kernels_equal_plain_rows(family):
 
 
 def test_dispatch_tiles_and_errors():
-  assert attention.resolve("auto") == "xla"  # CPU here
+  assert dispatch.resolve_impl("attention", "auto") == "xla"  # CPU here
   with pytest.raises(ValueError, match="unknown attention impl"):
-    attention.resolve("flash")
+    attention.attention(jnp.zeros((1, 8, 2, 4)), jnp.zeros((1, 8, 2, 4)),
+                        jnp.zeros((1, 8, 2, 4)), None, scale=1.0, impl="flash")
   with pytest.raises(ValueError, match="multiple of 128"):
     attention.BlockSizes(100, 128)
   with pytest.raises(ValueError, match="MiB of VMEM"):
@@ -226,7 +229,8 @@ def test_dispatch_tiles_and_errors():
     pytest.skip("needs libtpu for a TPU mesh")
   _, devices = aot_tpu.topology_devices("v5e-8")
   picked = []
-  jax.jit(jax.shard_map(lambda x: picked.append(attention.resolve("auto")) or x,
+  jax.jit(jax.shard_map(lambda x: picked.append(
+      dispatch.resolve_impl("attention", "auto")) or x,
                         mesh=Mesh(np.array(devices), ("data",)), in_specs=P("data"),
                         out_specs=P("data"))).lower(jax.ShapeDtypeStruct((8,), jnp.float32))
   assert picked == ["pallas"]

@@ -31,10 +31,10 @@ from tunix_kernels import common
 from tunix_kernels import dispatch
 # Not `gspmd`: the package's own `gspmd` submodule owns that name in this namespace.
 from tunix_kernels import gspmd as gspmd_lib
+from tunix_kernels import naive
 from tunix_kernels import tpu
 from tunix_kernels.attention.blocks import BlockSizes
 
-ATTENTION_IMPLS = ("auto", "xla", "pallas", "interpret")
 # Bytes of one call's visit list (int32 per tile and row) in the 1 MiB of scalar memory
 # (SMEM) the kernels prefetch it into; a batch with longer lists runs in several calls.
 _SMEM_LIST_BYTES = 256 << 10
@@ -60,15 +60,6 @@ class Visibility(NamedTuple):
   band: int | None = None
 
 
-def resolve(impl: str) -> str:
-  """`impl` checked, with "auto" -> "pallas" when compiling for TPU, else "xla"."""
-  if impl not in ATTENTION_IMPLS:
-    raise ValueError(f"unknown attention impl {impl!r}; choose one of {ATTENTION_IMPLS}")
-  if impl == "auto":
-    return "pallas" if dispatch.target_platform() == "tpu" else "xla"
-  return impl
-
-
 def attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis: Visibility, *, scale: float,
               softcap: float = 0.0, window=0, impl: str = "auto",
               block_sizes: BlockSizes | None = None):
@@ -83,9 +74,11 @@ def attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis: Visibility, *, scale: float,
     window: 0 (none), or a positive int (a traced int32 scalar is allowed: a scanned
       layer's own window, 0 for a full-attention layer): keys that many rope positions
       back or more are hidden.
-    impl: "pallas" (Mosaic TPU kernels), "interpret" (the same kernels in TPU interpret
-      mode, for CPU tests), "xla" (blockwise, `tunix_kernels.attention.xla`), or "auto"
-      (pallas when compiled for TPU, else xla).
+    impl: one of `tunix_kernels.IMPLS`: "pallas" (Mosaic TPU kernels), "interpret" (the
+      same kernels in TPU interpret mode, for CPU tests), "xla" (blockwise,
+      `tunix_kernels.attention.xla`), "naive" (the oracle: whole `[T, T]` scores,
+      `tunix_kernels.naive.attention_naive`), or "auto" (pallas when compiled for TPU,
+      else xla).
     block_sizes: tiles of the kernels; None picks `BlockSizes.get_default` for the TPU
       generation being compiled for (`tunix_kernels.tpu.target_chip`), fitting every
       generation's default VMEM when that is unknown. Explicit tiles that cannot fit are
@@ -95,7 +88,7 @@ def attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis: Visibility, *, scale: float,
   operands' shardings (`tunix_kernels.attention.gspmd`): rows and KV heads stay split, the
   sequence and head dimension are gathered; see docs/embedding.md.
   """
-  impl = resolve(impl)
+  impl = dispatch.resolve_impl("attention", impl)
   B, T, H, K = q_BxTxHxK.shape
   KV = k_BxTxVxK.shape[2]
   if k_BxTxVxK.shape != (B, T, KV, K) or v_BxTxVxK.shape != k_BxTxVxK.shape or H % KV:
@@ -117,6 +110,9 @@ def attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis: Visibility, *, scale: float,
   window_1 = jnp.reshape(jnp.where(jnp.asarray(window) > 0, window,
                                    attention_blocks.NO_WINDOW).astype(jnp.int32), (1,))
   vectors = (segments, branches, positions, valid, window_1)
+  if impl == "naive":
+    return naive.attention_naive(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, *vectors[:4], window_1[0],
+                                 scale=scale, softcap=softcap)
   if impl == "xla":
     bs = block_sizes or BlockSizes()
     return attention_xla.xla_attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK,

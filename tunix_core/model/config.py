@@ -21,7 +21,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from tunix_kernels import attention as attention_lib
+import tunix_kernels
 
 RematPolicy = Literal["none", "full", "full_prefetch", "dots", "dots_no_batch", "offload"]
 
@@ -112,7 +112,7 @@ class ModelConfig:
     for name, choices in (("param_dtype", tuple(DTYPES)), ("compute_dtype", tuple(DTYPES)),
                           ("rope_type", ROPE_TYPES), ("mlp_activation", MLP_ACTIVATIONS),
                           ("remat", tuple(REMAT_POLICIES)),
-                          ("attention_impl", attention_lib.ATTENTION_IMPLS)):
+                          ("attention_impl", tunix_kernels.IMPLS)):
       if getattr(self, name) not in choices:
         raise ValueError(f"ModelConfig.{name} must be one of {choices}, "
                          f"got {getattr(self, name)!r}")

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from tunix_core.parallel import mesh as mesh_lib
 from tunix_core.parallel import ring
 
-IMPLS = ("xla", "ring", "all_to_all")
+SYNC_IMPLS = ("xla", "ring", "all_to_all")
 # Dtypes gradients may travel in (`comm_dtype=`).
 COMM_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
 # Elements of a shard on the wire are a multiple of this: 16 sublanes x 128 lanes, whole
@@ -199,8 +199,8 @@ def _padded_size(shape, num_shards):
 
 
 def _check(plan, axis_name, impl):
-  if impl not in IMPLS:
-    raise ValueError(f"unknown collective impl {impl!r}; choose one of {IMPLS}")
+  if impl not in SYNC_IMPLS:
+    raise ValueError(f"unknown collective impl {impl!r}; choose one of {SYNC_IMPLS}")
   size = jax.lax.axis_size(axis_name)
   if size != plan.num_shards:
     raise ValueError(f"mesh axis {axis_name!r} has {size} devices but the plan was made "

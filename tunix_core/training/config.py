@@ -242,7 +242,8 @@ class TrainConfig:
   attention_impl: str = _flag("auto", "Attention (tunix_kernels.attention): auto (the Pallas "
                               "kernels when compiled for TPU, for every row layout, window "
                               "and soft-cap; else xla), xla (blockwise: no [T, T] scores), pallas, "
-                              "interpret (the kernels on CPU, for tests).", group="parallel")
+                              "interpret (the kernels on CPU, for tests) or naive (the "
+                              "oracle: whole [T, T] scores).", group="parallel")
   loss_impl: str = _flag("auto", "tunix_kernels.dpo_loss impl: auto (pallas when compiled for "
                          "TPU, else xla), xla, pallas, interpret or naive (the oracle).",
                          group="parallel")

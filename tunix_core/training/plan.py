@@ -64,7 +64,7 @@ class StepPlan:
                                     # data_shards / num_slices devices
   lora: lora_lib.LoraConfig | None = None  # adapters train, the base is frozen
   compiler_options: tuple = ()      # (name, value) of --tpu_flags on TPU, else none
-  sync_impl: str = "xla"            # --sync_impl resolved (`collectives.IMPLS`)
+  sync_impl: str = "xla"            # --sync_impl resolved (`collectives.SYNC_IMPLS`)
 
   @property
   def pairs_per_device(self) -> int:

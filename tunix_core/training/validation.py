@@ -5,7 +5,6 @@ cannot work raises `ConfigError` naming its flag. Path flags may be local or rem
 import importlib.util
 
 import tunix_kernels
-from tunix_kernels import attention as attention_lib
 from tunix_kernels import aot_tpu
 from tunix_kernels.dpo_loss import losses as dpo_losses
 from tunix_core import model as model_lib
@@ -35,10 +34,10 @@ CHOICES = {
     "remat": ("auto",) + tuple(model_lib.REMAT_POLICIES),
     "optimizer": optim.OPTIMIZERS,
     "f_divergence_type": dpo_losses.F_DIVERGENCES,
-    "logprob_impl": tunix_kernels.LOGPROB_IMPLS,
-    "attention_impl": attention_lib.ATTENTION_IMPLS,
-    "loss_impl": tunix_kernels.DPO_LOSS_IMPLS,
-    "sync_impl": ("auto",) + collectives.IMPLS,
+    "logprob_impl": tunix_kernels.IMPLS,
+    "attention_impl": tunix_kernels.IMPLS,
+    "loss_impl": tunix_kernels.IMPLS,
+    "sync_impl": ("auto",) + collectives.SYNC_IMPLS,
     "grad_sync_dtype": tuple(collectives.COMM_DTYPES),
     "resume": RESUME_MODES,
     "on_nonfinite": NONFINITE_ACTIONS,
