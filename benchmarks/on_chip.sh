@@ -7,7 +7,8 @@
 # PARTS picks what runs (default "logprobs attention step"; also "chipopen", the time to
 # open the chip with libtpu's default and smaller premapped buffers, "quickstart", the shipped
 # command as written, "recovery", benchmarks/restart.py on the quickstart: killed at step
-# 120, restarted with and without the compilation cache, and "aotcache", the quickstart
+# 120, restarted with and without the compilation cache (RECOVERY_ARGS: more trainer flags,
+# e.g. --model=125m), and "aotcache", the quickstart
 # with the cache that `--compile_only --target_topology=v5e-1` filled on a CPU host, carried
 # as .aot_cache/). Narrowing: LOGPROBS_ARGS (extra arguments of on_chip.py logprobs, e.g.
 # --heads), LOGPROBS_LIMIT, STEP_CASES ("model tokens [flags]" separated by ';'),
@@ -94,7 +95,7 @@ fi
 has quickstart && part quickstart 240 python3 trainer.py --flagfile=configs/quickstart.flags
 has recovery && rm -rf /tmp/recovery && part recovery 240 python3 benchmarks/restart.py --uncached \
     --out "$OUT/restart.jsonl" -- python3 trainer.py --flagfile=configs/quickstart.flags \
-    --output_dir=/tmp/recovery --log_every=1 --eval_every=0
+    --output_dir=/tmp/recovery --log_every=1 --eval_every=0 ${RECOVERY_ARGS:-}
 if has aotcache; then
   rm -rf /tmp/aot_cache && cp -r .aot_cache /tmp/aot_cache
   part aotcache 120 python3 trainer.py --flagfile=configs/quickstart.flags \

@@ -11,6 +11,7 @@ import pytest
 
 import runs
 from tunix_core import data as data_lib
+from tunix_core.run import compile_cache
 from tunix_core.run import loop as train
 from tunix_core.training import config as config_lib
 from tunix_core.training import plan as plan_lib
@@ -199,3 +200,9 @@ def test_remat_auto_takes_the_cheapest_policy_that_fits(tmp_path):
   for limit, want in ((need["none"] - 1, "dots"), (need["full"] - 1, "full")):
     assert remat.resolve(plan, devices, limit, lines.append).model.remat == want
   assert lines[-1].startswith("--remat=auto: no policy fits")
+  # The run takes the chosen candidate's functions: its first step compiles nothing more.
+  chosen, steps = remat.resolve_steps(plan, devices, need["none"] - 1)
+  assert chosen.model.remat == "dots" and steps.plan == chosen
+  with compile_cache.FirstCompile() as first:  # as `run.compile_cache.Warmup` compiles it
+    steps.train_step.lower(*steps.abstract_inputs()).compile()
+  assert first.compiles == 0

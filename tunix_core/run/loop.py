@@ -34,7 +34,6 @@ from tunix_core.training import flops
 from tunix_core.training import health as health_lib
 from tunix_core.training import plan as plan_lib
 from tunix_core.training import remat
-from tunix_core.training import step as step_lib
 from tunix_core.training.config import ConfigError
 from tunix_core.training.config import TrainConfig
 
@@ -118,11 +117,10 @@ def _train(cfg, devices, log, beat, hooks):
   except paths.StorageError as e:
     raise ConfigError(f"--output_dir={cfg.output_dir!r} cannot be created: {e}") from None
   train_set, eval_set = source_lib.load_data(cfg, log, beat=startup)
-  plan = remat.resolve(plan_lib.make_plan(cfg, devices, plan_lib.data_sizes(
+  plan, steps = remat.resolve_steps(plan_lib.make_plan(cfg, devices, plan_lib.data_sizes(
       cfg, [d for d in (train_set, eval_set) if d is not None])), devices,
-                       remat.capacity(devices), log)
+                                    remat.capacity(devices), log)
   mcfg = plan.model
-  steps = step_lib.make_steps(plan, devices)
   # The step compiles (or loads from the compilation cache) while the state is made.
   warmup = compile_cache.Warmup(steps.train_step, steps.abstract_inputs())
   key = jax.random.PRNGKey(cfg.seed)
@@ -193,7 +191,9 @@ def _train(cfg, devices, log, beat, hooks):
       health_lib.check_finite(health, cfg.on_nonfinite, lambda *_: None)
 
   def save(step):
-    beat(f"saving checkpoint step {step}", kind="save")  # the first compiles its gathers
+    # Named with its destination (Orbax's own writes are not calls the watchdog names);
+    # the first save compiles its gathers.
+    beat(f"saving checkpoint step {step} to {ckpt.directory}", kind="save")
     # Never checkpoint a state that went through a non-finite step under "stop" (this
     # read costs nothing extra: the save's fingerprints wait for the state anyway).
     health = jax.device_get(state["nonfinite"])

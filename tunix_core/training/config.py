@@ -240,10 +240,10 @@ class TrainConfig:
                             "compiled for TPU, else xla), xla, pallas, interpret or naive "
                             "(the oracle).", group="parallel")
   attention_impl: str = _flag("auto", "Attention (tunix_kernels.attention): auto (the Pallas "
-                              "kernels when compiled for TPU, for every row layout, window "
-                              "and soft-cap; else xla), xla (blockwise: no [T, T] scores), pallas, "
-                              "interpret (the kernels on CPU, for tests) or naive (the "
-                              "oracle: whole [T, T] scores).", group="parallel")
+                              "kernels when compiled for TPU, for every row layout, window and "
+                              "soft-cap; else xla), xla (blockwise: no [T, T] scores), pallas, "
+                              "interpret (the kernels on CPU) or naive (the oracle).",
+                              group="parallel")
   loss_impl: str = _flag("auto", "tunix_kernels.dpo_loss impl: auto (pallas when compiled for "
                          "TPU, else xla), xla, pallas, interpret or naive (the oracle).",
                          group="parallel")
@@ -267,13 +267,12 @@ class TrainConfig:
     validation.check(self, num_devices)
 
   def loss_spec(self) -> dpo_losses.LossSpec:
-    """The checked loss terms and parameters (ValueError naming the bad argument)."""
+    """The checked loss terms, each parameter of `LossSpec` from the flag of its name
+    (ValueError naming the bad argument)."""
     weights = [float(w) for w in self.loss_weights.split(",")] if self.loss_weights else None
-    return dpo_losses.make_spec(
-        self.loss_type, weights, beta=self.beta, label_smoothing=self.label_smoothing,
-        discopop_tau=self.discopop_tau, f_divergence_type=self.f_divergence_type,
-        f_alpha_divergence_coef=self.f_alpha_divergence_coef, simpo_gamma=self.simpo_gamma,
-        cpo_alpha=self.cpo_alpha)
+    return dpo_losses.make_spec(self.loss_type, weights, **{
+        f.name: getattr(self, f.name) for f in dataclasses.fields(dpo_losses.LossSpec)
+        if f.name not in ("loss_types", "loss_weights")})
 
   def optimizer_config(self) -> optim.OptimizerConfig:
     return optim.OptimizerConfig(self.optimizer, self.learning_rate, self.warmup_steps,

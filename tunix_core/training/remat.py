@@ -6,13 +6,13 @@ each layer's forward. `auto` compiles the plan's step under each policy in that 
 cost and takes the first whose compiled memory (`need`) fits the device's capacity; a
 step that fits under none of them gets `full` and fails as it would. Without a capacity (CPU and GPU devices:
 host memory, or an unknown bound) it is `none`. Each compile is the very step the run
-then executes, so with the persistent compilation cache the chosen one is loaded, not
-compiled again, and a restart finds every candidate cached.
+then executes: `resolve_steps` hands the chosen one's functions to the run, whose first
+step then finds it compiled, and a restart finds every candidate in the persistent
+compilation cache.
 """
 
 import dataclasses
 
-import jax
 from tunix_kernels import aot_tpu
 
 from tunix_core.training import plan as plan_lib
@@ -28,13 +28,15 @@ def capacity(devices) -> int | None:
   return (devices[0].memory_stats() or {}).get("bytes_limit")
 
 
-def need(plan: plan_lib.StepPlan, devices) -> int | None:
-  """Per-device bytes of `plan`'s compiled train step on `devices`, or None when the
-  compiler refuses it for memory."""
-  steps = step_lib.make_steps(plan, devices)
+def need(plan: plan_lib.StepPlan, devices, steps: step_lib.StepFunctions | None = None
+         ) -> int | None:
+  """Per-device bytes of `plan`'s compiled train step on `devices` (through `steps`, its
+  `StepFunctions`, when given), or None when the compiler refuses it for memory. It is
+  compiled as the run's first step compiles it (`run.compile_cache.Warmup`), so that
+  compile finds this one in JAX's in-memory caches."""
+  steps = steps or step_lib.make_steps(plan, devices)
   try:
-    with jax.set_mesh(steps.mesh):
-      compiled = steps.train_step.lower(*steps.abstract_inputs()).compile()
+    compiled = steps.train_step.lower(*steps.abstract_inputs()).compile()
   except Exception as e:  # noqa: BLE001 - the compiler's refusal is the answer
     if "RESOURCE_EXHAUSTED" in str(e) or "exceeds" in str(e):
       return None
@@ -66,3 +68,18 @@ def resolve(plan: plan_lib.StepPlan, devices, limit: int | None, log=lambda *_: 
       return with_policy(policy)
   log(f"--remat=auto: no policy fits {limit / 2**30:.3g} GiB per device; full")
   return with_policy("full")
+
+
+def resolve_steps(plan: plan_lib.StepPlan, devices, limit: int | None,
+                  log=lambda *_: None) -> tuple[plan_lib.StepPlan, step_lib.StepFunctions]:
+  """`resolve`, and the chosen plan's `StepFunctions`: the very ones its candidate was
+  measured with, so a restart traces and loads the step once, not once to choose and
+  again to run (on the chip: seconds of a start-up)."""
+  built = {}
+
+  def measure(candidate, devices):
+    built[candidate.model.remat] = step_lib.make_steps(candidate, devices)
+    return need(candidate, devices, built[candidate.model.remat])
+
+  plan = resolve(plan, devices, limit, log, measure)
+  return plan, built.get(plan.model.remat) or step_lib.make_steps(plan, devices)
