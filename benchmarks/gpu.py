@@ -204,7 +204,8 @@ def run_ours(a, config: dict, pairs) -> dict:
   plan, host = ours_plan(a, config, pairs, devices)
   steps = step_lib.make_steps(plan, devices)
   timeline.append(("planned", process_age()))
-  warmup = compile_cache.Warmup(steps.train_step, steps.abstract_inputs())  # as the trainer
+  warmup = compile_cache.Warmup(  # as the trainer
+      lambda _: steps.train_step.lower(*steps.abstract_inputs()).compile())
   state = steps.init_state(jax.random.PRNGKey(0))
   timeline.append(("params initialised", process_age()))
   frozen = (train_lib.frozen_copy(state["params"], state["params"]["embed"].dtype)

@@ -25,6 +25,11 @@ from tunix_core.parallel import zero
 from tunix_core.training import config as config_lib
 
 
+# How the step computes the same model, chosen per run and per device set (`--remat=auto`
+# on fewer devices may rematerialise more): a resume need not match them.
+EXECUTION_FIELDS = ("remat", "attention_impl")
+
+
 def config_mismatch(saved: dict, current: dict, fields) -> str | None:
   """A message naming the first field in `fields` whose saved value differs, or None."""
   current = json.loads(json.dumps(current))  # as the metadata stores it: tuples as lists
@@ -119,7 +124,8 @@ def _load(steps, ckpt: Checkpointer, step: int, cfg, log, source: dict,
     raise _unreadable(e) from None
   mcfg = steps.mcfg
   mismatch = (config_mismatch(meta["model_config"], dataclasses.asdict(mcfg),
-                              [f.name for f in dataclasses.fields(mcfg)])
+                              [f.name for f in dataclasses.fields(mcfg)
+                               if f.name not in EXECUTION_FIELDS])
               or config_mismatch(meta["config"], dataclasses.asdict(cfg),
                                  config_lib.RESUME_FIELDS)
               or source_mismatch(meta.get("source", {}), source, legacy_fingerprint))

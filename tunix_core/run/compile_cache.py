@@ -216,24 +216,38 @@ class FirstCompile:
 
 
 class Warmup:
-  """Compiles `fn` for `abstract_args` (sharded ShapeDtypeStructs of its first call) on a
-  thread, beside the rest of the start-up (initialisation, restore, the reference pass):
-  the first call then finds the executable in memory. `describe` waits for it. A
-  start-up that fails first leaves the thread to finish its compile (a daemon: the
-  trainer's exit does not wait for it)."""
+  """Compiles on a thread, beside the rest of the start-up (initialisation, restore, the
+  reference pass), so that the first call finds the executable in memory: `choose()`
+  first (`--remat=auto`'s choice, which compiles its candidates; by default nothing),
+  then `compile_(what it chose)`. `choice` waits for the first, `describe` for both. A
+  start-up that fails first leaves the thread to finish (a daemon: the trainer's exit
+  does not wait for it)."""
 
-  def __init__(self, fn, abstract_args: tuple):
-    self._error = None
+  def __init__(self, compile_, choose=lambda: None):
+    self._error = self._chosen = None
+    self._chose = threading.Event()
 
-    def compile_():
+    def run():
       try:
         with FirstCompile() as self._compiled:
-          fn.lower(*abstract_args).compile()
-      except BaseException as e:  # noqa: BLE001 - raised again by `describe`
+          try:
+            self._chosen = choose()
+          finally:
+            self._chose.set()
+          compile_(self._chosen)
+      except BaseException as e:  # noqa: BLE001 - raised again by `choice` or `describe`
         self._error = e
 
-    self._thread = threading.Thread(target=compile_, name="compile-step", daemon=True)
+    self._thread = threading.Thread(target=run, name="compile-step", daemon=True)
     self._thread.start()
+
+  def choice(self):
+    """Waits for `choose`; what it returned (or its error, raised again here)."""
+    self._chose.wait()
+    if self._chosen is None and self._error is not None:
+      self._thread.join()
+      raise self._error
+    return self._chosen
 
   def describe(self, what: str) -> str:
     """Waits for the compile; its line (or its error, raised again here)."""

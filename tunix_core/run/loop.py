@@ -34,6 +34,7 @@ from tunix_core.training import flops
 from tunix_core.training import health as health_lib
 from tunix_core.training import plan as plan_lib
 from tunix_core.training import remat
+from tunix_core.training import step as step_lib
 from tunix_core.training.config import ConfigError
 from tunix_core.training.config import TrainConfig
 
@@ -117,12 +118,15 @@ def _train(cfg, devices, log, beat, hooks):
   except paths.StorageError as e:
     raise ConfigError(f"--output_dir={cfg.output_dir!r} cannot be created: {e}") from None
   train_set, eval_set = source_lib.load_data(cfg, log, beat=startup)
-  plan, steps = remat.resolve_steps(plan_lib.make_plan(cfg, devices, plan_lib.data_sizes(
-      cfg, [d for d in (train_set, eval_set) if d is not None])), devices,
-                                    remat.capacity(devices), log)
-  mcfg = plan.model
-  # The step compiles (or loads from the compilation cache) while the state is made.
-  warmup = compile_cache.Warmup(steps.train_step, steps.abstract_inputs())
+  plan = plan_lib.make_plan(cfg, devices, plan_lib.data_sizes(
+      cfg, [d for d in (train_set, eval_set) if d is not None]))
+  steps = step_lib.make_steps(plan, devices)
+  # The step compiles (or loads from the compilation cache) on a thread while the state
+  # is made; under --remat=auto that thread makes the choice by compiling its candidates,
+  # which the state does not wait for: its shapes and placement are every policy's.
+  warmup = compile_cache.Warmup(
+      lambda chosen: chosen[1].train_step.lower(*chosen[1].abstract_inputs()).compile(),
+      choose=lambda: remat.resolve_steps(plan, devices, remat.capacity(devices), log, steps))
   key = jax.random.PRNGKey(cfg.seed)
   ckpt = checkpoint.Checkpointer(paths.join(cfg.output_dir, "checkpoints"), keep=cfg.keep,
                                  keep_period=cfg.keep_period or None)
@@ -147,6 +151,8 @@ def _train(cfg, devices, log, beat, hooks):
     ref_params = (source_lib.initial_params(cfg, steps, ref_dtype, host_log, startup)
                   or steps.init_params(key))
     ref_params = jax.tree.map(lambda x: x.astype(ref_dtype), ref_params)
+  plan, steps = warmup.choice()
+  mcfg = plan.model
   count = lambda shapes: sum(x.size for x in jax.tree.leaves(shapes))
   num_params = count(steps.base_layout.param_shapes)
   trained = (f"; LoRA: {count(steps.param_shapes):,} trained" if plan.lora else "")

@@ -6,9 +6,10 @@ each layer's forward. `auto` compiles the plan's step under each policy in that 
 cost and takes the first whose compiled memory (`need`) fits the device's capacity; a
 step that fits under none of them gets `full` and fails as it would. Without a capacity (CPU and GPU devices:
 host memory, or an unknown bound) it is `none`. Each compile is the very step the run
-then executes: `resolve_steps` hands the chosen one's functions to the run, whose first
-step then finds it compiled, and a restart finds every candidate in the persistent
-compilation cache.
+then executes: `resolve_steps` hands the chosen one's functions to the run (on a thread
+beside its restore: a state's shapes and placement are the same under every policy),
+whose first step then finds it compiled; a restart finds every candidate in the
+persistent compilation cache.
 """
 
 import dataclasses
@@ -71,15 +72,18 @@ def resolve(plan: plan_lib.StepPlan, devices, limit: int | None, log=lambda *_: 
 
 
 def resolve_steps(plan: plan_lib.StepPlan, devices, limit: int | None,
-                  log=lambda *_: None) -> tuple[plan_lib.StepPlan, step_lib.StepFunctions]:
+                  log=lambda *_: None, steps: step_lib.StepFunctions | None = None
+                  ) -> tuple[plan_lib.StepPlan, step_lib.StepFunctions]:
   """`resolve`, and the chosen plan's `StepFunctions`: the very ones its candidate was
-  measured with, so a restart traces and loads the step once, not once to choose and
-  again to run (on the chip: seconds of a start-up)."""
-  built = {}
+  measured with, so a start-up traces and loads the step once, not once to choose and
+  again to run. `steps`: those of `plan` as given (its `--remat=auto` stands as none
+  until resolved), used for that candidate."""
+  built = {} if steps is None else {plan.model.remat: steps}
 
-  def measure(candidate, devices):
-    built[candidate.model.remat] = step_lib.make_steps(candidate, devices)
-    return need(candidate, devices, built[candidate.model.remat])
+  def make(candidate):
+    if candidate.model.remat not in built:
+      built[candidate.model.remat] = step_lib.make_steps(candidate, devices)
+    return built[candidate.model.remat]
 
-  plan = resolve(plan, devices, limit, log, measure)
-  return plan, built.get(plan.model.remat) or step_lib.make_steps(plan, devices)
+  plan = resolve(plan, devices, limit, log, lambda p, d: need(p, d, make(p)))
+  return plan, make(plan)
