@@ -48,6 +48,28 @@ def test_every_trainer_flag_is_documented():
     assert f"`--{name}`" in training, f"--{name} is missing from docs/training.md"
 
 
+def test_every_flag_the_docs_name_exists():
+  """A `--flag` in the README or a docs page is a trainer flag (a run config field, one
+  of trainer.py's own, absl's `--flagfile`/`--helpfull`) or one that another command of
+  the project defines (a benchmark, `python -m tunix_core....`, the tests' fault
+  trainer): a renamed or removed flag cannot linger in the docs."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from tunix_core.training import config as config_lib  # pylint: disable=g-import-not-at-top
+  trainer = {f.name for f in dataclasses.fields(config_lib.TrainConfig)}
+  trainer |= set(re.findall(r'DEFINE_\w+\(\s*"(\w+)"', _read("trainer.py")))
+  trainer |= {"flagfile", "helpfull"}
+  commands = [path for pattern in ("benchmarks/*.py", "tunix_core/**/__main__.py",
+                                   "tests/fault_trainer.py")
+              for path in glob.glob(os.path.join(REPO, pattern), recursive=True)]
+  defines = re.compile(r'add_argument\(\s*"--(\w+)"|DEFINE_\w+\(\s*"(\w+)"')
+  others = {name for path in commands for pair in defines.findall(_read(path))
+            for name in pair if name}
+  for path in ["README.md"] + sorted(glob.glob(os.path.join(REPO, "docs", "*.md"))):
+    named = set(re.findall(r"`--(\w+)", _read(path)))
+    unknown = named - trainer - others
+    assert not unknown, f"{os.path.basename(path)} names flags nothing defines: {unknown}"
+
+
 def test_readme_is_a_short_front_door_to_every_docs_page():
   readme = _read("README.md")
   assert len(readme.splitlines()) <= 120
