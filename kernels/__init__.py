@@ -20,5 +20,5 @@ from tunix_kernels.dpo_loss.pallas import BlockSizes as DPOLossBlockSizes
 from tunix_kernels.logprobs import fused_logprobs
 from tunix_kernels.logprobs.blocks import BlockSizes as LogprobsBlockSizes
 
-__all__ = ["DPOLossBlockSizes", "IGNORE_INDEX", "IMPLS", "LOSS_TYPES", "LogprobsBlockSizes", "REFERENCE_FREE_TYPES", "dpo_loss",
-           "fused_logprobs"]
+__all__ = ["DPOLossBlockSizes", "IGNORE_INDEX", "IMPLS", "LOSS_TYPES", "LogprobsBlockSizes",
+           "REFERENCE_FREE_TYPES", "dpo_loss", "fused_logprobs"]
