@@ -15,6 +15,7 @@ import runs
 from tunix_core.plot import __main__ as plot_main
 from tunix_core.run import loop as train
 from tunix_core.storage import paths
+from tunix_core.storage import staging
 
 
 def _wandb_history(run_file: str) -> list[dict]:
@@ -76,7 +77,7 @@ def test_tensorboard_wandb_plots_and_profile_hold_the_metrics(tmp_path, gcs, mon
                   for s in (0, 2, 4)}
   assert all(want_samples.values())
 
-  with paths.local_copy(out) as local:
+  with staging.local_copy(out) as local:
     acc = event_accumulator.EventAccumulator(os.path.join(local, "tensorboard"),
                                              size_guidance={"tensors": 0})
     acc.Reload()
@@ -115,7 +116,7 @@ def test_tensorboard_wandb_plots_and_profile_hold_the_metrics(tmp_path, gcs, mon
     assert traces and sum(os.path.getsize(f) for f in traces) > 1000
 
   assert plot_main.main([out]) == 0
-  with paths.local_copy(paths.join(out, "plots")) as local:
+  with staging.local_copy(paths.join(out, "plots")) as local:
     names = sorted(os.listdir(local))
     assert {"loss.png", "accuracy.png", "margin.png", "logps.png", "grad_norm.png",
             "tokens_per_sec.png"} <= set(names)

@@ -29,6 +29,7 @@ from tunix_core.hf import ranged
 from tunix_core.parallel import fsdp
 from tunix_core.storage import compose
 from tunix_core.storage import paths
+from tunix_core.storage import staging
 
 HF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf")
 
@@ -43,7 +44,7 @@ def test_paths_mean_the_same_on_disk_and_object_storage(tmp_path, gcs, where):
   paths.write_text(f, "two")  # replaced whole, never appended
   assert paths.read_text(f) == "two" and paths.isfile(f) and paths.isdir(paths.join(root, "a"))
   assert paths.getsize(f) == 3 and paths.listdir(root) == ["a"]
-  with paths.staged_dir(paths.join(root, "staged")) as local:
+  with staging.staged_dir(paths.join(root, "staged")) as local:
     with open(os.path.join(local, "x.bin"), "wb") as out:
       out.write(b"\0" * 1000)
     os.makedirs(os.path.join(local, "sub"))
@@ -51,7 +52,7 @@ def test_paths_mean_the_same_on_disk_and_object_storage(tmp_path, gcs, where):
       out.write("y")
   paths.move(paths.join(root, "staged"), paths.join(root + "-moved", "staged"))
   assert not paths.exists(paths.join(root, "staged", "x.bin"))
-  with paths.local_copy(paths.join(root + "-moved", "staged")) as local:
+  with staging.local_copy(paths.join(root + "-moved", "staged")) as local:
     assert sorted(os.listdir(local)) == ["sub", "x.bin"]
     assert open(os.path.join(local, "sub", "y.txt")).read() == "y"
   with paths.open_read(f) as fin:

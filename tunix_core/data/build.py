@@ -28,6 +28,7 @@ from tunix_core.data import encode as data_encode
 from tunix_core.data import store as store_lib
 from tunix_core.storage import digest as content_digest
 from tunix_core.storage import paths
+from tunix_core.storage import staging
 
 
 # Seconds a spawned worker takes to start (it imports JAX: 1.4 s measured on a loaded
@@ -236,7 +237,7 @@ def build(path: str, tok, out_dir: str, max_length: int, max_prompt_length: int,
                   max_prompt_length=max_prompt_length, skip_bad_lines=skip_bad_lines)
   lengths, lines, counts, max_id = [], [], np.zeros(3, np.int64), 0
   with tempfile.TemporaryDirectory(prefix="tunix-store-") as tmp, \
-      paths.staged_dir(out_dir) as local:
+      staging.staged_dir(out_dir) as local:
     raw_path = os.path.join(tmp, "ids.raw")
     with open(raw_path, "wb") as raw:
       for ids, lens, lns, *n in _encoded(path, settings, workers, chunk_pairs, log):

@@ -18,6 +18,7 @@ from tunix_core.hf.config import HFError
 from tunix_core.model import lora as lora_lib
 from tunix_core.model.config import ModelConfig
 from tunix_core.storage import paths
+from tunix_core.storage import staging
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _PREFIX = "base_model.model.model.layers"
@@ -105,7 +106,7 @@ def write_adapter(out_dir: str, adapters: dict, cfg: ModelConfig,
                 use_rslora=lcfg.rslora, bias="none", fan_in_fan_out=False,
                 init_lora_weights=True, inference_mode=True, modules_to_save=None,
                 base_model_name_or_path=base_model)
-  with paths.staged_dir(out_dir) as local:
+  with staging.staged_dir(out_dir) as local:
     save_file(tensors, os.path.join(local, WEIGHTS), metadata={"format": "pt"})
     with open(os.path.join(local, CONFIG), "w") as f:
       json.dump(config, f, indent=2)

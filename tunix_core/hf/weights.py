@@ -23,6 +23,7 @@ from tunix_core import model as model_lib
 from tunix_core.hf import config as hf_config
 from tunix_core.hf import ranged
 from tunix_core.storage import paths
+from tunix_core.storage import staging
 
 HFError = hf_config.HFError
 
@@ -286,7 +287,7 @@ def save_params(params: dict, cfg: model_lib.ModelConfig, out_dir: str, *, src_d
     return np.ascontiguousarray((value.T if transposed else value).astype(np_dtype))
 
   writer = jax.process_index() == 0
-  with (paths.staged_dir(out_dir) if writer else contextlib.nullcontext()) as local:
+  with (staging.staged_dir(out_dir) if writer else contextlib.nullcontext()) as local:
     total = 0
     for file, group in zip(names, files):
       values = {name: host(name) for name in group}   # every process: a collective each

@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from tunix_core.storage import paths
+from tunix_core.storage import staging
 
 
 class TensorBoard:
@@ -40,7 +41,7 @@ class TensorBoard:
     from tensorboard.summary.writer import event_file_writer
     self._event, self._summary = event_pb2.Event, summary_pb2.Summary
     self._scalar, self._text = scalar.scalar_pb, text.text_pb
-    self.dir = paths.Staged(log_dir, "tunix-tensorboard-")
+    self.dir = staging.Staged(log_dir, "tunix-tensorboard-")
     self._writer = event_file_writer.EventFileWriter(self.dir.local)
 
   def _emit(self, step: int, summary) -> None:
@@ -76,7 +77,7 @@ class Wandb:
 
   def __init__(self, project: str, cfg, source: dict):
     import wandb  # pylint: disable=g-import-not-at-top
-    self.dir = paths.Staged(paths.join(cfg.output_dir, "wandb"), "tunix-wandb-")
+    self.dir = staging.Staged(paths.join(cfg.output_dir, "wandb"), "tunix-wandb-")
     run_id = hashlib.sha256(cfg.output_dir.encode()).hexdigest()[:16]
     self.run = wandb.init(project=project, id=run_id, resume="allow", dir=self.dir.local,
                           name=cfg.output_dir.rstrip("/").rpartition("/")[-1],
@@ -129,7 +130,7 @@ class Profiler:
 
   def before(self, step: int) -> None:
     if self.range and step == self.range[0]:
-      self.dir = paths.Staged(self.out, "tunix-profile-")
+      self.dir = staging.Staged(self.out, "tunix-profile-")
       jax.profiler.start_trace(self.dir.local)
 
   def after(self, step: int, state) -> None:

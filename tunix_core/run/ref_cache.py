@@ -31,6 +31,7 @@ from tunix_core.checkpoints import store as checkpoint
 from tunix_core.data import store as store_lib
 from tunix_core.parallel import mesh as mesh_lib
 from tunix_core.storage import paths
+from tunix_core.storage import staging
 from tunix_core.training import step as step_lib
 
 CHUNK_PAIRS = 16384   # a chunk's pairs at most: their log-probs are held until written
@@ -111,7 +112,7 @@ def _join(parts: str, path: str, pairs: store_lib.PairStore, beat) -> None:
 
   chunks = (read(*span) for span in chain)
   uploading = lambda: beat(f"reference log-probs: uploading {path}", open_ended=True)
-  with paths.staged_file(path, uploading) as tmp:  # block by block, its clock restarting
+  with staging.staged_file(path, uploading) as tmp:  # block by block, its clock restarting
     store_lib.write_flat(tmp, np.float32, count, (c.astype(np.float32).tobytes()
                                                   for c in chunks))
 

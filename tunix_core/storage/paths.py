@@ -19,11 +19,8 @@ failure that outlasts the retries, is one `StorageError` line naming the operati
 the path. `FileNotFoundError` passes through unchanged, for callers that expect it.
 """
 
-import contextlib
 import os
 import re
-import shutil
-import tempfile
 import threading
 import time
 
@@ -247,71 +244,3 @@ def move(src: str, dst: str) -> None:
   else:
     copy_file(src, dst)
   remove(src)
-
-
-class Staged:
-  """A local directory standing in for `path`: `path` itself when local; for a remote
-  `path` a temporary directory, whose files `upload` copies there (each file whole, as
-  often as asked) and `close` uploads a last time, then removes."""
-
-  def __init__(self, path: str, prefix: str = "tunix-stage-"):
-    self.path = path
-    self.local = tempfile.mkdtemp(prefix=prefix) if is_remote(path) else path
-    makedirs(self.local)
-
-  def upload(self) -> None:
-    if self.local != self.path:
-      copy_tree(self.local, self.path)
-
-  def close(self, upload: bool = True) -> None:
-    if upload:
-      self.upload()
-    if self.local != self.path:
-      shutil.rmtree(self.local, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def staged_dir(path: str):
-  """A local directory to write `path`'s files in (`Staged`): uploaded on a clean exit;
-  a temporary one is removed either way."""
-  staged = Staged(path)
-  try:
-    yield staged.local
-  except BaseException:
-    staged.close(upload=False)
-    raise
-  staged.close()
-
-
-@contextlib.contextmanager
-def staged_file(path: str, before_upload=lambda: None):
-  """A local file name to write `path`'s bytes to, put in place whole on a clean exit:
-  renamed over a local `path`, uploaded to a remote one (after `before_upload()`);
-  removed either way."""
-  stage = tempfile.mkdtemp(prefix="tunix-stage-") if is_remote(path) else None
-  local = os.path.join(stage, "staged") if stage else path
-  tmp = f"{local}.{os.getpid()}.tmp"
-  try:
-    makedirs(os.path.dirname(local) or ".")
-    yield tmp
-    os.replace(tmp, local)
-    if stage:
-      before_upload()
-      copy_file(local, path)  # an object appears whole
-  finally:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    if stage:
-      shutil.rmtree(stage, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def local_copy(path: str):
-  """A local directory holding `path`'s files: `path` itself when local; a remote
-  `path` is downloaded into a temporary directory, removed on exit."""
-  if not is_remote(path):
-    yield path
-    return
-  with tempfile.TemporaryDirectory(prefix="tunix-fetch-") as local:
-    copy_tree(path, local)
-    yield local
