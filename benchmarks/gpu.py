@@ -184,13 +184,15 @@ def run_ours(a, config: dict, pairs) -> dict:
   """Our trainer's DPO step (module docstring); with `--cache_dir`, through the trainer's
   compilation cache, timing the start-up from the process's start by its own clock."""
   import jax  # pylint: disable=g-import-not-at-top
-  from tunix_core.run import compile_cache  # pylint: disable=g-import-not-at-top
   from tunix_core.run import distributed  # pylint: disable=g-import-not-at-top
+  timeline = [("jax imported", process_age())]  # seconds since the process started
+  distributed.start_backend()  # as the trainer does after its (here: one-process) join
+  from tunix_core.run import compile_cache  # pylint: disable=g-import-not-at-top
   from tunix_core.run import loop as train_lib  # pylint: disable=g-import-not-at-top
+  from tunix_core.training import executables  # pylint: disable=g-import-not-at-top
   from tunix_core.training import step as step_lib  # pylint: disable=g-import-not-at-top
 
-  timeline = [("imported", process_age())]  # seconds since the process started
-  distributed.start_backend()  # as the trainer does after its (here: one-process) join
+  timeline.append(("imported", process_age()))
   compiles = CompileLog()
   logging.getLogger("jax").addHandler(compiles)
   jax.config.update("jax_log_compiles", True)
@@ -204,8 +206,8 @@ def run_ours(a, config: dict, pairs) -> dict:
   plan, host = ours_plan(a, config, pairs, devices)
   steps = step_lib.make_steps(plan, devices)
   timeline.append(("planned", process_age()))
-  warmup = compile_cache.Warmup(  # as the trainer
-      lambda _: steps.train_step.lower(*steps.abstract_inputs()).compile())
+  warmup = compile_cache.Warmup(lambda _: executables.compile_step(  # as the trainer
+      steps, executables.store_dir(devices), lambda line: print(line, file=sys.stderr)))
   state = steps.init_state(jax.random.PRNGKey(0))
   timeline.append(("params initialised", process_age()))
   frozen = (train_lib.frozen_copy(state["params"], state["params"]["embed"].dtype)
@@ -218,10 +220,11 @@ def run_ours(a, config: dict, pairs) -> dict:
   timeline.append(("step compiled", process_age()))
   print(f"planned and initialised in {t_init - t_plan:.1f} s: {plan.describe()}\n{compiled}",
         file=sys.stderr, flush=True)
+  train_step = executables.TrainStep(steps, warmup.compiled)
   ends = []
   for i in range(a.warmup + a.steps + 1):
     with compile_cache.FirstCompile() as first:
-      state, metrics = steps.train_step(state, frozen, steps.put_batch(host))
+      state, metrics = train_step(state, frozen, steps.put_batch(host))
     if i == 0:
       recompiled = first.compiles
     jax.block_until_ready(metrics)

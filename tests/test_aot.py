@@ -157,12 +157,13 @@ def test_fit_is_judged_on_what_the_buffer_assignment_allocates(tmp_path, monkeyp
 
 
 class _Lowered(Exception):
-  """Stops a run at its first train step, carrying the step's lowered text."""
+  """Stops a run as it compiles its train step, carrying the step's lowered text."""
 
 
 def test_compile_only_lowers_the_very_step_the_run_trains(tmp_path, monkeypatch):
   """The quickstart's flags: `--compile_only`'s program (abstract inputs, planned from
-  --train_data) is the run's first train step's, HLO text for HLO text."""
+  --train_data) is the one the run compiles and trains (`executables.TrainStep` calls
+  that executable), HLO text for HLO text."""
   cfg = runs.quickstart_config(tmp_path)
 
   class Capture(step_lib.StepFunctions):
@@ -171,14 +172,12 @@ def test_compile_only_lowers_the_very_step_the_run_trains(tmp_path, monkeypatch)
       super().__init__(*args, **kw)
       jitted = self.train_step
 
-      class FirstStep:  # the start-up compiles it (`lower`); its first call is captured
+      class Lowering:  # what the start-up lowers to compile the run's step
 
-        lower = jitted.lower
-
-        def __call__(self, *args):
+        def lower(self, *args):
           raise _Lowered(jitted.lower(*args).as_text())
 
-      self.train_step = FirstStep()
+      self.train_step = Lowering()
 
   monkeypatch.setattr(step_lib, "StepFunctions", Capture)
   with pytest.raises(_Lowered) as trained:

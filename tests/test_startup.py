@@ -1,18 +1,22 @@
-"""Start-up: the persistent compilation cache (`run.compile_cache`) and the rule that
-decides which multi-process job a trainer joins (`run.distributed`)."""
+"""Start-up: the persistent compilation cache (`run.compile_cache`), the train step's
+executable kept whole (`training.executables`) and the rule that decides which
+multi-process job a trainer joins (`run.distributed`)."""
 
 import os
 import subprocess
 import sys
 import time
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import runs
 from tunix_core.run import compile_cache
 from tunix_core.run import distributed
+from tunix_core.training import executables
 from tunix_core.training.config import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,6 +92,50 @@ def test_auto_defers_to_the_environment_and_the_bound_drops_the_oldest(tmp_path,
     os.utime(where / f"jit_{name}-0-cache", (1e9 - age * 100, 1e9 - age * 100))
   compile_cache.enable(str(where), "", lines.append, max_bytes=2500)
   assert sorted(os.listdir(where)) == ["jit_c-0-cache", "jit_d-0-cache"]
+
+
+def test_a_restart_loads_the_whole_step_without_tracing_it(tmp_path, lines):
+  """The step's serialized executable, keyed before tracing: a restart's new step
+  functions load it (never traced, never compiled) and train bit-exactly as the jitted
+  step; a damaged entry is one line and compiled again; another plan is another key."""
+  where, cfg, devices = str(tmp_path / "store"), runs.config(tmp_path), jax.devices()[:1]
+  os.makedirs(where)
+  assert executables.store_dir(devices) is None  # used on TPU only (its docstring)
+  first = runs.steps(cfg, devices)
+  with compile_cache.FirstCompile() as compiled:
+    executables.compile_step(first, where, lines.append)
+  assert not compiled.loaded and compiled.compiles
+  [entry] = [n for n in os.listdir(where) if n.startswith("step-")]
+  want, _ = runs.step_run(first, cfg, num_steps=2)  # the jitted step
+
+  def restart(traced=lambda *_: pytest.fail("traced")):
+    """New step functions, as a restarted process makes them (tracing them fails)."""
+    again = runs.steps(cfg, devices)
+    jitted = again.train_step
+    again.train_step = types.SimpleNamespace(lower=lambda *a: traced() or jitted.lower(*a))
+    with compile_cache.FirstCompile() as seen:
+      loaded = executables.compile_step(again, where, lines.append)
+    again.train_step = executables.TrainStep(again, loaded)
+    return again, seen
+
+  again, seen = restart()
+  assert seen.loaded == 1 and not seen.compiles and not lines
+  assert "its whole executable, not traced" in seen.describe("step 1")
+  assert runs.step_run(again, cfg, num_steps=2)[0] == want
+  with open(os.path.join(where, entry), "r+b") as f:  # a write cut short by a kill
+    f.truncate(os.path.getsize(f.name) // 2)
+  again, seen = restart(traced=lambda: None)  # compiled again, and written again
+  assert not seen.loaded and seen.compiles and len(lines) == 1
+  assert lines[0].startswith("compilation cache: step executable ")
+  assert lines[0].endswith("; compiling again")
+  assert restart()[1].loaded == 1
+  other = runs.steps(runs.config(tmp_path, learning_rate=1e-3), devices)
+  assert executables.step_key(other) != executables.step_key(first)
+  # The compiler's refusal for memory is kept: a restart does not compile it again.
+  with open(os.path.join(where, f"refused-{executables.step_key(other)}-cache"), "w") as f:
+    f.write("the train step does not fit the devices' memory (...)")
+  with pytest.raises(executables.Refused, match="does not fit"):
+    executables.compile_step(other, where, lines.append)
 
 
 @pytest.mark.parametrize("env, tpu, metadata, want", [

@@ -14,6 +14,7 @@ from tunix_core import data as data_lib
 from tunix_core.run import compile_cache
 from tunix_core.run import loop as train
 from tunix_core.training import config as config_lib
+from tunix_core.training import executables
 from tunix_core.training import plan as plan_lib
 from tunix_core.training import remat
 from tunix_core.training import step as step_lib
@@ -204,5 +205,5 @@ def test_remat_auto_takes_the_cheapest_policy_that_fits(tmp_path):
   chosen, steps = remat.resolve_steps(plan, devices, need["none"] - 1)
   assert chosen.model.remat == "dots" and steps.plan == chosen
   with compile_cache.FirstCompile() as first:  # as `run.compile_cache.Warmup` compiles it
-    steps.train_step.lower(*steps.abstract_inputs()).compile()
+    executables.compile_step(steps, None)
   assert first.compiles == 0

@@ -4,6 +4,10 @@ Every run flag is generated from a field of `training.config.TrainConfig` (its d
 and help text); `trainer.py` adds the job's own (`--coordinator_address` and the rest,
 `--library_logging`). Bad settings end the run with one `trainer.py: error:` line before
 anything is compiled; every failure is one line and a status of `run.exit_status`.
+
+Only what the flags and the job's start need is imported up front: the rest (the loop,
+Orbax, the data and weight readers, the kernels' callers) is imported once the backend
+has started on its thread, so that opening the chips (seconds on a TPU host) overlaps it.
 """
 
 import dataclasses
@@ -18,30 +22,15 @@ import jax
 from absl import app
 from absl import flags
 
-from tunix_core import data as data_lib
-from tunix_core import online
-from tunix_core.aot import compile as aot
-from tunix_core.checkpoints import store as checkpoint
-from tunix_core.hf import config as hf_config
-from tunix_core.hf import tokenizer as hf_tokenizer
-from tunix_core.run import compile_cache
 from tunix_core.run import distributed
 from tunix_core.run import exit_status
 from tunix_core.run import logs
-from tunix_core.run import loop as train_lib
-from tunix_core.run import preemption
-from tunix_core.run import watchdog
 from tunix_core.storage import paths
 from tunix_core.training import config as config_lib
-from tunix_core.training import health
 
 _FIELDS = dataclasses.fields(config_lib.TrainConfig)
 _DEFINE = {bool: flags.DEFINE_bool, int: flags.DEFINE_integer, float: flags.DEFINE_float,
            str: flags.DEFINE_string}
-# The errors of bad input: one line, status 1.
-_INPUT_ERRORS = (config_lib.ConfigError, data_lib.DataError, checkpoint.CheckpointError,
-                 hf_config.HFError, hf_tokenizer.TokenizerError, paths.StorageError,
-                 online.RewardError)
 
 
 def define_run_flags() -> None:
@@ -115,6 +104,11 @@ def _run(cfg, terminal) -> None:
   distributed.join(job, f.coordinator_timeout, say, terminal)
   if not cfg.compile_only:  # (an ahead-of-time compile opens no chip)
     distributed.start_backend()
+  # pylint: disable=g-import-not-at-top - beside the backend's start (module docstring)
+  from tunix_core.aot import compile as aot
+  from tunix_core.run import compile_cache
+  from tunix_core.run import loop as train_lib
+  from tunix_core.run import watchdog
   # (process_index() would start a backend, and --compile_only needs none of its own.)
   # The cache may be on the run's storage: its calls get the watchdog's bound too.
   with watchdog.Watchdog(cfg.step_timeout) as dog:
@@ -142,16 +136,33 @@ def main(argv):
 
   try:
     _run(config_from_flags(), terminal)
-  except checkpoint.CheckpointWriteError as e:
-    fail(f"error: {e} (library messages in {log_path})", exit_status.CHECKPOINT_WRITE)
-  except health.NonFiniteStep as e:
-    fail(f"error: {e}", exit_status.NONFINITE)
-  except _INPUT_ERRORS as e:
-    fail(f"error: {e}", exit_status.ERROR)
-  except preemption.Preempted as e:
-    fail(f"{e}; exiting with status {exit_status.PREEMPTED}", exit_status.PREEMPTED)
   except Exception as e:  # noqa: BLE001 - one line on the terminal, the traceback in the log
-    traceback.print_exc(file=sys.stderr)
-    first_line = (str(e).splitlines() or [""])[0][:300]
-    fail(f"error: unexpected {type(e).__name__}: {first_line} (traceback in {log_path})",
-         exit_status.ERROR)
+    fail(*_failure(e, log_path))
+
+
+def _failure(e: Exception, log_path: str) -> tuple[str, int]:
+  """`(line, status)` of the run's failure `e` (its traceback, when unexpected, goes to
+  the log)."""
+  # pylint: disable=g-import-not-at-top - imported by `_run` already when they can raise
+  from tunix_core import data as data_lib
+  from tunix_core import online
+  from tunix_core.checkpoints import store as checkpoint
+  from tunix_core.hf import config as hf_config
+  from tunix_core.hf import tokenizer as hf_tokenizer
+  from tunix_core.run import preemption
+  from tunix_core.training import health
+  input_errors = (config_lib.ConfigError, data_lib.DataError, checkpoint.CheckpointError,
+                  hf_config.HFError, hf_tokenizer.TokenizerError, paths.StorageError,
+                  online.RewardError)  # bad input: one line, status 1
+  if isinstance(e, checkpoint.CheckpointWriteError):
+    return f"error: {e} (library messages in {log_path})", exit_status.CHECKPOINT_WRITE
+  if isinstance(e, health.NonFiniteStep):
+    return f"error: {e}", exit_status.NONFINITE
+  if isinstance(e, input_errors):
+    return f"error: {e}", exit_status.ERROR
+  if isinstance(e, preemption.Preempted):
+    return f"{e}; exiting with status {exit_status.PREEMPTED}", exit_status.PREEMPTED
+  traceback.print_exc(file=sys.stderr)
+  first_line = (str(e).splitlines() or [""])[0][:300]
+  return (f"error: unexpected {type(e).__name__}: {first_line} (traceback in {log_path})",
+          exit_status.ERROR)

@@ -32,13 +32,15 @@ import jax
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 from tunix_core.storage import paths
+from tunix_core.training import executables
 
 AUTO = "auto"
 MAX_BYTES = 20 * 10**9  # the bound `enable` keeps the cache under at start-up
 _ENTRY = "-cache"  # JAX's file name suffix of an entry: {key}-cache
 _EVENTS = ("/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses",
            "/jax/compilation_cache/compile_requests_use_cache",
-           "/jax/core/compile/backend_compile_duration")  # a compile or a cache load
+           "/jax/core/compile/backend_compile_duration",  # a compile or a cache load
+           executables.STORE_HIT)  # the step's serialized executable, loaded whole
 # Per thread: the step compiles beside the start-up's own compiles (`Warmup`).
 _counts = collections.defaultdict(lambda: dict.fromkeys(_EVENTS, 0))
 _said = {"log": print}  # where a damaged entry is reported: the latest `enable`'s `log`
@@ -198,11 +200,15 @@ class FirstCompile:
   def __exit__(self, *exc):
     self.seconds = time.perf_counter() - self._start
     delta = {event: _mine()[event] - self._before[event] for event in _EVENTS}
-    self.hits, self.writes, self.lookups, self.compiles = (delta[e] for e in _EVENTS)
+    self.hits, self.writes, self.lookups, self.compiles, self.loaded = (
+        delta[e] for e in _EVENTS)
     return False
 
   def describe(self, what: str) -> str:
     where = jax.config.jax_compilation_cache_dir
+    if self.loaded and not self.compiles:
+      return (f"{what}: loaded from the compilation cache in {self.seconds:.1f} s "
+              f"({where}; its whole executable, not traced)")
     if not self.compiles:
       return f"{what}: already compiled in this process ({self.seconds:.1f} s)"
     if not (self.lookups and where and jax.config.jax_enable_compilation_cache):
@@ -219,22 +225,22 @@ class Warmup:
   """Compiles on a thread, beside the rest of the start-up (initialisation, restore, the
   reference pass), so that the first call finds the executable in memory: `choose()`
   first (`--remat=auto`'s choice, which compiles its candidates; by default nothing),
-  then `compile_(what it chose)`. `choice` waits for the first, `describe` for both. A
-  start-up that fails first leaves the thread to finish (a daemon: the trainer's exit
-  does not wait for it)."""
+  then `compile_(what it chose)`, kept as `compiled`. `choice` waits for the first,
+  `describe` for both. A start-up that fails first leaves the thread to finish (a
+  daemon: the trainer's exit does not wait for it)."""
 
   def __init__(self, compile_, choose=lambda: None):
-    self._error = self._chosen = None
+    self._error = self._chosen = self.compiled = None
     self._chose = threading.Event()
 
     def run():
       try:
-        with FirstCompile() as self._compiled:
+        with FirstCompile() as self._timed:
           try:
             self._chosen = choose()
           finally:
             self._chose.set()
-          compile_(self._chosen)
+          self.compiled = compile_(self._chosen)
       except BaseException as e:  # noqa: BLE001 - raised again by `choice` or `describe`
         self._error = e
 
@@ -255,5 +261,5 @@ class Warmup:
     self._thread.join()
     if self._error is not None:
       raise self._error
-    return (f"{self._compiled.describe(what)}, beside the start-up (which then waited "
+    return (f"{self._timed.describe(what)}, beside the start-up (which then waited "
             f"{time.perf_counter() - start:.1f} s for it)")

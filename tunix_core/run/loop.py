@@ -30,6 +30,7 @@ from tunix_core.run import samples as samples_lib
 from tunix_core.run import source as source_lib
 from tunix_core.run import watchdog as watchdog_lib
 from tunix_core.storage import paths
+from tunix_core.training import executables
 from tunix_core.training import flops
 from tunix_core.training import health as health_lib
 from tunix_core.training import plan as plan_lib
@@ -125,7 +126,7 @@ def _train(cfg, devices, log, beat, hooks):
   # is made; under --remat=auto that thread makes the choice by compiling its candidates,
   # which the state does not wait for: its shapes and placement are every policy's.
   warmup = compile_cache.Warmup(
-      lambda chosen: chosen[1].train_step.lower(*chosen[1].abstract_inputs()).compile(),
+      lambda chosen: executables.compile_step(chosen[1], executables.store_dir(devices), log),
       choose=lambda: remat.resolve_steps(plan, devices, remat.capacity(devices), log, steps))
   key = jax.random.PRNGKey(cfg.seed)
   ckpt = checkpoint.Checkpointer(paths.join(cfg.output_dir, "checkpoints"), keep=cfg.keep,
@@ -217,6 +218,7 @@ def _train(cfg, devices, log, beat, hooks):
 
   startup(f"compiling step {start + 1}")
   log(warmup.describe(f"step {start + 1}"))
+  train_step = executables.TrainStep(steps, warmup.compiled)
   try:
     with preemption.StopSignal() as stop:
       if sampler and start == 0:
@@ -237,7 +239,7 @@ def _train(cfg, devices, log, beat, hooks):
         hooks.after_read(step, idx, train_set)
         profiler.before(step)
         with compile_cache.FirstCompile() as compiled:
-          state, metrics = steps.train_step(state, ref_params, steps.put_batch(batch))
+          state, metrics = train_step(state, ref_params, steps.put_batch(batch))
         if step == start + 1 and compiled.compiles:  # a plan whose inputs differ
           log(f"{compiled.describe(f'step {step}')} again at its first call: its inputs "
               "differ from the step's abstract inputs")

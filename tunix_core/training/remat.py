@@ -16,6 +16,7 @@ import dataclasses
 
 from tunix_kernels import aot_tpu
 
+from tunix_core.training import executables
 from tunix_core.training import plan as plan_lib
 from tunix_core.training import step as step_lib
 
@@ -29,19 +30,17 @@ def capacity(devices) -> int | None:
   return (devices[0].memory_stats() or {}).get("bytes_limit")
 
 
-def need(plan: plan_lib.StepPlan, devices, steps: step_lib.StepFunctions | None = None
-         ) -> int | None:
+def need(plan: plan_lib.StepPlan, devices, steps: step_lib.StepFunctions | None = None,
+         log=print) -> int | None:
   """Per-device bytes of `plan`'s compiled train step on `devices` (through `steps`, its
   `StepFunctions`, when given), or None when the compiler refuses it for memory. It is
-  compiled as the run's first step compiles it (`run.compile_cache.Warmup`), so that
-  compile finds this one in JAX's in-memory caches."""
+  compiled as the run's first step compiles it (`executables.compile_step`, which keeps
+  the executable for that compile to find)."""
   steps = steps or step_lib.make_steps(plan, devices)
   try:
-    compiled = steps.train_step.lower(*steps.abstract_inputs()).compile()
-  except Exception as e:  # noqa: BLE001 - the compiler's refusal is the answer
-    if "RESOURCE_EXHAUSTED" in str(e) or "exceeds" in str(e):
-      return None
-    raise
+    compiled = executables.compile_step(steps, executables.store_dir(devices), log)
+  except executables.Refused:
+    return None
   stats = aot_tpu.compiled_stats(compiled)
   held = stats["argument"] + stats["output"] - stats["alias"]
   # The TPU compiler's peak of live bytes; elsewhere (CPU) its peak leaves out the
@@ -85,5 +84,5 @@ def resolve_steps(plan: plan_lib.StepPlan, devices, limit: int | None,
       built[candidate.model.remat] = step_lib.make_steps(candidate, devices)
     return built[candidate.model.remat]
 
-  plan = resolve(plan, devices, limit, log, lambda p, d: need(p, d, make(p)))
+  plan = resolve(plan, devices, limit, log, lambda p, d: need(p, d, make(p), log))
   return plan, make(plan)

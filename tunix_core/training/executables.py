@@ -1,0 +1,185 @@
+"""The train step's executable, kept whole across restarts of a run on TPU.
+
+JAX's persistent cache (`run.compile_cache`) keys an executable by its lowered program,
+so a restart still traces and lowers the step before the cache can answer: 3-4 s of a
+TPU host's start-up for SmolLM2-135M's step (docs/tpu.md#start-up). Beside JAX's
+entries, in the same directory and under the same size bound, `compile_step` keeps the
+step's serialized executable (`jax.experimental.serialize_executable`) under a key known
+before any tracing, `step-{key}-cache`, that covers everything the step's program is made
+from:
+
+- the step plan (`repr`: model shapes, dtypes, layout, kernels, remat, loss, compiler
+  options) and the step's abstract inputs (shapes, dtypes, shardings);
+- the mesh: its axes, and each device's id, kind, coordinates and process;
+- the code: a digest of every source and data file of `tunix_core` and `tunix_kernels`
+  (not code patched at run time: a test's poisoned objective would not change the key,
+  which is one reason the store is used on TPU only);
+- the toolchain: jax, jaxlib and optax versions, the backend's platform version
+  (libtpu's build), `XLA_FLAGS` and `LIBTPU_INIT_ARGS`, and JAX's configuration (its
+  cache and logging settings aside).
+
+A restart deserializes the step onto its devices (1.3-1.8 s on one v5e chip) and never
+traces it. A candidate of `--remat=auto` that the compiler refused for memory is kept
+too (`refused-{key}-cache`), so a restart does not compile it again to fail again.
+Where the store is used (`store_dir`): the compilation cache is on, the devices are
+TPUs and the job is one process (a multi-host executable is not serialized here). An
+entry that does not load is one line, compiled again and rewritten.
+"""
+
+import functools
+import hashlib
+import importlib.metadata
+import os
+import pickle
+import weakref
+
+import jax
+from jax.experimental import serialize_executable
+
+import tunix_kernels
+from tunix_core.storage import paths
+from tunix_core.training import validation
+
+_FILES = (".py", ".json")  # a package's sources and its tuned tables
+
+
+def store_dir(devices) -> str | None:
+  """Where step executables are kept for `devices` (module docstring), else None."""
+  if (devices[0].platform != "tpu" or jax.process_count() != 1
+      or not jax.config.jax_enable_compilation_cache):
+    return None
+  return jax.config.jax_compilation_cache_dir or None
+
+
+@functools.cache
+def _code_digest() -> str:
+  """sha256 of every source and data file of `tunix_core` and `tunix_kernels`."""
+  h = hashlib.sha256()
+  for package in (os.path.dirname(os.path.dirname(__file__)),
+                  os.path.dirname(tunix_kernels.__file__)):
+    for root, dirs, files in os.walk(package):
+      dirs.sort()
+      for name in sorted(f for f in files if f.endswith(_FILES)):
+        path = os.path.join(root, name)
+        h.update(os.path.relpath(path, package).encode())
+        with open(path, "rb") as f:
+          h.update(hashlib.sha256(f.read()).digest())
+  return h.hexdigest()
+
+
+def _version(package: str) -> str:
+  try:
+    return importlib.metadata.version(package)
+  except importlib.metadata.PackageNotFoundError:
+    return "none"
+
+
+def step_key(steps) -> str:
+  """The store's key of `steps.train_step` (`training.step.StepFunctions`)."""
+  mesh = steps.mesh
+  devices = [(d.id, d.device_kind, getattr(d, "coords", None), d.process_index)
+             for d in mesh.devices.flat]
+  config = {k: v for k, v in jax.config.values.items()
+            if not any(word in k for word in ("cache", "log"))}
+  parts = (repr(steps.plan), repr(jax.tree.map(repr, steps.abstract_inputs())),
+           repr(dict(mesh.shape)), repr(devices), _code_digest(),
+           [_version(p) for p in ("jax", "jaxlib", "optax")],
+           getattr(mesh.devices.flat[0].client, "platform_version", ""),
+           [os.environ.get(v, "") for v in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")],
+           repr(sorted(config.items())))
+  return hashlib.sha256(repr(parts).encode()).hexdigest()[:40]
+
+
+class Refused(validation.ConfigError):
+  """The compiler refused the step for memory (now or, kept in the store, before)."""
+
+
+def _refused(e: Exception) -> Refused | None:
+  """`e` as a `Refused` when it is the compiler's refusal for memory, else None."""
+  if "RESOURCE_EXHAUSTED" not in str(e) and "exceeds" not in str(e):
+    return None
+  return Refused(f"the train step does not fit the devices' memory ({_first_line(e)}); "
+                 "a smaller --batch_size, --remat or another layout may")
+
+
+def _first_line(e: BaseException) -> str:
+  return (str(e).splitlines() or [type(e).__name__])[0][:300]
+
+
+class TrainStep:
+  """`steps.train_step(state, frozen, batch)` through `compiled` (its first call traces
+  nothing); inputs it was not compiled for (a sharding or dtype other than the step's
+  abstract inputs') go to the jitted step, which compiles for them as before."""
+
+  def __init__(self, steps, compiled):
+    self._jitted, self._compiled = steps.train_step, compiled
+
+  def __call__(self, state, frozen, batch):
+    if self._compiled is not None:
+      try:
+        return self._compiled(state, frozen, batch)
+      except (TypeError, ValueError):  # JAX's checks of the arguments, before any run
+        self._compiled = None
+    return self._jitted(state, frozen, batch)
+
+
+def compile_step(steps, where: str | None, log=print):
+  """`steps.train_step` compiled for its abstract inputs (`jax.stages.Compiled`), loaded
+  from the store at `where` when it holds it (`store_dir`; None: no store), else
+  compiled (through JAX's cache) and kept there. Raises `Refused` when the compiler
+  refuses it for memory. Once per `steps`: `--remat=auto`'s measure and the run's first
+  step get the same executable."""
+  if steps not in _compiled:
+    _compiled[steps] = _compile_step(steps, where, log)
+  return _compiled[steps]
+
+
+_compiled = weakref.WeakKeyDictionary()  # StepFunctions -> its train step's executable
+
+
+def _compile_step(steps, where, log):
+  lower = lambda: steps.train_step.lower(*steps.abstract_inputs()).compile()
+  if where is None:
+    try:
+      return lower()
+    except Exception as e:  # noqa: BLE001 - only a refusal is translated
+      raise _refused(e) or e
+  key = step_key(steps)
+  entry, refused = (paths.join(where, f"{kind}-{key}-cache") for kind in ("step", "refused"))
+  if paths.exists(refused):
+    raise Refused(paths.read_text(refused))  # the line of the compile that was refused
+  if paths.exists(entry):
+    try:
+      payload, in_tree, out_tree = pickle.loads(paths.read_bytes(entry))
+      compiled = serialize_executable.deserialize_and_load(
+          payload, in_tree, out_tree, execution_devices=list(steps.mesh.devices.flat))
+      jax.monitoring.record_event(STORE_HIT)
+      return compiled
+    except Exception as e:  # noqa: BLE001 - any damage is a miss
+      log(f"compilation cache: step executable {key[:16]}... does not load "
+          f"({type(e).__name__}: {_first_line(e)}); compiling again")
+  try:
+    compiled = lower()
+  except Exception as e:  # noqa: BLE001 - only a refusal is kept and translated
+    refusal = _refused(e)
+    if refusal is None:
+      raise
+    _write(refused, str(refusal).encode(), log)
+    raise refusal from e
+  try:
+    payload = pickle.dumps(serialize_executable.serialize(compiled))
+  except Exception as e:  # noqa: BLE001 - not every executable serializes
+    log(f"compilation cache: the step's executable is not kept ({type(e).__name__})")
+    return compiled
+  _write(entry, payload, log)
+  return compiled
+
+
+STORE_HIT = "/tunix/compilation_cache/step_executable_hits"  # a `jax.monitoring` event
+
+
+def _write(path: str, data: bytes, log) -> None:
+  try:
+    paths.write_bytes(path, data)
+  except OSError as e:  # paths.StorageError included: a cache never ends the run
+    log(f"compilation cache: {path} not written ({type(e).__name__})")
