@@ -94,6 +94,7 @@ def test_auto_defers_to_the_environment_and_the_bound_drops_the_oldest(tmp_path,
   assert sorted(os.listdir(where)) == ["jit_c-0-cache", "jit_d-0-cache"]
 
 
+@pytest.mark.slow  # 8 s: three compiles of a step
 def test_a_restart_loads_the_whole_step_without_tracing_it(tmp_path, lines):
   """The step's serialized executable, keyed before tracing: a restart's new step
   functions load it (never traced, never compiled) and train bit-exactly as the jitted
