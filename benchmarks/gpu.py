@@ -222,7 +222,8 @@ def run_ours(a, config: dict, pairs) -> dict:
   timeline.append(("step compiled", process_age()))
   print(f"planned and initialised in {t_init - t_plan:.1f} s: {plan.describe()}\n{compiled}",
         file=sys.stderr, flush=True)
-  train_step = executables.TrainStep(steps, warmup.compiled)
+  train_step = executables.TrainStep(steps, warmup.compiled,
+                                     lambda line: print(line, file=sys.stderr))
   ends = []
   for i in range(a.warmup + a.steps + 1):
     with compile_cache.FirstCompile() as first:

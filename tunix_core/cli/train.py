@@ -142,25 +142,24 @@ def main(argv):
 
 def _failure(e: Exception, log_path: str) -> tuple[str, int]:
   """`(line, status)` of the run's failure `e` (its traceback, when unexpected, goes to
-  the log)."""
-  # pylint: disable=g-import-not-at-top - imported by `_run` already when they can raise
-  from tunix_core import data as data_lib
-  from tunix_core import online
-  from tunix_core.checkpoints import store as checkpoint
-  from tunix_core.hf import config as hf_config
-  from tunix_core.hf import tokenizer as hf_tokenizer
-  from tunix_core.run import preemption
-  from tunix_core.training import health
-  input_errors = (config_lib.ConfigError, data_lib.DataError, checkpoint.CheckpointError,
-                  hf_config.HFError, hf_tokenizer.TokenizerError, paths.StorageError,
-                  online.RewardError)  # bad input: one line, status 1
-  if isinstance(e, checkpoint.CheckpointWriteError):
+  the log). The error classes are looked up among the modules already imported (`e`
+  cannot be one of a module never imported, and importing one here could fail again)."""
+  def kinds(*names: str) -> tuple:
+    found = []
+    for name in names:
+      module, _, cls = name.rpartition(".")
+      found.append(getattr(sys.modules.get(f"tunix_core.{module}"), cls, None))
+    return tuple(k for k in found if k is not None)
+
+  if isinstance(e, kinds("checkpoints.store.CheckpointWriteError")):
     return f"error: {e} (library messages in {log_path})", exit_status.CHECKPOINT_WRITE
-  if isinstance(e, health.NonFiniteStep):
+  if isinstance(e, kinds("training.health.NonFiniteStep")):
     return f"error: {e}", exit_status.NONFINITE
-  if isinstance(e, input_errors):
-    return f"error: {e}", exit_status.ERROR
-  if isinstance(e, preemption.Preempted):
+  if isinstance(e, (config_lib.ConfigError, paths.StorageError) + kinds(
+      "data.DataError", "checkpoints.store.CheckpointError", "hf.config.HFError",
+      "hf.tokenizer.TokenizerError", "online.RewardError")):
+    return f"error: {e}", exit_status.ERROR  # bad input: one line, status 1
+  if isinstance(e, kinds("run.preemption.Preempted")):
     return f"{e}; exiting with status {exit_status.PREEMPTED}", exit_status.PREEMPTED
   traceback.print_exc(file=sys.stderr)
   first_line = (str(e).splitlines() or [""])[0][:300]

@@ -218,7 +218,7 @@ def _train(cfg, devices, log, beat, hooks):
 
   startup(f"compiling step {start + 1}")
   log(warmup.describe(f"step {start + 1}"))
-  train_step = executables.TrainStep(steps, warmup.compiled)
+  train_step = executables.TrainStep(steps, warmup.compiled, log)
   try:
     with preemption.StopSignal() as stop:
       if sampler and start == 0:

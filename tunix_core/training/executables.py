@@ -5,25 +5,29 @@ so a restart still traces and lowers the step before the cache can answer: 3-4 s
 TPU host's start-up for SmolLM2-135M's step (docs/tpu.md#start-up). Beside JAX's
 entries, in the same directory and under the same size bound, `compile_step` keeps the
 step's serialized executable (`jax.experimental.serialize_executable`) under a key known
-before any tracing, `step-{key}-cache`, that covers everything the step's program is made
-from:
+before any tracing, `step-{key}-cache`, made of:
 
 - the step plan (`repr`: model shapes, dtypes, layout, kernels, remat, loss, compiler
   options) and the step's abstract inputs (shapes, dtypes, shardings);
 - the mesh: its axes, and each device's id, kind, coordinates and process;
 - the code: a digest of every source and data file of `tunix_core` and `tunix_kernels`
   (not code patched at run time: a test's poisoned objective would not change the key,
-  which is one reason the store is used on TPU only);
-- the toolchain: jax, jaxlib and optax versions, the backend's platform version
-  (libtpu's build), `XLA_FLAGS` and `LIBTPU_INIT_ARGS`, and JAX's configuration (its
-  cache and logging settings aside).
+  which is one reason the store is used on TPU only; no store where the packages are
+  not plain files to read);
+- the toolchain: the Python, jax, jaxlib, optax, numpy and ml_dtypes versions, the
+  backend's platform version (libtpu's build), every `XLA_*`, `LIBTPU_*` and `TPU_*`
+  environment variable, and JAX's configuration but for `_NOT_IN_KEY` (where the cache
+  lives, what is logged).
 
-A restart deserializes the step onto its devices (1.3-1.8 s on one v5e chip) and never
-traces it. A candidate of `--remat=auto` that the compiler refused for memory is kept
-too (`refused-{key}-cache`), so a restart does not compile it again to fail again.
-Where the store is used (`store_dir`): the compilation cache is on, the devices are
-TPUs and the job is one process (a multi-host executable is not serialized here). An
-entry that does not load is one line, compiled again and rewritten.
+A restart deserializes the step onto its devices (2.1-2.3 s on one v5e chip) and never
+traces it; the hit touches the entry (the recency the cache's bound reads). A step the
+compiler refuses for memory is remembered (`refused-{key}-cache`, named in its line):
+`--remat=auto` does not compile that candidate again on a restart, and a run whose every
+policy is refused ends at once. Where the store is used (`store_dir`): the compilation
+cache is on, the devices are TPUs and the job is one process (a multi-host executable is
+not serialized here). An entry that does not load is one line, compiled again and
+rewritten. Entries are pickles: the cache directory must be as trusted as the code
+(JAX's `deserialize_and_load` says the same of what it loads).
 """
 
 import functools
@@ -31,6 +35,9 @@ import hashlib
 import importlib.metadata
 import os
 import pickle
+import platform
+import sys
+import threading
 import weakref
 
 import jax
@@ -41,20 +48,28 @@ from tunix_core.storage import paths
 from tunix_core.training import validation
 
 _FILES = (".py", ".json")  # a package's sources and its tuned tables
+_ENV = ("XLA_", "LIBTPU_", "TPU_")  # the environment variables the compilers read
+_NOT_IN_KEY = {  # JAX settings that change no program: where the cache is, what is logged
+    "jax_compilation_cache_dir", "jax_enable_compilation_cache",
+    "jax_compilation_cache_max_size", "jax_persistent_cache_min_compile_time_secs",
+    "jax_persistent_cache_min_entry_size_bytes", "jax_raise_persistent_cache_errors",
+    "jax_log_compiles", "jax_explain_cache_misses", "jax_logging_level",
+    "jax_debug_log_modules", "jax_log_checkpoint_residuals"}
 
 
 def store_dir(devices) -> str | None:
   """Where step executables are kept for `devices` (module docstring), else None."""
   if (devices[0].platform != "tpu" or jax.process_count() != 1
-      or not jax.config.jax_enable_compilation_cache):
+      or not jax.config.jax_enable_compilation_cache or _code_digest() is None):
     return None
   return jax.config.jax_compilation_cache_dir or None
 
 
 @functools.cache
-def _code_digest() -> str:
-  """sha256 of every source and data file of `tunix_core` and `tunix_kernels`."""
-  h = hashlib.sha256()
+def _code_digest() -> str | None:
+  """sha256 of every source and data file of `tunix_core` and `tunix_kernels`; None when
+  this module's own file was not among them (packages in an archive)."""
+  h, read = hashlib.sha256(), set()
   for package in (os.path.dirname(os.path.dirname(__file__)),
                   os.path.dirname(tunix_kernels.__file__)):
     for root, dirs, files in os.walk(package):
@@ -64,7 +79,8 @@ def _code_digest() -> str:
         h.update(os.path.relpath(path, package).encode())
         with open(path, "rb") as f:
           h.update(hashlib.sha256(f.read()).digest())
-  return h.hexdigest()
+        read.add(os.path.realpath(path))
+  return h.hexdigest() if os.path.realpath(__file__) in read else None
 
 
 def _version(package: str) -> str:
@@ -79,13 +95,13 @@ def step_key(steps) -> str:
   mesh = steps.mesh
   devices = [(d.id, d.device_kind, getattr(d, "coords", None), d.process_index)
              for d in mesh.devices.flat]
-  config = {k: v for k, v in jax.config.values.items()
-            if not any(word in k for word in ("cache", "log"))}
+  config = {k: v for k, v in jax.config.values.items() if k not in _NOT_IN_KEY}
   parts = (repr(steps.plan), repr(jax.tree.map(repr, steps.abstract_inputs())),
-           repr(dict(mesh.shape)), repr(devices), _code_digest(),
-           [_version(p) for p in ("jax", "jaxlib", "optax")],
+           repr(dict(mesh.shape)), repr(devices), _code_digest(), sys.version,
+           platform.machine(),
+           [_version(p) for p in ("jax", "jaxlib", "optax", "numpy", "ml_dtypes")],
            getattr(mesh.devices.flat[0].client, "platform_version", ""),
-           [os.environ.get(v, "") for v in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")],
+           sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV)),
            repr(sorted(config.items())))
   return hashlib.sha256(repr(parts).encode()).hexdigest()[:40]
 
@@ -95,8 +111,9 @@ class Refused(validation.ConfigError):
 
 
 def _refused(e: Exception) -> Refused | None:
-  """`e` as a `Refused` when it is the compiler's refusal for memory, else None."""
-  if "RESOURCE_EXHAUSTED" not in str(e) and "exceeds" not in str(e):
+  """`e`, an error of XLA's compile, as a `Refused` when it is the refusal for memory."""
+  if not any(word in str(e) for word in ("RESOURCE_EXHAUSTED", "Ran out of memory",
+                                         "exceeds")):
     return None
   return Refused(f"the train step does not fit the devices' memory ({_first_line(e)}); "
                  "a smaller --batch_size, --remat or another layout may")
@@ -111,15 +128,17 @@ class TrainStep:
   nothing); inputs it was not compiled for (a sharding or dtype other than the step's
   abstract inputs') go to the jitted step, which compiles for them as before."""
 
-  def __init__(self, steps, compiled):
-    self._jitted, self._compiled = steps.train_step, compiled
+  def __init__(self, steps, compiled, log=print):
+    self._jitted, self._compiled, self._log = steps.train_step, compiled, log
 
   def __call__(self, state, frozen, batch):
     if self._compiled is not None:
       try:
         return self._compiled(state, frozen, batch)
-      except (TypeError, ValueError):  # JAX's checks of the arguments, before any run
+      except (TypeError, ValueError) as e:  # JAX's checks of the arguments, before any run
         self._compiled = None
+        self._log(f"train step: its inputs differ from its abstract inputs' "
+                  f"({_first_line(e)}); the jitted step compiles for them")
     return self._jitted(state, frozen, batch)
 
 
@@ -129,43 +148,49 @@ def compile_step(steps, where: str | None, log=print):
   compiled (through JAX's cache) and kept there. Raises `Refused` when the compiler
   refuses it for memory. Once per `steps`: `--remat=auto`'s measure and the run's first
   step get the same executable."""
-  if steps not in _compiled:
-    _compiled[steps] = _compile_step(steps, where, log)
-  return _compiled[steps]
+  with _lock:  # one compile per `steps`, whichever thread asks first
+    if steps not in _compiled:
+      _compiled[steps] = _compile_step(steps, where, log)
+    return _compiled[steps]
 
 
 _compiled = weakref.WeakKeyDictionary()  # StepFunctions -> its train step's executable
+_lock = threading.Lock()
+
+
+def _compile(lowered):
+  """`lowered.compile()`, XLA's refusal for memory raised as `Refused`."""
+  try:
+    return lowered.compile()
+  except Exception as e:  # noqa: BLE001 - only a refusal is translated
+    raise _refused(e) or e
 
 
 def _compile_step(steps, where, log):
-  lower = lambda: steps.train_step.lower(*steps.abstract_inputs()).compile()
+  lower = lambda: steps.train_step.lower(*steps.abstract_inputs())
   if where is None:
-    try:
-      return lower()
-    except Exception as e:  # noqa: BLE001 - only a refusal is translated
-      raise _refused(e) or e
+    return _compile(lower())
   key = step_key(steps)
   entry, refused = (paths.join(where, f"{kind}-{key}-cache") for kind in ("step", "refused"))
-  if paths.exists(refused):
-    raise Refused(paths.read_text(refused))  # the line of the compile that was refused
   if paths.exists(entry):
     try:
       payload, in_tree, out_tree = pickle.loads(paths.read_bytes(entry))
       compiled = serialize_executable.deserialize_and_load(
           payload, in_tree, out_tree, execution_devices=list(steps.mesh.devices.flat))
       jax.monitoring.record_event(STORE_HIT)
+      _touch(entry)
       return compiled
     except Exception as e:  # noqa: BLE001 - any damage is a miss
       log(f"compilation cache: step executable {key[:16]}... does not load "
           f"({type(e).__name__}: {_first_line(e)}); compiling again")
+  elif paths.exists(refused):
+    raise Refused(f"{paths.read_text(refused)} (remembered in {refused}: delete it to "
+                  "compile again)")
   try:
-    compiled = lower()
-  except Exception as e:  # noqa: BLE001 - only a refusal is kept and translated
-    refusal = _refused(e)
-    if refusal is None:
-      raise
+    compiled = _compile(lower())
+  except Refused as refusal:
     _write(refused, str(refusal).encode(), log)
-    raise refusal from e
+    raise
   try:
     payload = pickle.dumps(serialize_executable.serialize(compiled))
   except Exception as e:  # noqa: BLE001 - not every executable serializes
@@ -176,6 +201,15 @@ def _compile_step(steps, where, log):
 
 
 STORE_HIT = "/tunix/compilation_cache/step_executable_hits"  # a `jax.monitoring` event
+
+
+def _touch(path: str) -> None:
+  """A hit's recency for the cache's bound (`run.compile_cache`; local files only)."""
+  if not paths.is_remote(path):
+    try:
+      os.utime(path)
+    except OSError:
+      pass
 
 
 def _write(path: str, data: bytes, log) -> None:
