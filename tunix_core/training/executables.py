@@ -15,7 +15,7 @@ before any tracing, `step-{key}-cache`, made of:
   which is one reason the store is used on TPU only; no store where the packages are
   not plain files to read);
 - the toolchain: the Python, jax, jaxlib, optax, numpy and ml_dtypes versions, the
-  backend's platform version (libtpu's build), every `XLA_*`, `LIBTPU_*` and `TPU_*`
+  backend's platform version (libtpu's build), `XLA_FLAGS` and every `LIBTPU_*`
   environment variable, and JAX's configuration but for `_NOT_IN_KEY` (where the cache
   lives, what is logged).
 
@@ -48,7 +48,8 @@ from tunix_core.storage import paths
 from tunix_core.training import validation
 
 _FILES = (".py", ".json")  # a package's sources and its tuned tables
-_ENV = ("XLA_", "LIBTPU_", "TPU_")  # the environment variables the compilers read
+# The compilers' own settings in the environment (a chip's topology is in the devices').
+_ENV = ("XLA_FLAGS", "LIBTPU_")
 _NOT_IN_KEY = {  # JAX settings that change no program: where the cache is, what is logged
     "jax_compilation_cache_dir", "jax_enable_compilation_cache",
     "jax_compilation_cache_max_size", "jax_persistent_cache_min_compile_time_secs",
