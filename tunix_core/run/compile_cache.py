@@ -177,11 +177,7 @@ class _CheckedCache:
         except OSError:
           pass
       return None
-    if not paths.is_remote(entry):
-      try:
-        os.utime(entry)
-      except OSError:
-        pass
+    paths.touch(entry)
     return value
 
 

@@ -191,6 +191,16 @@ def open_read(path: str):
   return call("opening", path, lambda: _epath(path).open("rb"))
 
 
+def touch(path: str) -> None:
+  """Marks a local file as used now (its mtime: the recency a cache's bound reads); a
+  remote object keeps its write time, and a file gone meanwhile is no error."""
+  if not is_remote(path):
+    try:
+      os.utime(path)
+    except OSError:
+      pass
+
+
 def remove(path: str) -> None:
   """Deletes a file or object, or a whole directory or prefix."""
   p = _epath(path)

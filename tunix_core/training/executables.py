@@ -20,7 +20,7 @@ before any tracing, `step-{key}-cache`, made of:
   lives, what is logged).
 
 A restart deserializes the step onto its devices (2.1-2.3 s on one v5e chip) and never
-traces it; the hit touches the entry (the recency the cache's bound reads). A step the
+traces it; the hit touches the entry (`paths.touch`: the recency the bound reads). A step the
 compiler refuses for memory is remembered (`refused-{key}-cache`, named in its line):
 `--remat=auto` does not compile that candidate again on a restart, and a run whose every
 policy is refused ends at once. Where the store is used (`store_dir`): the compilation
@@ -179,7 +179,7 @@ def _compile_step(steps, where, log):
       compiled = serialize_executable.deserialize_and_load(
           payload, in_tree, out_tree, execution_devices=list(steps.mesh.devices.flat))
       jax.monitoring.record_event(STORE_HIT)
-      _touch(entry)
+      paths.touch(entry)
       return compiled
     except Exception as e:  # noqa: BLE001 - any damage is a miss
       log(f"compilation cache: step executable {key[:16]}... does not load "
@@ -202,15 +202,6 @@ def _compile_step(steps, where, log):
 
 
 STORE_HIT = "/tunix/compilation_cache/step_executable_hits"  # a `jax.monitoring` event
-
-
-def _touch(path: str) -> None:
-  """A hit's recency for the cache's bound (`run.compile_cache`; local files only)."""
-  if not paths.is_remote(path):
-    try:
-      os.utime(path)
-    except OSError:
-      pass
 
 
 def _write(path: str, data: bytes, log) -> None:
