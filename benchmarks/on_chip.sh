@@ -5,7 +5,7 @@
 #   OUT=DIR bash benchmarks/on_chip.sh     # on the chip
 #
 # PARTS picks what runs (default "logprobs attention step"; also "chipopen", the time to
-# open the chip with libtpu's default and smaller premapped buffers, "quickstart", the shipped
+# open the chip under CHIPOPEN_ENVS, "quickstart", the shipped
 # command as written, "recovery", benchmarks/restart.py on the quickstart: killed at step
 # 120, restarted with and without the compilation cache (RECOVERY_ARGS: more trainer flags,
 # e.g. --model=125m), and "aotcache", the quickstart
@@ -68,28 +68,24 @@ part() {  # part NAME LIMIT CMD...: one process, its output into $OUT/NAME.txt
 has logprobs && part logprobs "${LOGPROBS_LIMIT:-270}" python3 benchmarks/on_chip.py logprobs ${LOGPROBS_ARGS:-} --out "$OUT/kernels.jsonl"
 has attention && part attention 150 python3 benchmarks/on_chip.py attention \
     --head_dims "${HEAD_DIMS:-64,128}" --out "$OUT/kernels.jsonl"
-if has chipopen; then  # seconds to import jax and open the chip, and with a smaller premap
-  for premap in "" 268435456 67108864; do
-    part chipopen 60 env ${premap:+TPU_PREMAPPED_BUFFER_SIZE=$premap} python3 -c "
-import time; t0 = time.perf_counter(); import jax, numpy as np; t1 = time.perf_counter()
+if has chipopen; then  # seconds to import jax and open the chip, under CHIPOPEN_ENVS
+  # (';'-separated environments, each run twice back to back; "-" is none) and after an
+  # idle pause; libtpu's own log lines on the way, and the kernel's huge-page settings.
+  grep . /sys/kernel/mm/transparent_hugepage/{enabled,defrag} >> "$OUT/chipopen.txt" 2>&1
+  IFS=';' read -ra envs <<< "${CHIPOPEN_ENVS:--;TPU_SKIP_MDS_QUERY=1;-;sleep}"
+  for e in "${envs[@]}"; do
+    [[ $e == sleep ]] && { sleep 20; e=-; }
+    for run in 1 2; do
+      rm -rf /tmp/tpu_logs
+      part chipopen 60 env ${e/#-/} python3 -c "
+import time; t0 = time.perf_counter(); import jax; t1 = time.perf_counter()
 jax.devices(); t2 = time.perf_counter()
-host = np.ones((512, 1 << 20), np.float32)  # 2 GiB, as a restore moves a model
-jax.device_put(host).block_until_ready(); t3 = time.perf_counter()
-jax.device_put(host).block_until_ready(); t4 = time.perf_counter()
-print('premapped buffer ${premap:-default}: import jax %.1f s, open the chip %.1f s, '
-      '2 GiB to the chip %.2f s then %.2f s' % (t1 - t0, t2 - t1, t3 - t2, t4 - t3))"
-  done
-  # Do the trainer's imports overlap libtpu's start? Opened after them, then on a thread
-  # while they run (what holds the GIL shows as no gain).
-  for order in after thread; do
-    part chipopen 60 python3 -c "
-import threading, time; t0 = time.perf_counter(); import jax; t1 = time.perf_counter()
-opener = threading.Thread(target=jax.devices) if '$order' == 'thread' else None
-opener and opener.start()
-import tunix_core.cli.train; t2 = time.perf_counter()
-opener.join() if opener else jax.devices(); t3 = time.perf_counter()
-print('chip opened $order the trainer imports: import jax %.1f s, the trainer %.1f s, '
-      'both done and the chip open at %.1f s' % (t1 - t0, t2 - t1, t3 - t0))"
+print('env ${e}: import jax %.2f s, open the chip %.2f s' % (t1 - t0, t2 - t1))"
+      # libtpu's log: its first lines and what it says about metadata, memory and timing.
+      grep -h -i -m 40 "metadata\|mds\|pin\|premap\|huge\|initializ\|took\|elapsed" \
+          /tmp/tpu_logs/*INFO* 2>/dev/null | cut -c 1-220 >> "$OUT/chipopen_log.txt"
+      echo "-- env $e run $run" >> "$OUT/chipopen_log.txt"
+    done
   done
 fi
 has quickstart && part quickstart 240 python3 trainer.py --flagfile=configs/quickstart.flags

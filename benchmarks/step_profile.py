@@ -9,8 +9,8 @@ wall clock, then `--steps` more run under `jax.profiler`. Each device op of the 
 is attributed through the compiled HLO to the `jax.named_scope` its operation was traced
 under (the model's `embedding`, `attention`, `mlp`, `norm`, the objective's `lm_head`
 (the fused log-probs) and `loss`, the layer scan's own slicing and residuals
-(`layers`), the step's `reference`, `grad_sync`, `optimizer` and `health` (the
-non-finite guard); the first of `PARTS` wins, so the reference forward is one part),
+(`layers`), the step's `reference`, `grad_sync` and `optimizer` (with the non-finite
+guard, fused into the update); the first of `PARTS` wins, so the reference forward is one part),
 forward or backward
 (an op under `transpose(...)` is the backward; a rematerialised forward counts as
 forward), and summed per step. Control flow (`while`, `call`, `conditional`) is left
@@ -31,7 +31,7 @@ import time
 import gpu  # benchmarks/gpu.py: the models, the pairs, our step's plan
 
 # Outermost first: an op under several of these scopes belongs to the first.
-PARTS = ("reference", "grad_sync", "optimizer", "health", "loss", "lm_head", "attention",
+PARTS = ("reference", "grad_sync", "optimizer", "loss", "lm_head", "attention",
          "mlp", "norm", "embedding", "layers")
 _CONTROL = {"while", "call", "conditional", "tuple", "get-tuple-element", "parameter",
             "constant", "bitcast"}

@@ -194,13 +194,21 @@ def test_resume_fsdp_as_zero1_on_one_device_continues_the_run(tmp_path):
                              rtol=1e-5, atol=1e-5)
 
 
-def test_zero1_relayout_round_trips_through_fsdp():
+def test_zero1_relayout_round_trips_through_one_device_and_fsdp():
+  """ZeRO-1 on 8 -> one device's flat rows (checkpoints before "single") -> one device's
+  whole leaves (`SingleLayout`) -> FSDP on 3: the same logical state."""
   shapes = jax.eval_shape(lambda: model_lib.init_params(jax.random.PRNGKey(0), TINY))
   mu = model_lib.init_params(jax.random.PRNGKey(2), TINY)
   z8 = zero.Zero1Layout(collectives.BucketPlan.create(shapes, 8))
+  z1 = zero.Zero1Layout(collectives.BucketPlan.create(shapes, 1))
+  one = zero.SingleLayout(collectives.BucketPlan.create(shapes, 1))
   f3 = fsdp.FsdpLayout(shapes, 3)
   state = ({"count": jnp.zeros((8,), jnp.int32), "mu": z8.to_pieces(mu)},)
-  out = zero.relayout_opt_state(state, z8, f3)
+  flat = zero.relayout_opt_state(state, z8, z1)
+  assert flat[0]["mu"]["embed"].shape == (1, mu["embed"].size)
+  whole = zero.relayout_opt_state(flat, z1, one)
+  assert whole[0]["mu"]["embed"].shape == (1,) + mu["embed"].shape
+  out = zero.relayout_opt_state(whole, one, f3)
   assert out[0]["count"].shape == (3,)
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(f3.to_logical(out[0]["mu"])),
                jax.device_get(mu))

@@ -54,9 +54,10 @@ def source_mismatch(saved: dict, source: dict, legacy_fingerprint=None) -> str |
 def _saved_layout(steps, meta: dict):
   """The cut of the optimizer state the checkpoint described by `meta` was written in
   (older checkpoints carry no "layout" and no "model_parallel": they are ZeRO-1 without
-  TP)."""
+  TP; before "single", one device's state was ZeRO-1's flat rows too)."""
   kw = dict(data_shards=meta["num_shards"], bucket_bytes=steps.plan.bucket_bytes,
-            model_parallel=meta.get("model_parallel", 1))
+            model_parallel=meta.get("model_parallel", 1),
+            single=meta.get("layout") == "single")
   if steps.plan.lora is not None:  # the adapters' ZeRO-1 rows, whatever the base's layout
     return lora_layout.make(steps.mcfg, steps.plan.lora, steps.tx, **kw).cut
   return layout_lib.make(steps.mcfg, steps.tx, fsdp=meta.get("layout") == "fsdp", **kw).cut

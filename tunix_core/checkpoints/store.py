@@ -254,7 +254,7 @@ def save_state(ckpt: Checkpointer, step: int, state: dict, *, data_state: dict,
                nonfinite: list[int], source: dict | None = None,
                layout: str = "zero1", model_parallel: int = 1) -> str:
   """Starts an asynchronous save of `state` (logical params, optimizer state cut by
-  `layout`, "zero1" or "fsdp", for `num_shards` data shards of `model_parallel`-way
+  `layout`, "zero1", "single" or "fsdp", for `num_shards` data shards of `model_parallel`-way
   slices) at `step` with its metadata
   (`nonfinite`: the state's `[count, first step, bits]`, read by the caller; `source`:
   where the initial policy came from, `run.source.source`); returns a short digest of

@@ -3,10 +3,12 @@ parallelism over either.
 
 A layout decides where params and optimizer state live and how a step computes with
 and updates them; the step calls the protocol and never asks which layout it has.
-`make` is the one place the choice is made (from `--fsdp` and `--model_parallel`):
+`make` is the one place the choice is made (from `--fsdp` and `--model_parallel`); what
+every layout provides is `protocol.Layout`:
 
 - `Zero1`: params replicated over "data"; the optimizer state is 1/N per device
-  (`zero.ShardedOptimizer`: bucketed reduce-scatter, local update, all-gather).
+  (`zero.ShardedOptimizer`: bucketed reduce-scatter, local update, all-gather);
+  `Single` on one data shard: the state in the params' own shapes, nothing flattened.
 - `FSDP`: params in `fsdp.FsdpLayout`'s flat pieces split over "data", one layer gathered at
   a time inside the layer scan; the update stays local.
 - `TensorParallel`: either of them applied to each of the K slices of a "model" axis
@@ -19,8 +21,6 @@ device *computes* with (`gather`). The optimizer state is always `[num_shards, .
 rows of `cut`'s pieces.
 """
 
-from typing import Protocol
-
 import jax
 from jax.sharding import PartitionSpec as P
 
@@ -29,69 +29,7 @@ from tunix_core.parallel import collectives
 from tunix_core.parallel import fsdp as fsdp_lib
 from tunix_core.parallel import tensor_parallel as tp_lib
 from tunix_core.parallel import zero
-
-DATA, MODEL = "data", "model"
-
-
-class Layout(Protocol):
-  """What the step, checkpoints and resume need of a parameter layout."""
-
-  name: str                # "zero1" or "fsdp": how checkpoints record the state's rows
-  num_shards: int          # rows of the optimizer state (data shards x model slices)
-  model_axis: str | None   # the tensor-parallel mesh axis; None without TP
-  replica_axis: str | None  # the axis params are replicated over (None: no replicas)
-  param_shapes: dict       # ShapeDtypeStructs of the logical params
-  cut: object              # the optimizer state's cut: `to_pieces`, `to_logical`,
-                           # `local_shapes`, `num_shards`, `treedef`
-  param_specs: dict        # PartitionSpecs of the step-form params (params' structure)
-  row_spec: P              # PartitionSpec of `[num_shards, ...]` rows
-
-  def logical_specs(self) -> dict:
-    """PartitionSpecs of logical params outside the step (loading, checkpoints)."""
-
-  def to_step(self, logical: dict) -> dict:
-    """Logical params -> the step form; jit-able."""
-
-  def from_step(self, params: dict) -> dict:
-    """The step form -> logical params; jit-able."""
-
-  def logical(self, params: dict, shardings: dict) -> dict:
-    """Outside the step: step-form params as logical arrays placed with `shardings`
-    (`params` themselves where the two forms are one: no copy)."""
-
-  def place(self, logical: dict, shardings: dict) -> dict:
-    """Outside the step: logical params in the step form, placed with `shardings`."""
-
-  def abstract_params(self, dtype=None) -> dict:
-    """ShapeDtypeStructs of the step form (global shapes; leaves in `dtype`)."""
-
-  def gather(self, params: dict) -> tuple:
-    """Inside `shard_map`: `(params, gather_layer)`: the device's step-form params with
-    every non-layer leaf whole, and the function the layer scan gathers each layer's
-    slice with (None: layers are whole). Differentiable."""
-
-  def forward(self, params: dict, gather_layer, tokens_BxT, mask_BxT,
-              mcfg: model_lib.ModelConfig, **rows) -> jax.Array:
-    """Inside `shard_map`: hidden states `[B, T, D]` of `model.forward` on `gather`'s
-    params; `rows` are its packed-row keywords."""
-
-  def sync_grads(self, grads: dict) -> dict:
-    """Inside `shard_map`: gradients of the step-form params made whole within the
-    device's model slice (before the data-parallel sync of `update`)."""
-
-  def policy(self, params: dict, frozen) -> dict:
-    """What `gather` takes for the policy: the trained params with the step's frozen
-    input (`parallel.lora`: the base); full fine-tuning: `params`."""
-
-  def reference(self, frozen):
-    """What `gather` takes for DPO's reference, from the step's frozen input (full
-    fine-tuning: the reference params themselves)."""
-
-  def init_opt(self, params: dict):
-    """Inside `shard_map`: this device's optimizer state for the step-form params."""
-
-  def update(self, grads: dict, opt_state, params: dict) -> zero.UpdateResult:
-    """Inside `shard_map`: synced, clipped and applied; the new params in step form."""
+from tunix_core.parallel.protocol import DATA, MODEL, Layout  # pylint: disable=unused-import
 
 
 def _convert(fn, tree: dict, shardings: dict) -> dict:
@@ -164,8 +102,19 @@ class Zero1(Whole):
   def init_opt(self, params: dict):
     return self.opt.init(params)
 
-  def update(self, grads, opt_state, params) -> zero.UpdateResult:
-    return self.opt.update(grads, opt_state, params)
+  def update(self, grads, opt_state, params, accept=None) -> zero.UpdateResult:
+    return self.opt.update(grads, opt_state, params, accept)
+
+
+class Single(Zero1):
+  """ZeRO-1 on one data shard without TP: the optimizer state in the params' own shapes
+  (`zero.SingleShardOptimizer`: no flattening, no collectives)."""
+
+  name = "single"
+
+  def __init__(self, param_shapes: dict, opt: zero.SingleShardOptimizer):
+    super().__init__(param_shapes, opt)
+    self.cut = zero.SingleLayout(opt.plan)
 
 
 class FSDP(Zero1):
@@ -209,10 +158,10 @@ class FSDP(Zero1):
   def init_opt(self, params: dict):
     return self.opt.tx.init(self.cut.local(params))
 
-  def update(self, grads, opt_state, params) -> zero.UpdateResult:
+  def update(self, grads, opt_state, params, accept=None) -> zero.UpdateResult:
     # The gathers' VJP reduce-scattered the gradients already: the update is local.
     local = self.cut.local
-    out = self.opt.update_sharded(local(grads), opt_state, local(params))
+    out = self.opt.update_sharded(local(grads), opt_state, local(params), accept)
     return out._replace(params=jax.tree.map(lambda x: x[None], out.params))
 
 
@@ -272,32 +221,38 @@ class TensorParallel:
   def init_opt(self, params: dict):
     return self.inner.init_opt(params)
 
-  def update(self, grads, opt_state, params) -> zero.UpdateResult:
-    return self.inner.update(grads, opt_state, params)
+  def update(self, grads, opt_state, params, accept=None) -> zero.UpdateResult:
+    return self.inner.update(grads, opt_state, params, accept)
 
 
 def build(param_shapes: dict, local_shapes: dict, specs: dict, tx, *, data_shards: int,
           model_parallel: int = 1, fsdp: bool = False, compute_dtype=None,
           bucket_bytes: int = 25 << 20, sync_impl: str = "xla", comm_dtype=None,
           max_grad_norm: float | None = None, slice_axis: str | None = None,
-          gather_stages: tuple | None = None) -> Layout:
+          gather_stages: tuple | None = None, single: bool | None = None) -> Layout:
   """The layout of any params tree (`param_shapes`, logical) on `data_shards` x
   `model_parallel` devices of one slice: `local_shapes` are one model slice's, `specs`
   the logical params' PartitionSpecs over "model" (unused without TP). With
   `slice_axis` the layout is the same in every slice (replicated across it) and the
   gradients are averaged across slices in the update (`zero.ShardedOptimizer`).
-  `gather_stages`: FSDP's weight gathers in stages (`mesh.gather_stages`)."""
+  `gather_stages`: FSDP's weight gathers in stages (`mesh.gather_stages`). `single`:
+  `Single` instead of `Zero1` (default: on one data shard without TP; a checkpoint's
+  saved cut says which it was)."""
   k = model_parallel
   split = None
   if k > 1:
     split = jax.tree.map(lambda d: d is not None, tp_lib.split_dims(specs, MODEL),
                          is_leaf=lambda x: x is None)
   plan = collectives.BucketPlan.create(local_shapes, data_shards, bucket_bytes)
-  opt = zero.ShardedOptimizer(tx, plan, DATA, max_grad_norm=max_grad_norm, impl=sync_impl,
+  if single is None:
+    single = data_shards == 1 and k == 1 and not fsdp
+  single = single and not fsdp
+  optimizer = zero.SingleShardOptimizer if single else zero.ShardedOptimizer
+  opt = optimizer(tx, plan, DATA, max_grad_norm=max_grad_norm, impl=sync_impl,
                               comm_dtype=comm_dtype, model_axis=MODEL if k > 1 else None,
                               split=split, slice_axis=slice_axis)
   inner = (FSDP(local_shapes, opt, compute_dtype, comm_dtype, gather_stages) if fsdp
-           else Zero1(local_shapes, opt))
+           else (Single if single else Zero1)(local_shapes, opt))
   return TensorParallel(inner, specs, k, param_shapes) if k > 1 else inner
 
 

@@ -96,33 +96,67 @@ class ShardedOptimizer:
     total = jax.lax.psum(sharded, self.model_axis) + replicated
     return jnp.sqrt(jax.lax.psum(total, self.axis_name))
 
-  def _apply(self, pieces, norm, state, local_params):
+  def _apply(self, pieces, norm, state, local_params, accept):
     if self.max_grad_norm is not None:
       # Same formula as optax.clip_by_global_norm, on the global norm.
       pieces = jax.tree.map(
           lambda g: jnp.where(norm < self.max_grad_norm, g,
                               (g / norm * self.max_grad_norm).astype(g.dtype)), pieces)
-    updates, state = self.tx.update(pieces, state, local_params)
-    return optax.apply_updates(local_params, updates), state
+    updates, new_state = self.tx.update(pieces, state, local_params)
+    new_local = optax.apply_updates(local_params, updates)
+    if accept is None:
+      return new_local, new_state
+    # The choice between new and old in the update's own elementwise pass: XLA fuses it
+    # there, where choosing after the all-gather was one more pass over params and state.
+    ok = accept(norm)
+    keep = lambda new, old: jnp.where(ok, new, old)
+    return (jax.tree.map(keep, new_local, local_params),
+            jax.tree.map(keep, new_state, state))
 
-  def update(self, grads, state, params) -> UpdateResult:
+  def update(self, grads, state, params, accept=None) -> UpdateResult:
     """Local (per-device) `grads`, this device's `state` and the replicated `params` in;
-    the synced new params, the new state and the global gradient norm out."""
+    the synced new params, the new state and the global gradient norm out. `accept`
+    (optional): the global gradient norm -> a bool scalar, False to keep params and
+    state as they were (a non-finite step)."""
     pieces, norm = self.sync_grads(grads)
-    new_local, state = self._apply(pieces, norm, state, self._local(params))
+    new_local, state = self._apply(pieces, norm, state, self._local(params), accept)
     new_params = collectives.all_gather(self.plan.tree_to_shards(new_local), self.plan,
                                         self.axis_name, impl=self.impl)
     return UpdateResult(new_params, state, norm)
 
-  def update_sharded(self, grad_pieces, state, local_params) -> UpdateResult:
+  def update_sharded(self, grad_pieces, state, local_params, accept=None) -> UpdateResult:
     """FSDP: the params are sharded already (`tunix_core.parallel.fsdp`) and `grad_pieces` are the
     device-mean gradients of this device's `local_params` (the layout's reduce-scatter
     made them, within the slice). The update stays local: `params` of the result are the
-    new local pieces."""
+    new local pieces. `accept` as in `update`."""
     grad_pieces = self.across_slices(grad_pieces)
     norm = self.global_norm(grad_pieces)
-    new_local, state = self._apply(grad_pieces, norm, state, local_params)
+    new_local, state = self._apply(grad_pieces, norm, state, local_params, accept)
     return UpdateResult(new_local, state, norm)
+
+
+class SingleShardOptimizer(ShardedOptimizer):
+  """`ShardedOptimizer` on a data axis of one device (without TP): the pieces are the
+  leaves themselves, in their own shapes, and nothing is reduced, gathered or
+  flattened. On TPU a leaf's 1-D piece is a relayout copy of its 8 x 128 tiles, and the
+  gradient's, the params' and the new params' copies cost more than the update itself.
+  The gradient is cast to the params' dtypes, as the buckets would, and never to
+  `comm_dtype`: nothing goes on the wire."""
+
+  def _local(self, params):
+    return params
+
+  def sync_grads(self, grads):
+    leaves = jax.tree.leaves(grads)
+    pieces = jax.tree.unflatten(self.plan.treedef,
+                                [x.astype(d) for x, d in zip(leaves, self.plan.dtypes)])
+    pieces = self.across_slices(pieces)
+    return pieces, self.global_norm(pieces)
+
+  def update(self, grads, state, params, accept=None) -> UpdateResult:
+    pieces, norm = self.sync_grads(grads)
+    new_params, state = self._apply(pieces, norm, state, params, accept)
+    return UpdateResult(new_params, state, norm)
 
 
 def abstract_opt_state(layout, tx: optax.GradientTransformation, sharding):
@@ -163,9 +197,30 @@ class Zero1Layout:
         for i, d in enumerate(self.plan.dtypes)])
 
 
+class SingleLayout:
+  """`SingleShardOptimizer`'s cut: every leaf whole, as one `[1, *shape]` row (the
+  row's leading 1 costs no copy)."""
+
+  num_shards = 1
+
+  def __init__(self, plan: collectives.BucketPlan):
+    self.plan, self.treedef = plan, plan.treedef
+
+  def to_logical(self, tree):
+    return jax.tree.map(lambda x: x[0], tree)
+
+  def to_pieces(self, tree):
+    return jax.tree.map(lambda x: x[None], tree)
+
+  def local_shapes(self):
+    """ShapeDtypeStructs of the leaves, each in its own shape."""
+    return jax.tree.unflatten(self.treedef, [
+        jax.ShapeDtypeStruct(shape, d) for shape, d in zip(self.plan.shapes, self.plan.dtypes)])
+
+
 def relayout_opt_state(opt_state, old, new):
-  """Optimizer state laid out by `old`, re-cut as `new` (each a `Zero1Layout` or an
-  `fsdp.FsdpLayout`, for any device counts): ZeRO-1 on 8 -> 4 -> 1 devices, ZeRO-1 <-> FSDP.
+  """Optimizer state laid out by `old`, re-cut as `new` (each a `Zero1Layout`,
+  `SingleLayout` or `fsdp.FsdpLayout`, for any device counts): ZeRO-1 on 8 -> 4 -> 1 devices, ZeRO-1 <-> FSDP.
 
   Subtrees shaped like the params (adam's `mu`, `nu`, ...) are joined into logical
   arrays and cut again. Other leaves (step counts) are equal on every device and are

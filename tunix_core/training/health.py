@@ -5,7 +5,6 @@ A state's `"nonfinite"` is int32 `[3]`: the count of non-finite steps so far, th
 such step, and a bit set of what was non-finite in it (bit i is `NONFINITE_KEYS[i]`).
 """
 
-import jax
 import jax.numpy as jnp
 
 # The values a step checks for NaN/Inf; bit i of `state["nonfinite"][2]` is key i.
@@ -46,10 +45,3 @@ def update(health_3, values: dict, step):
   fresh = count == 0
   bad = jnp.stack([count + 1, jnp.where(fresh, step, first), jnp.where(fresh, bits, first_bits)])
   return ok, jnp.where(ok, health_3, bad)
-
-
-@jax.named_scope("health")  # a part of benchmarks/step_profile.py's breakdown
-def keep_if(ok, new, old):
-  """`new` where the step was finite (`ok`), else `old`, leaf by leaf: a non-finite
-  step leaves params and optimizer state as they were."""
-  return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)

@@ -233,23 +233,23 @@ class StepFunctions:
       # Means over micro-batches; ZeRO-1 then averages over devices once per step (under
       # FSDP each micro-batch's gradient was reduce-scattered already).
       grads, metrics = jax.tree.map(lambda x: x / k, (grads, metrics))
-    opt_state = jax.tree.map(lambda x: x[0], state["opt_state"])
-    with jax.named_scope("optimizer"):
-      update = self.layout.update(grads, opt_state, params)
     # A batch that scores no token (online DPO, every prompt tied) updates nothing; its
     # count rides the metrics' mean (one all-reduce).
     scored = jnp.sum(batch["loss_mask"], dtype=jnp.float32)
     metrics = jax.lax.pmean(dict(metrics, scored=scored), self.batch_axes)
     scored = metrics.pop("scored") > 0
-    metrics = dict(metrics, grad_norm=update.grad_norm,
-                   learning_rate=self.schedule(state["step"]))
-    ok, health = health_lib.update(state["nonfinite"], metrics, state["step"] + 1)
-    keep = lambda new, old: health_lib.keep_if(ok & scored, new, old)
-    new_state = {"params": keep(update.params, state["params"]),
-                 "opt_state": keep(jax.tree.map(lambda x: x[None], update.state),
-                                   state["opt_state"]),
-                 "step": state["step"] + 1, "nonfinite": health}
-    return new_state, dict(metrics, nonfinite=health)
+    step = state["step"] + 1
+    check = lambda grad_norm: health_lib.update(state["nonfinite"],
+                                                dict(metrics, grad_norm=grad_norm), step)
+    with jax.named_scope("optimizer"):  # a non-finite or unscored step changes nothing
+      update = self.layout.update(grads, jax.tree.map(lambda x: x[0], state["opt_state"]),
+                                  params, accept=lambda norm: check(norm)[0] & scored)
+    _, health = check(update.grad_norm)
+    new_state = {"params": update.params,
+                 "opt_state": jax.tree.map(lambda x: x[None], update.state),
+                 "step": step, "nonfinite": health}
+    return new_state, dict(metrics, grad_norm=update.grad_norm,
+                           learning_rate=self.schedule(state["step"]), nonfinite=health)
 
   def _eval_step(self, params, frozen, batch):
     loss, metrics = self._objective(params, frozen, self._resolve_ref(frozen, batch), batch,
