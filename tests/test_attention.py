@@ -4,6 +4,7 @@ the kernels for every family of `tests/fixtures/hf`; dispatch and tiles; and, wi
 libtpu, the kernels and a shared-prefix train step compiled by the real TPU compiler."""
 
 import dataclasses
+import json
 import os
 import re
 
@@ -234,6 +235,43 @@ def test_dispatch_tiles_and_errors():
                         mesh=Mesh(np.array(devices), ("data",)), in_specs=P("data"),
                         out_specs=P("data"))).lower(jax.ShapeDtypeStruct((8,), jnp.float32))
   assert picked == ["pallas"]
+
+
+def test_get_default_takes_a_generations_measured_tiles(tmp_path, monkeypatch):
+  """A table in `tuned/` decides `get_default` for its generation at the nearest
+  measured row length (capped at the row); another generation, or no chip, keeps the
+  largest tiles that fit."""
+  (tmp_path / "v5e.json").write_text(json.dumps({"entries": [
+      dict(head_dim=64, dtype="bfloat16", seq_len=1280, block_q=256, block_k=128),
+      dict(head_dim=64, dtype="bfloat16", seq_len=8192, block_q=512, block_k=256),
+      dict(head_dim=128, dtype="bfloat16", seq_len=2048, block_q=128, block_k=128)]}))
+  monkeypatch.setattr(attention_blocks, "TUNED_DIR", str(tmp_path))
+  attention_blocks.tuned_table.cache_clear()
+  try:
+    get = attention.BlockSizes.get_default
+    assert get(64, jnp.bfloat16, "v5e", seq_len=1000) == attention.BlockSizes(256, 128)
+    assert get(64, jnp.bfloat16, "v5e", seq_len=6000) == attention.BlockSizes(512, 256)
+    assert get(64, jnp.bfloat16, "v5e") == attention.BlockSizes(512, 256)  # the longest
+    assert get(64, jnp.bfloat16, "v5e", seq_len=200) == attention.BlockSizes(256, 128)
+    assert get(64, jnp.bfloat16, "v5e", seq_len=100) == attention.BlockSizes(128, 128)
+    untuned = attention.BlockSizes(512, 512)  # today's rule: the largest that fits
+    assert get(64, jnp.float32, "v5e", seq_len=1280) == untuned  # no float32 entry
+    assert get(64, jnp.bfloat16, "v4", seq_len=1280) == untuned
+    assert get(64, jnp.bfloat16, seq_len=1280) == untuned
+  finally:
+    attention_blocks.tuned_table.cache_clear()
+
+
+def test_shipped_tables_fit_their_chips():
+  """Every shipped entry is valid tiles within its generation's default scoped VMEM."""
+  names = (os.listdir(attention_blocks.TUNED_DIR)
+           if os.path.isdir(attention_blocks.TUNED_DIR) else [])
+  for name in sorted(names):
+    chip = tpu.get_chip(name.removesuffix(".json"))
+    for e in attention_blocks.tuned_table(chip.name):
+      bs = attention.BlockSizes(e["block_q"], e["block_k"])
+      assert bs.vmem_bytes(e["head_dim"], e["dtype"]) <= (
+          chip.scoped_vmem_bytes * tpu.VMEM_HEADROOM), (name, e)
 
 
 def _compile_grads(chip, T, K, H=8, KV=2, dtype=jnp.bfloat16, softcap=0.0, window=0):

@@ -75,6 +75,17 @@ def test_on_chip_dry_run_checks_every_impl_against_the_reference():
   case = on_chip.attention_case(256, ["pallas", "xla"], 1, True, None, h=4, kv=2, kdim=128)
   r = case["impls"]["pallas"]
   assert r["value_err"] < 1e-2 and max(r["grad_errs"]) < 1e-2, r
+  # The tile tuner (benchmarks/tune_tiles.py) on the same measure: every candidate that
+  # fits is timed and checked, and the choice is the fastest of them.
+  sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+  try:
+    tune = importlib.import_module("tune_tiles")
+  finally:
+    sys.path.pop(0)
+  entry = tune.case(256, 1, 4, 2, 64, None, 1, True)
+  tiles = {k: v for k, v in entry["ms"].items() if k != "xla"}
+  assert not entry["errors"] and set(tiles) == {"256x256", "128x256", "128x128"}, entry
+  assert f"{entry['block_q']}x{entry['block_k']}" == min(tiles, key=tiles.get)
   # The measure itself, on a hand-computed gap: |1 - 2| / 2 for values and gradients.
   ones = np.ones((4, 3), np.float32)
   assert on_chip._errors((ones, [ones]), (2 * ones, [2 * ones])) == dict(

@@ -1,8 +1,13 @@
-"""Tiles of the attention kernels: `BlockSizes` and its VMEM footprint, the per-row
-lists of the tiles a kernel visits (which is how fully masked tiles are skipped), and the
-kernels' cost estimate."""
+"""Tiles of the attention kernels: `BlockSizes` and its VMEM footprint, the tiles
+measured fastest per TPU generation (`tuned/{chip}.json`), the per-row lists of the
+tiles a kernel visits (which is how fully masked tiles are skipped), and the kernels'
+cost estimate."""
 
 import dataclasses
+import functools
+import json
+import math
+import os
 from typing import NamedTuple
 
 import jax
@@ -16,6 +21,10 @@ from tunix_kernels.dispatch import LANES
 # Preferred (block_q, block_k), largest first. Larger tiles mean fewer grid steps and
 # re-reads; smaller ones skip masked areas at a finer grain.
 _CANDIDATES = ((512, 512), (256, 512), (256, 256), (128, 256), (128, 128))
+# Tiles measured on a chip, one file per generation (`benchmarks/tune_tiles.py` writes
+# them; shipped as package data): `{"entries": [{"head_dim", "dtype", "seq_len",
+# "block_q", "block_k", ...}]}`.
+TUNED_DIR = os.path.join(os.path.dirname(__file__), "tuned")
 # The segment id of padding keys in the kernels' key vectors: no query has it.
 NO_KEY = int(jnp.iinfo(jnp.int32).min)
 # The "window" of unwindowed layers: longer than any row.
@@ -46,14 +55,17 @@ class BlockSizes:
   @classmethod
   def get_default(cls, head_dim, dtype=jnp.bfloat16, chip=None, *, seq_len=None
                   ) -> "BlockSizes":
-    """The largest tiles whose VMEM footprint (`vmem_bytes`) fits the chip's default
-    scoped VMEM (the smallest generation's, 16 MiB, when `chip` is None), never longer
-    than `seq_len` rounded up to 128. Never raises for a valid head dim: when nothing
-    fits it returns the smallest tiles and leaves the last word to the compiler."""
+    """The tiles measured fastest on `chip`'s generation for this head dim and dtype at
+    the nearest measured row length (`tuned_tiles`), else the largest tiles whose VMEM
+    footprint (`vmem_bytes`) fits the chip's default scoped VMEM (the smallest
+    generation's, 16 MiB, when `chip` is None); never longer than `seq_len` rounded up
+    to 128. Never raises for a valid head dim: when nothing fits it returns the
+    smallest tiles and leaves the last word to the compiler."""
     chip = None if chip is None else tpu.get_chip(chip)
     scoped = tpu.MIN_SCOPED_VMEM_BYTES if chip is None else chip.scoped_vmem_bytes
     cap = common.round_up(seq_len, LANES) if seq_len else None
-    for bq, bk in _CANDIDATES:
+    tuned = None if chip is None else tuned_tiles(chip.name, head_dim, dtype, seq_len)
+    for bq, bk in ((tuned,) if tuned else ()) + _CANDIDATES:
       bs = cls(min(bq, cap or bq), min(bk, cap or bk))
       if bs.vmem_bytes(head_dim, dtype) <= scoped * tpu.VMEM_HEADROOM:
         return bs
@@ -88,6 +100,32 @@ class BlockSizes:
     tpu.check_vmem(self.vmem_bytes(head_dim, dtype), self.vmem_limit_bytes, chip,
                    str(self), f"head_dim={head_dim} {jnp.dtype(dtype).name}",
                    "use smaller blocks or BlockSizes.get_default(head_dim, dtype, chip)")
+
+
+@functools.cache
+def tuned_table(chip_name: str) -> tuple[dict, ...]:
+  """The entries of `TUNED_DIR/{chip_name}.json`, () where no table is shipped."""
+  path = os.path.join(TUNED_DIR, f"{chip_name}.json")
+  if not os.path.exists(path):
+    return ()
+  with open(path, encoding="utf-8") as f:
+    return tuple(json.load(f)["entries"])
+
+
+def tuned_tiles(chip_name: str, head_dim: int, dtype, seq_len: int | None
+                ) -> tuple[int, int] | None:
+  """`(block_q, block_k)` measured fastest on `chip_name` for `head_dim` and `dtype` at
+  the row length nearest `seq_len` (by ratio; the longest measured when None), or None
+  where the table has no such entry."""
+  name = jnp.dtype(dtype).name
+  entries = [e for e in tuned_table(chip_name)
+             if e["head_dim"] == head_dim and e["dtype"] == name]
+  if not entries:
+    return None
+  distance = ((lambda e: -e["seq_len"]) if not seq_len
+              else (lambda e: abs(math.log(e["seq_len"] / seq_len))))
+  best = min(entries, key=distance)
+  return best["block_q"], best["block_k"]
 
 
 class Visits(NamedTuple):
