@@ -122,7 +122,7 @@ def main():
     times.append(time.perf_counter() - t0)
   step_s = statistics.median(times)
   peak = flops.peak_flops(devices[0], model_lib.DTYPES[mcfg.compute_dtype])[0] * len(devices)
-  step_flops = flops.step_flops(plan)
+  step_flops = flops.step_flops(plan, tunix_kernels.tpu.target_chip())
   tokens = 2 * args.pairs * T
   result = {"tokens_per_sec": tokens / step_s, "mfu": step_flops / step_s / peak,
             "median_step_s": step_s, "step_flops": step_flops, "peak_flops": peak,

@@ -282,7 +282,7 @@ def test_gradient_sync_compiles_to_reduce_scatters_and_all_gathers_on_tpu(tmp_pa
   assert got["unknown"] == [] and got["asynchronous"] >= (layout == "fsdp")
   assert got["bytes"] == pytest.approx(sum(o["bytes"] * o["times"] for o in ops), rel=1e-9)
   assert 0 < got["exposed_s"] <= got["comm_s"]
-  model_flops = flops.step_flops(steps.plan) / len(devices)
+  model_flops = flops.step_flops(steps.plan, "v5e") / len(devices)
   replayed = got["compute_s"] * comms.CHIP_RATES["v5e"][0]
   assert model_flops <= replayed <= 2 * model_flops, (replayed, model_flops)
   # Under the default --tpu_flags (every program of the step gets them); an unknown

@@ -252,8 +252,9 @@ def test_get_default_takes_a_generations_measured_tiles(tmp_path, monkeypatch):
     assert get(64, jnp.bfloat16, "v5e", seq_len=1000) == attention.BlockSizes(256, 128)
     assert get(64, jnp.bfloat16, "v5e", seq_len=6000) == attention.BlockSizes(512, 256)
     assert get(64, jnp.bfloat16, "v5e") == attention.BlockSizes(512, 256)  # the longest
-    assert get(64, jnp.bfloat16, "v5e", seq_len=200) == attention.BlockSizes(256, 128)
-    assert get(64, jnp.bfloat16, "v5e", seq_len=100) == attention.BlockSizes(128, 128)
+    assert get(64, jnp.bfloat16, "v5e", seq_len=700) == attention.BlockSizes(256, 128)
+    # More than 2x from every measured length: the largest tiles that fit, capped.
+    assert get(64, jnp.bfloat16, "v5e", seq_len=300) == attention.BlockSizes(384, 384)
     untuned = attention.BlockSizes(512, 512)  # today's rule: the largest that fits
     assert get(64, jnp.float32, "v5e", seq_len=1280) == untuned  # no float32 entry
     assert get(64, jnp.bfloat16, "v4", seq_len=1280) == untuned

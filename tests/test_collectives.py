@@ -266,3 +266,41 @@ def test_sharded_adamw_matches_replicated_chain():
   assert per_device == 2 * pieces + 1
   assert sum(x.size for x in jax.tree.leaves(ref_state)) == 2 * full + 1
   assert full <= N * pieces < full + N * len(plan.shapes)  # 1/8, up to padding
+
+
+@pytest.mark.parametrize("n", [1, N])
+def test_an_update_matches_the_chain_and_a_rejected_one_changes_nothing(n):
+  """On one device (`SingleShardOptimizer`, the leaves whole) and on 8 (ZeRO-1's flat
+  pieces): an accepted step equals replicated `clip_by_global_norm + adamw`; a step
+  whose `accept(grad_norm)` is False (a NaN gradient here) leaves params and every
+  leaf of the optimizer state, adam's count included, bit for bit as they were."""
+  params = _params(jax.random.PRNGKey(0))
+  tx = optax.adamw(1e-2, weight_decay=0.1, mask=_decay_mask)
+  plan = collectives.BucketPlan.create(params, n, 64)
+  optimizer = zero.SingleShardOptimizer if n == 1 else zero.ShardedOptimizer
+  opt = optimizer(tx, plan, "data", max_grad_norm=0.5)
+  mesh = Mesh(np.array(jax.devices()[:n]), ("data",))
+  rows = lambda t: jax.tree.map(lambda x: x[None], t)
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh, check_vma=False, in_specs=(P("data"), P()),
+                     out_specs=(P(), P("data"), P("data")))
+  def init_and_step(g, params):
+    state = opt.init(params)
+    new, new_state, _ = opt.update(jax.tree.map(lambda x: x[0], g), state, params,
+                                   accept=jnp.isfinite)
+    return new, rows(new_state), rows(state)
+
+  g = jax.tree.map(lambda x: 3 * jax.random.normal(jax.random.PRNGKey(1), (n,) + x.shape),
+                   params)
+  new, _, _ = init_and_step(g, params)
+  ref_tx = optax.chain(optax.clip_by_global_norm(0.5), tx)
+  updates, _ = ref_tx.update(jax.tree.map(lambda x: x.mean(0), g), ref_tx.init(params), params)
+  chex.assert_trees_all_close(new, optax.apply_updates(params, updates), rtol=1e-6, atol=1e-6)
+  g = jax.tree.map(lambda x: x.at[0].set(jnp.nan), g)
+  kept, kept_state, state = init_and_step(g, params)
+  chex.assert_trees_all_equal(kept, params)
+  chex.assert_trees_all_equal(kept_state, state)
+  if n == 1:  # the state in the params' own shapes: nothing flattened
+    assert jax.tree.map(jnp.shape, kept_state[0].mu) == jax.tree.map(
+        lambda x: (1,) + x.shape, params)

@@ -115,11 +115,14 @@ def tuned_table(chip_name: str) -> tuple[dict, ...]:
 def tuned_tiles(chip_name: str, head_dim: int, dtype, seq_len: int | None
                 ) -> tuple[int, int] | None:
   """`(block_q, block_k)` measured fastest on `chip_name` for `head_dim` and `dtype` at
-  the row length nearest `seq_len` (by ratio; the longest measured when None), or None
-  where the table has no such entry."""
+  the row length nearest `seq_len` by ratio, within 2x of it (the longest measured when
+  `seq_len` is None), or None where the table has no such entry: a row length far from
+  every measured one is not extrapolated to."""
   name = jnp.dtype(dtype).name
   entries = [e for e in tuned_table(chip_name)
              if e["head_dim"] == head_dim and e["dtype"] == name]
+  if seq_len:
+    entries = [e for e in entries if abs(math.log2(e["seq_len"] / seq_len)) <= 1]
   if not entries:
     return None
   distance = ((lambda e: -e["seq_len"]) if not seq_len

@@ -114,7 +114,7 @@ def compile_stats(plan: plan_lib.StepPlan, chip, devices) -> dict:
   text, mesh_shape = compiled.as_text(), dict(steps.mesh.shape)
   stats["collectives"] = comms.collectives(text, mesh_shape)
   stats["overlap"] = overlap.exposed(text, mesh_shape, chip.name) if chip else None
-  stats["model_flops"] = flops.step_flops(plan) / len(devices)
+  stats["model_flops"] = flops.step_flops(plan, chip) / len(devices)
   total = stats["argument"] + stats["output"] - stats["alias"] + stats["temp"]
   held = stats["argument"] + stats["output"] - stats["alias"]
   out.update(stats, total=total, hbm=hbm, need=max(hbm or stats["peak"] or total, held))

@@ -236,17 +236,16 @@ def build(param_shapes: dict, local_shapes: dict, specs: dict, tx, *, data_shard
   `slice_axis` the layout is the same in every slice (replicated across it) and the
   gradients are averaged across slices in the update (`zero.ShardedOptimizer`).
   `gather_stages`: FSDP's weight gathers in stages (`mesh.gather_stages`). `single`:
-  `Single` instead of `Zero1` (default: on one data shard without TP; a checkpoint's
-  saved cut says which it was)."""
+  False keeps ZeRO-1's flat rows on one data shard (a checkpoint written before
+  "single"); otherwise one data shard without TP or FSDP is `Single`."""
   k = model_parallel
   split = None
   if k > 1:
     split = jax.tree.map(lambda d: d is not None, tp_lib.split_dims(specs, MODEL),
                          is_leaf=lambda x: x is None)
   plan = collectives.BucketPlan.create(local_shapes, data_shards, bucket_bytes)
-  if single is None:
-    single = data_shards == 1 and k == 1 and not fsdp
-  single = single and not fsdp
+  # One data shard without TP or FSDP; a checkpoint's flat rows of one shard say False.
+  single = (single is not False) and data_shards == 1 and k == 1 and not fsdp
   optimizer = zero.SingleShardOptimizer if single else zero.ShardedOptimizer
   opt = optimizer(tx, plan, DATA, max_grad_norm=max_grad_norm, impl=sync_impl,
                               comm_dtype=comm_dtype, model_axis=MODEL if k > 1 else None,

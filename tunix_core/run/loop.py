@@ -14,6 +14,7 @@ import typing
 import jax
 import jax.numpy as jnp
 
+from tunix_kernels import tpu
 from tunix_core import data as data_lib
 from tunix_core import generate
 from tunix_core import model as model_lib
@@ -188,7 +189,7 @@ def _train(cfg, devices, log, beat, hooks):
       model_lib.DTYPES[mcfg.compute_dtype])
   log(f"MFU against {len(devices)} x {peak / 1e12:.3g} TFLOP/s ({peak_source})")
   progress = metrics_lib.Progress(writer, log, start, cfg.steps,
-                                  step_flops=flops.step_flops(plan),
+                                  step_flops=flops.step_flops(plan, tpu.target_chip()),
                                   peak_flops=peak * len(devices))
 
   def flush():

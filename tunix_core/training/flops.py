@@ -87,13 +87,15 @@ def planned_row(rows, prompt: int) -> tuple:
   return segments, branches, positions
 
 
-def attended_pairs(plan) -> int:
+def attended_pairs(plan, chip=None) -> int:
   """(query, key) pairs one planned row's attention computes, summed over the layers:
-  per layer, the tiles the kernels visit (`attention_blocks.visible_tiles`, the window
-  of a sliding layer included) times the tile's area."""
+  per layer, the tiles the kernels visit on `chip` (`tunix_kernels.tpu`'s; None: the
+  tiles of an unknown chip) (`attention_blocks.visible_tiles`, the window of a sliding
+  layer included) times the tile's area."""
   mcfg, rows = plan.model, plan.rows
   bq, bk = attention_blocks.BlockSizes.get_default(
-      mcfg.head_dim, jnp.dtype(mcfg.compute_dtype), seq_len=rows.length).tiles(rows.length)
+      mcfg.head_dim, jnp.dtype(mcfg.compute_dtype), chip,
+      seq_len=rows.length).tiles(rows.length)
   segments, branches, positions = planned_row(rows, plan.max_prompt_length)
   valid = np.ones_like(segments)
   count = lambda window: int(np.sum(attention_blocks.visible_tiles(
@@ -103,11 +105,12 @@ def attended_pairs(plan) -> int:
   return sum(count(w) * windows.count(w) for w in set(windows))
 
 
-def step_flops(plan) -> float:
-  """Model FLOPs of one train step of `plan` (a `plan.StepPlan`) over all devices."""
+def step_flops(plan, chip=None) -> float:
+  """Model FLOPs of one train step of `plan` (a `plan.StepPlan`) over all devices, its
+  attention as the kernels' tiles on `chip` count it (`attended_pairs`)."""
   rows, mcfg = plan.rows, plan.model
   groups = plan.batch_size // rows.pairs
-  attention = 4 * mcfg.num_heads * mcfg.head_dim * rows.rows * attended_pairs(plan)
+  attention = 4 * mcfg.num_heads * mcfg.head_dim * rows.rows * attended_pairs(plan, chip)
   # keys=0: the attention is the kernels' visited tiles above, not a key count per position
   forward = groups * (forward_flops(mcfg, rows.rows * rows.length, 0, rows.head)
                       + attention)

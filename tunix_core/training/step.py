@@ -7,7 +7,7 @@ frozen reference's log-probs and the replica checksum. Where params and optimize
 state live and how they are gathered, synced and updated is the plan's parameter
 layout (`parallel.layout`: ZeRO-1, FSDP, either under tensor parallelism); the step
 only calls it. The train state is `{"params", "opt_state", "step", "nonfinite"}`:
-params in the layout's step form, optimizer-state leaves `[num_shards, piece]` rows,
+params in the layout's step form, optimizer-state leaves `[num_shards, ...]` rows,
 and `nonfinite`, int32 `[3]` (count of non-finite steps so far, the first such step, a
 bit set of what was non-finite in it, bits in `health.NONFINITE_KEYS` order). A step
 whose loss, metrics or gradient norm is not finite leaves params and optimizer state as
