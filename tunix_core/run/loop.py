@@ -140,7 +140,7 @@ def _train(cfg, devices, log, beat, hooks):
   # The reference is the frozen initial policy (on a resume: the pretrained weights
   # reloaded, or the init rebuilt from the seed), in its own buffers, so donating the
   # train state never invalidates it.
-  ref_dtype = model_lib.DTYPES[cfg.ref_param_dtype()]
+  ref_dtype = model_lib.DTYPES[plan.ref_dtype]
   if plan.lora is not None:  # the step's frozen input is the base (`parallel.lora`)
     ref_params, adapters = source_lib.lora_start(cfg, steps, key, ref_dtype, host_log,
                                                  startup)

@@ -124,7 +124,9 @@ class Profiler:
   profiler into `{output_dir}/profile`."""
 
   def __init__(self, cfg, log):
-    self.range, self.log = cfg.profile_range(), log
+    first, _, last = cfg.profile_steps.partition(":")
+    self.range = (int(first), int(last or first)) if cfg.profile_steps else None
+    self.log = log
     self.dir = None
     self.out = paths.join(cfg.output_dir, "profile")
 

@@ -128,8 +128,9 @@ class TrainConfig:
                          group="model")
   param_dtype: str = _flag("float32", "Dtype of the trained params and the optimizer's "
                            "view of them.", group="model")
-  ref_dtype: str = _flag("auto", "Dtype of the frozen reference params (auto: "
-                         "--param_dtype); bfloat16 halves their memory.", group="model")
+  ref_dtype: str = _flag("auto", "Dtype of the frozen reference params (auto: the compute "
+                         "dtype if narrower than --param_dtype, as bfloat16 on TPU and "
+                         "GPU; else --param_dtype).", group="model")
   compute_dtype: str = _flag("auto", "Activation/matmul dtype (auto: bfloat16 on TPU and "
                              "GPU, float32 on CPU); params keep --param_dtype.",
                              group="model")
@@ -307,13 +308,12 @@ class TrainConfig:
       return hf_config.read_config(self.hf_model_dir, **overrides)
     return model_lib.preset(self.model, **overrides)
 
-  def profile_range(self) -> tuple[int, int] | None:
-    """`--profile_steps` as `(first, last)`, or None."""
-    first, _, last = self.profile_steps.partition(":")
-    return (int(first), int(last or first)) if self.profile_steps else None
-
-  def ref_param_dtype(self) -> str:
-    return self.param_dtype if self.ref_dtype == "auto" else self.ref_dtype
+  def ref_param_dtype(self, platform: str) -> str:
+    """`--ref_dtype` as it resolves on `platform` (its help text)."""
+    size = lambda name: model_lib.DTYPES[name].dtype.itemsize
+    compute = self.resolved_compute_dtype(platform)
+    auto = compute if size(compute) < size(self.param_dtype) else self.param_dtype
+    return auto if self.ref_dtype == "auto" else self.ref_dtype
 
   def export_param_dtype(self) -> str:
     return self.param_dtype if self.export_dtype == "auto" else self.export_dtype
