@@ -257,7 +257,7 @@ def test_a_killed_reference_pass_resumes_and_a_blocked_step_is_named(tmp_path):
   steps = step_lib.make_steps(plan_lib.make_plan(cfg, devices, plan_lib.data_sizes(
       cfg, [pairs])), devices)
   ref = train.frozen_copy(steps.init_state(jax.random.PRNGKey(cfg.seed))["params"],
-                          model_lib.DTYPES[cfg.ref_param_dtype()])
+                          model_lib.DTYPES[steps.plan.ref_dtype])
   ref_cache.precompute_ref_logps(steps, ref, pairs, str(tmp_path / "straight"))
   straight = tmp_path / "straight" / os.path.basename(table)  # the same name: same key
   np.testing.assert_array_equal(np.load(table), np.load(straight))
