@@ -73,10 +73,11 @@ class Zero1(Whole):
   """ZeRO-1: replicated params, optimizer state split over "data"."""
 
   name, replica_axis = "zero1", DATA
+  _cut = zero.Zero1Layout  # the optimizer state's rows, from the optimizer's bucket plan
 
   def __init__(self, param_shapes: dict, opt: zero.ShardedOptimizer):
     self.param_shapes, self.opt = param_shapes, opt
-    self.cut = zero.Zero1Layout(opt.plan)
+    self.cut = self._cut(opt.plan)
     self.num_shards = self.cut.num_shards
     self.param_specs = jax.tree.map(lambda _: P(), param_shapes)
     self.row_spec = P(DATA)
@@ -110,11 +111,7 @@ class Single(Zero1):
   """ZeRO-1 on one data shard without TP: the optimizer state in the params' own shapes
   (`zero.SingleShardOptimizer`: no flattening, no collectives)."""
 
-  name = "single"
-
-  def __init__(self, param_shapes: dict, opt: zero.SingleShardOptimizer):
-    super().__init__(param_shapes, opt)
-    self.cut = zero.SingleLayout(opt.plan)
+  name, _cut = "single", zero.SingleLayout
 
 
 class FSDP(Zero1):
@@ -248,8 +245,8 @@ def build(param_shapes: dict, local_shapes: dict, specs: dict, tx, *, data_shard
   single = (single is not False) and data_shards == 1 and k == 1 and not fsdp
   optimizer = zero.SingleShardOptimizer if single else zero.ShardedOptimizer
   opt = optimizer(tx, plan, DATA, max_grad_norm=max_grad_norm, impl=sync_impl,
-                              comm_dtype=comm_dtype, model_axis=MODEL if k > 1 else None,
-                              split=split, slice_axis=slice_axis)
+                  comm_dtype=comm_dtype, model_axis=MODEL if k > 1 else None, split=split,
+                  slice_axis=slice_axis)
   inner = (FSDP(local_shapes, opt, compute_dtype, comm_dtype, gather_stages) if fsdp
            else (Single if single else Zero1)(local_shapes, opt))
   return TensorParallel(inner, specs, k, param_shapes) if k > 1 else inner

@@ -7,8 +7,9 @@ to its piece and all-gathers the updated params.
 
 Outside `shard_map` the optimizer state is a pytree of `[N, piece]` arrays sharded over
 the data axis (row `i` is device `i`'s state); on one data shard without TP,
-`SingleShardOptimizer` keeps it whole, `[1, *leaf shape]` (`SingleLayout`). `abstract_opt_state` gives its shapes
-for any layout, `Zero1Layout` converts it to logical arrays and back, and
+`SingleShardOptimizer` keeps it whole, `[1, *leaf shape]` (`SingleLayout`).
+`abstract_opt_state` gives its shapes for any layout, `Zero1Layout` converts it to
+logical arrays and back, and
 `relayout_opt_state` re-cuts a saved state for another count or for FSDP.
 """
 
