@@ -32,19 +32,6 @@ from tunix_kernels.attention import blocks as attention_blocks
 TOLERANCE = 2e-2  # relative error against the XLA path, bf16 inputs
 
 
-def candidates(head_dim: int, seq_len: int, chip) -> list[attention_lib.BlockSizes]:
-  """The tiles `get_default` chooses from, capped at the row, that fit `chip`'s scoped
-  VMEM, without repeats."""
-  cap = -(-seq_len // 128) * 128
-  out = []
-  for bq, bk in attention_blocks._CANDIDATES:  # pylint: disable=protected-access
-    bs = attention_lib.BlockSizes(min(bq, cap), min(bk, cap))
-    scoped = tpu.MIN_SCOPED_VMEM_BYTES if chip is None else chip.scoped_vmem_bytes
-    if bs not in out and bs.vmem_bytes(head_dim, jnp.bfloat16) <= scoped * tpu.VMEM_HEADROOM:
-      out.append(bs)
-  return out
-
-
 def case(t: int, b: int, h: int, kv: int, kdim: int, chip, repeats: int, interpret: bool):
   """One table entry: every candidate's time for `b` causal rows of `t` tokens."""
   keys = jax.random.split(jax.random.PRNGKey(1), 4)
@@ -64,7 +51,9 @@ def case(t: int, b: int, h: int, kv: int, kdim: int, chip, repeats: int, interpr
       return value, vjp(g)
     return f
 
-  tiles = {f"{bs.block_q}x{bs.block_k}": bs for bs in candidates(kdim, t, chip)}
+  # The tiles `get_default` chooses from (capped at the row: some repeat), that fit.
+  tiles = {f"{bs.block_q}x{bs.block_k}": bs
+           for bs in attention_lib.BlockSizes.fitting(kdim, jnp.bfloat16, chip, t)}
   fns = {name: fn("interpret" if interpret else "pallas", bs) for name, bs in tiles.items()}
   rows = on_chip.measure(dict(fns, xla=fn("xla")), (q, kk, vv, g), repeats, chip, "xla")
   # Only tiles whose values and gradients agree with the XLA path may be chosen.

@@ -62,14 +62,21 @@ class BlockSizes:
     to 128. Never raises for a valid head dim: when nothing fits it returns the
     smallest tiles and leaves the last word to the compiler."""
     chip = None if chip is None else tpu.get_chip(chip)
+    tuned = None if chip is None else tuned_tiles(chip.name, head_dim, dtype, seq_len)
+    return next(cls.fitting(head_dim, dtype, chip, seq_len, ((tuned,) if tuned else ())
+                            + _CANDIDATES), cls(LANES, LANES))
+
+  @classmethod
+  def fitting(cls, head_dim, dtype, chip, seq_len=None, candidates=_CANDIDATES):
+    """Each of `candidates` (`(block_q, block_k)`, in order), capped at `seq_len`
+    rounded up to 128, whose VMEM footprint fits `chip`'s default scoped VMEM (a
+    `tpu.Chip`; None: the smallest generation's)."""
     scoped = tpu.MIN_SCOPED_VMEM_BYTES if chip is None else chip.scoped_vmem_bytes
     cap = common.round_up(seq_len, LANES) if seq_len else None
-    tuned = None if chip is None else tuned_tiles(chip.name, head_dim, dtype, seq_len)
-    for bq, bk in ((tuned,) if tuned else ()) + _CANDIDATES:
+    for bq, bk in candidates:
       bs = cls(min(bq, cap or bq), min(bk, cap or bk))
       if bs.vmem_bytes(head_dim, dtype) <= scoped * tpu.VMEM_HEADROOM:
-        return bs
-    return cls(LANES, LANES)
+        yield bs
 
   def tiles(self, seq_len: int) -> tuple[int, int]:
     """`(bq, bk)` for rows of `seq_len` tokens: a row shorter than 128 is one tile."""
