@@ -192,6 +192,7 @@ def run_ours(a, config: dict, pairs) -> dict:
   from tunix_core.run import compile_cache  # pylint: disable=g-import-not-at-top
   from tunix_core.run import loop as train_lib  # pylint: disable=g-import-not-at-top
   from tunix_core.training import executables  # pylint: disable=g-import-not-at-top
+  from tunix_core.training import remat  # pylint: disable=g-import-not-at-top
   from tunix_core.training import step as step_lib  # pylint: disable=g-import-not-at-top
 
   timeline.append(("imported", process_age()))
@@ -208,8 +209,10 @@ def run_ours(a, config: dict, pairs) -> dict:
   plan, host = ours_plan(a, config, pairs, devices)
   steps = step_lib.make_steps(plan, devices)
   timeline.append(("planned", process_age()))
-  warmup = compile_cache.Warmup(lambda _: executables.compile_step(  # as the trainer
-      steps, executables.store_dir(devices), lambda line: print(line, file=sys.stderr)))
+  say = lambda line: print(line, file=sys.stderr)
+  warmup = compile_cache.Warmup(  # as the trainer: `--remat=auto` chosen on the thread
+      lambda chosen: executables.compile_step(chosen[1], executables.store_dir(devices), say),
+      choose=lambda: remat.resolve_steps(plan, devices, remat.capacity(devices), say, steps))
   state = steps.init_state(jax.random.PRNGKey(0))
   timeline.append(("params initialised", process_age()))
   frozen = (train_lib.frozen_copy(state["params"], state["params"]["embed"].dtype)
@@ -218,6 +221,7 @@ def run_ours(a, config: dict, pairs) -> dict:
   t_init = time.perf_counter()
   timeline.append(("reference copied", process_age()))
   compiled = warmup.describe("step 1")
+  plan, steps = warmup.choice()
   t0 = time.perf_counter()
   timeline.append(("step compiled", process_age()))
   print(f"planned and initialised in {t_init - t_plan:.1f} s: {plan.describe()}\n{compiled}",
