@@ -61,11 +61,13 @@ CASES = {  # T, H, KV, K, softcap, window, dtype, blocks
     "cap-window-mqa": (256, 4, 1, 128, 20.0, 6, np.float32, (128, 256)),
     "short-row": (72, 2, 2, 64, 0.0, 0, np.float32, (128, 128)),
     "bf16": (200, 2, 1, 64, 30.0, 9, jnp.bfloat16, (128, 128)),
+    "full-tiles": (512, 2, 1, 64, 0.0, 0, np.float32, (128, 128)),  # unmasked tiles too
 }
 
 
 @pytest.mark.parametrize("impl,case", [
-    pytest.param(i, c, marks=() if c == "ragged-gqa" else pytest.mark.slow)
+    pytest.param(i, c, marks=() if c == "ragged-gqa" or (i, c) == ("interpret", "full-tiles")
+                 else pytest.mark.slow)
     for i in ("interpret", "auto", "naive") for c in CASES])
 def test_attention_matches_the_float64_oracle(impl, case, monkeypatch):
   """The Pallas kernels (interpret mode) in the case's tiles, the blockwise XLA path
@@ -79,7 +81,8 @@ def test_attention_matches_the_float64_oracle(impl, case, monkeypatch):
     monkeypatch.setattr(attention, "_SMEM_LIST_BYTES", 4 * 2 * 2)
   rng = np.random.default_rng(len(case))
   B = 2
-  pos, valid, seg, br = _layout(rng, B, T)
+  pos, valid, seg, br = _layout(rng, B, T, **(dict(sequences=2, pad=0.0)
+                                              if case == "full-tiles" else {}))
   vis = attention.Visibility(*map(jnp.asarray, (pos, valid, seg, br)))
   q, k, v = (jnp.asarray(rng.standard_normal(s), dtype)
              for s in ((B, T, H, K), (B, T, KV, K), (B, T, KV, K)))
@@ -97,6 +100,8 @@ def test_attention_matches_the_float64_oracle(impl, case, monkeypatch):
   got, grads = run(q, k, v)
   mask = numpy_attention_mask(pos, valid, seg, br, window)
   assert 0 < mask.sum() < mask.size / 3
+  n = T // blocks[0]  # "full-tiles": some 128 x 128 tiles run unmasked
+  assert case != "full-tiles" or mask.reshape(B, n, 128, n, 128).all(axis=(2, 4)).sum() >= 4
   want = numpy_attention(q, k, v, g, mask, scale, softcap)
   tol = 1e-5 if dtype == np.float32 else 3e-2
   for name, a, w in zip(("out", "dq", "dk", "dv"), (got, *grads), want):
@@ -142,6 +147,15 @@ def _decoded(index, count, outer, inner):
           for i in range(outer)}
 
 
+def _decoded_full(index, count, full, outer, inner):
+  """`{(b, i): set of listed blocks marked full}` of a `Visits` list."""
+  B = count.size // outer
+  index, full = (np.asarray(x).reshape(B, outer, inner) for x in (index, full))
+  count = np.asarray(count).reshape(B, outer)
+  return {(b, i): {int(x) for x, f in zip(index[b, i, :count[b, i]], full[b, i]) if f}
+          for b in range(B) for i in range(outer)}
+
+
 def test_only_tiles_with_a_visible_entry_are_visited():
   """From both sides (the forward/dq lists and the dk/dv lists): on rows of contiguous
   sequences and branches every listed tile has a visible entry and every tile with one
@@ -158,6 +172,12 @@ def test_only_tiles_with_a_visible_entry_are_visited():
       (r, i): set(np.flatnonzero(tiles[r, i]).tolist()) for r in range(B) for i in range(n)}
   assert _decoded(got.q_index, got.q_count, n, n) == {
       (r, j): set(np.flatnonzero(tiles[r, :, j]).tolist()) for r in range(B) for j in range(n)}
+  # A tile marked full is visible everywhere, and here every such tile is marked.
+  full = mask.reshape(B, n, b, n, b).all(axis=(2, 4))
+  assert _decoded_full(got.kv_index, got.kv_count, got.kv_full, n, n) == {
+      (r, i): set(np.flatnonzero(full[r, i]).tolist()) for r in range(B) for i in range(n)}
+  assert _decoded_full(got.q_index, got.q_count, got.q_full, n, n) == {
+      (r, j): set(np.flatnonzero(full[r, :, j]).tolist()) for r in range(B) for j in range(n)}
   # By hand: one shared row of a 512-token prompt and two 512-token responses in
   # 128-token tiles. The prompt's 4 query blocks visit 1 + 2 + 3 + 4 tiles; each response
   # block visits the 4 prompt tiles and its own branch's causal ones: 62 of the 78 causal
@@ -168,6 +188,10 @@ def test_only_tiles_with_a_visible_entry_are_visited():
   got = visits(*map(jnp.asarray, (ones, br, pos, ones)), attention_blocks.NO_WINDOW, b, b)
   listed = _decoded(got.kv_index, got.kv_count, 12, 12)
   assert int(got.kv_count.sum()) == 62
+  # Of them only the 12 on the diagonal need a mask: 6 below it in the prompt, and in
+  # each branch 16 prompt tiles and 6 of its own below the diagonal.
+  kv_full = np.asarray(got.kv_full).reshape(12, 12)
+  assert sum(kv_full[i, :c].sum() for i, c in enumerate(np.asarray(got.kv_count))) == 50
   assert listed[0, 8] == {0, 1, 2, 3, 8} and listed[0, 11] == {0, 1, 2, 3, 8, 9, 10, 11}
   # Padding keys and windows only ever remove tiles; the lists stay a superset.
   pos, valid, seg, br = _layout(rng, B, T)
@@ -176,6 +200,9 @@ def test_only_tiles_with_a_visible_entry_are_visited():
   listed = _decoded(got.kv_index, got.kv_count, n, n)
   needed = mask.reshape(B, n, b, n, b).any(axis=(2, 4))
   assert all(set(np.flatnonzero(needed[r, i])) <= listed[r, i] for r, i in listed)
+  full = mask.reshape(B, n, b, n, b).all(axis=(2, 4))
+  marked = _decoded_full(got.kv_index, got.kv_count, got.kv_full, n, n)
+  assert all(marked[r, i] <= set(np.flatnonzero(full[r, i])) for r, i in marked)
 
 
 # The fixture families whose attention differs: Qwen2 and Qwen3 attend as Llama does and

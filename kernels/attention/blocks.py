@@ -143,14 +143,18 @@ class Visits(NamedTuple):
 
   kv_index `[B * nq * nk]`: for query block qi of row b, the key blocks with a visible
     entry in ascending order, then the last of them repeated (a repeated block index is
-    not fetched again); kv_count `[B * nq]` how many there are. q_index `[B * nk * nq]`
-    and q_count `[B * nk]`: the same from the key blocks' side (the dk/dv kernel).
+    not fetched again); kv_count `[B * nq]` how many there are; kv_full `[B * nq * nk]`
+    1 where the listed tile is visible everywhere (the kernels skip its mask), else 0.
+    q_index `[B * nk * nq]`, q_count `[B * nk]` and q_full: the same from the key
+    blocks' side (the dk/dv kernel).
   """
 
   kv_index: jax.Array
   kv_count: jax.Array
+  kv_full: jax.Array
   q_index: jax.Array
   q_count: jax.Array
+  q_full: jax.Array
 
 
 def _summaries(x_BxT, valid_BxT, block):
@@ -196,10 +200,46 @@ def visible_tiles(segments, branches, positions, valid, window, bq, bk) -> jax.A
   return visible & (q(q_pos[0]) - k(k_pos[1]) < window)
 
 
+def full_tiles(segments, branches, positions, valid, window, bq, bk) -> jax.Array:
+  """`[B, nq, nk]` bool: the tiles whose every entry is visible (same arguments as
+  `visible_tiles`; a conservative test: a tile it keeps is visible everywhere, one it
+  drops may still be). Such a tile lies wholly inside the row, below the diagonal, in
+  one segment, its keys all real and of the trunk or of its queries' one branch, and
+  within the window."""
+  B, T = valid.shape
+  every = jnp.ones((B, T), bool)
+  n_q, n_k = -(-T // bq), -(-T // bk)
+  q_seg, k_seg = _summaries(segments, every, bq), _summaries(segments, every, bk)
+  q_br, k_br = _summaries(branches, every, bq), _summaries(branches, every, bk)
+  q_pos, k_pos = _summaries(positions, every, bq), _summaries(positions, every, bk)
+  k_real = _summaries(valid, every, bk)[0] > 0
+  q_first, q_end = jnp.arange(n_q) * bq, (jnp.arange(n_q) + 1) * bq
+  k_last = (jnp.arange(n_k) + 1) * bk - 1
+  q, k = (lambda a: a[:, :, None]), (lambda a: a[:, None, :])
+  one = lambda mm: mm[0] == mm[1]
+  below = (q_end <= T)[:, None] & (k_last < T)[None, :] & (k_last[None, :] <= q_first[:, None])
+  full = below[None] & k(k_real) & q(one(q_seg)) & k(one(k_seg)) & (q(q_seg[0]) == k(k_seg[0]))
+  trunk = (k(k_br[0]) == 0) & (k(k_br[1]) == 0)
+  full &= trunk | (q(one(q_br)) & k(one(k_br)) & (q(q_br[0]) == k(k_br[0])))
+  return full & (q(q_pos[1]) - k(k_pos[0]) < window)
+
+
+def listed_flags(index, flags_BxRxC):
+  """`flags` (bool `[B, R, C]`) of the tiles a `tile_lists` index lists, in its order,
+  flattened int32 `[B * R * C]` (past a list's end: its last tile's)."""
+  B, R, C = flags_BxRxC.shape
+  return jnp.take_along_axis(flags_BxRxC, index.reshape(B, R, C), axis=-1
+                             ).reshape(-1).astype(jnp.int32)
+
+
 def visits(segments, branches, positions, valid, window, bq, bk) -> Visits:
-  """The `Visits` lists of `visible_tiles` (same arguments), per row."""
+  """The `Visits` lists of `visible_tiles` and `full_tiles` (same arguments), per row."""
   visible = visible_tiles(segments, branches, positions, valid, window, bq, bk)
-  return Visits(*tile_lists(visible), *tile_lists(jnp.swapaxes(visible, 1, 2)))
+  full = full_tiles(segments, branches, positions, valid, window, bq, bk)
+  kv_index, kv_count = tile_lists(visible)
+  q_index, q_count = tile_lists(jnp.swapaxes(visible, 1, 2))
+  return Visits(kv_index, kv_count, listed_flags(kv_index, full),
+                q_index, q_count, listed_flags(q_index, jnp.swapaxes(full, 1, 2)))
 
 
 def row_vectors(segments, branches, positions, valid):

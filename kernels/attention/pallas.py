@@ -14,7 +14,9 @@ Skipping: the kernels take `attention_blocks.Visits` by scalar prefetch. The inn
 grid axis walks a query block's list of visible key blocks (forward, dq), or a key
 block's list of query blocks (dk/dv); past the end of the list the index map repeats the
 last block (Pallas does not fetch a block again when its index does not change) and the
-body is skipped, so an invisible tile is neither loaded nor computed.
+body is skipped, so an invisible tile is neither loaded nor computed. A tile visible
+everywhere (`Visits.kv_full`, `q_full`) runs without its mask: at head dim 64 the
+vector units, not the MXU, bound a tile, and the mask is a third of their work.
 
 Ragged `T`: the last tiles run past the row; their rows hold whatever the DMA left
 there and are masked (scores) or zeroed (operands a matmul contracts over) inside the
@@ -54,10 +56,24 @@ class Rows(NamedTuple):
   visits: attention_blocks.Visits
 
 
-def _fwd_kernel(kv_index, kv_count, window, q_ref, k_ref, v_ref, qv_ref, kv_ref,
+def _when_visited(listed, full, visit, mask):
+  """`visit(ok)` on a listed tile: `ok` None where `full` (the tile is visible
+  everywhere, so no mask is built or applied), else `mask()`."""
+
+  @pl.when(listed & (full == 1))
+  def _full():
+    visit(None)
+
+  @pl.when(listed & (full == 0))
+  def _partial():
+    visit(mask())
+
+
+def _fwd_kernel(kv_index, kv_count, kv_full, window, q_ref, k_ref, v_ref, qv_ref, kv_ref,
                 o_ref, lse_ref, m_sc, l_sc, acc_sc, *, d: TileDims):
   b, qi, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   row = b * d.nq + qi
+  kj = kv_index[row * d.nk + j]
 
   @pl.when(j == 0)
   def _init():
@@ -65,14 +81,11 @@ def _fwd_kernel(kv_index, kv_count, window, q_ref, k_ref, v_ref, qv_ref, kv_ref,
     l_sc[...] = jnp.zeros(l_sc.shape, F32)
     acc_sc[...] = jnp.zeros(acc_sc.shape, F32)
 
-  @pl.when(j < kv_count[row])
-  def _visit():
-    kj = kv_index[row * d.nk + j]
+  def visit(ok):
     s, _ = tiles.scores(q_ref[0, 0], k_ref[0, 0], d)
-    ok = tiles.mask(qi, kj, qv_ref[0], kv_ref[0], window[0], d)
     m_old = m_sc[...]                                                   # [bq, 128]
-    m_new = jnp.maximum(m_old, jnp.max(jnp.where(ok, s, MASK_VALUE), axis=1, keepdims=True))
-    p = jnp.where(ok, jnp.exp(s - m_new[:, :1]), 0.0)
+    m_new = jnp.maximum(m_old, jnp.max(tiles.keep(ok, s, MASK_VALUE), axis=1, keepdims=True))
+    p = tiles.keep(ok, jnp.exp(s - m_new[:, :1]), 0.0)
     alpha = jnp.exp(m_old - m_new)
     l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
     m_sc[...] = m_new
@@ -81,6 +94,9 @@ def _fwd_kernel(kv_index, kv_count, window, q_ref, k_ref, v_ref, qv_ref, kv_ref,
       v = tiles.real_rows(v, d.bk, kj, d)
     acc_sc[...] = acc_sc[...] * alpha[:, :1] + jnp.dot(
         p.astype(v.dtype), v, preferred_element_type=F32)
+
+  _when_visited(j < kv_count[row], kv_full[row * d.nk + j], visit,
+                lambda: tiles.mask(qi, kj, qv_ref[0], kv_ref[0], window[0], d))
 
   @pl.when(j == d.nk - 1)
   def _finish():
@@ -92,54 +108,56 @@ def _fwd_kernel(kv_index, kv_count, window, q_ref, k_ref, v_ref, qv_ref, kv_ref,
     lse_ref[0, 0] = jnp.transpose(lse)[0:1, :]  # [bq, 128] lane-replicated -> a row
 
 
-def _dq_kernel(kv_index, kv_count, window, q_ref, k_ref, v_ref, qv_ref, kv_ref, do_ref,
-               lse_ref, delta_ref, dq_ref, acc_sc, *, d: TileDims):
+def _dq_kernel(kv_index, kv_count, kv_full, window, q_ref, k_ref, v_ref, qv_ref, kv_ref,
+               do_ref, lse_ref, delta_ref, dq_ref, acc_sc, *, d: TileDims):
   b, qi, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   row = b * d.nq + qi
+  kj = kv_index[row * d.nk + j]
 
   @pl.when(j == 0)
   def _init():
     acc_sc[...] = jnp.zeros(acc_sc.shape, F32)
 
-  @pl.when(j < kv_count[row])
-  def _visit():
-    kj = kv_index[row * d.nk + j]
+  def visit(ok):
     k, v = k_ref[0, 0], v_ref[0, 0]
     if d.ragged_k:
       k, v = tiles.real_rows(k, d.bk, kj, d), tiles.real_rows(v, d.bk, kj, d)
-    ok = tiles.mask(qi, kj, qv_ref[0], kv_ref[0], window[0], d, keys_down=True)
     _, ds = tiles.grad_tile(q_ref[0, 0], k, v, do_ref[0, 0], lse_ref[0, 0],
                             delta_ref[0, 0], ok, d)
     # [bk, bq] x [bk, K] contracted over bk -> [bq, K]
     acc_sc[...] += jax.lax.dot_general(ds.astype(k.dtype), k, (((0,), (0,)), ((), ())),
                                        preferred_element_type=F32)
 
+  _when_visited(j < kv_count[row], kv_full[row * d.nk + j], visit, lambda: tiles.mask(
+      qi, kj, qv_ref[0], kv_ref[0], window[0], d, keys_down=True))
+
   @pl.when(j == d.nk - 1)
   def _finish():
     dq_ref[0, 0] = (acc_sc[...] * d.scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(q_index, q_count, window, q_ref, k_ref, v_ref, qv_ref, kv_ref, do_ref,
-                lse_ref, delta_ref, dk_ref, dv_ref, dk_sc, dv_sc, *, d: TileDims):
+def _dkv_kernel(q_index, q_count, q_full, window, q_ref, k_ref, v_ref, qv_ref, kv_ref,
+                do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_sc, dv_sc, *, d: TileDims):
   b, kj, g, i = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
   col = b * d.nk + kj
+  qi = q_index[col * d.nq + i]
 
   @pl.when((g == 0) & (i == 0))
   def _init():
     dk_sc[...] = jnp.zeros(dk_sc.shape, F32)
     dv_sc[...] = jnp.zeros(dv_sc.shape, F32)
 
-  @pl.when(i < q_count[col])
-  def _visit():
-    qi = q_index[col * d.nq + i]
+  def visit(ok):
     q, do = q_ref[0, 0], do_ref[0, 0]
     if d.ragged_q:
       q, do = tiles.real_rows(q, d.bq, qi, d), tiles.real_rows(do, d.bq, qi, d)
-    ok = tiles.mask(qi, kj, qv_ref[0], kv_ref[0], window[0], d, keys_down=True)
     p, ds = tiles.grad_tile(q, k_ref[0, 0], v_ref[0, 0], do, lse_ref[0, 0],
                             delta_ref[0, 0], ok, d)
     dv_sc[...] += jnp.dot(p.astype(do.dtype), do, preferred_element_type=F32)
     dk_sc[...] += jnp.dot(ds.astype(q.dtype), q, preferred_element_type=F32)
+
+  _when_visited(i < q_count[col], q_full[col * d.nq + i], visit, lambda: tiles.mask(
+      qi, kj, qv_ref[0], kv_ref[0], window[0], d, keys_down=True))
 
   @pl.when((g == d.groups - 1) & (i == d.nq - 1))
   def _finish():
@@ -172,12 +190,12 @@ def forward(d: TileDims, q, k, v, rows: Rows):
   """`(out [B, H, T, K] in q's dtype, lse [B, H, 1, T] float32)`."""
   B, H, T, K = q.shape
   vis = rows.visits
-  kv_block = lambda b, h, qi, j, idx, cnt, win: idx[(b * d.nq + qi) * d.nk + j]
+  kv_block = lambda b, h, qi, j, idx, *_: idx[(b * d.nq + qi) * d.nk + j]
   q_spec = pl.BlockSpec((1, 1, d.bq, K), lambda b, h, qi, j, *_: (b, h, qi, 0))
   kv_spec = pl.BlockSpec((1, 1, d.bk, K), lambda b, h, qi, j, *s: (
       b, h // d.groups, kv_block(b, h, qi, j, *s), 0))
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=3, grid=(B, H, d.nq, d.nk),
+      num_scalar_prefetch=4, grid=(B, H, d.nq, d.nk),
       in_specs=[q_spec, kv_spec, kv_spec,
                 pl.BlockSpec((1, d.bq, 3), lambda b, h, qi, j, *_: (b, qi, 0)),
                 pl.BlockSpec((1, 3, d.bk), lambda b, h, qi, j, *s: (
@@ -192,7 +210,7 @@ def forward(d: TileDims, q, k, v, rows: Rows):
       interpret=d.interpret,
       name="attention_fwd",
       cost_estimate=_cost("fwd", q, d),
-  )(vis.kv_index, vis.kv_count, rows.window, q, k, v, rows.q_cols, rows.k_rows)
+  )(vis.kv_index, vis.kv_count, vis.kv_full, rows.window, q, k, v, rows.q_cols, rows.k_rows)
 
 
 def backward(d: TileDims, q, k, v, rows: Rows, o, lse, do):
@@ -203,14 +221,14 @@ def backward(d: TileDims, q, k, v, rows: Rows, o, lse, do):
   delta = jnp.sum(o.astype(F32) * do.astype(F32), axis=-1)[:, :, None, :]  # [B, H, 1, T]
   args = (q, k, v, rows.q_rows, rows.k_cols, do, lse, delta)
 
-  kv_block = lambda b, h, qi, j, idx, cnt, win: idx[(b * d.nq + qi) * d.nk + j]
+  kv_block = lambda b, h, qi, j, idx, *_: idx[(b * d.nq + qi) * d.nk + j]
   q_tile = lambda b, h, qi, j, *_: (b, h, qi, 0)
   q_stat = lambda b, h, qi, j, *_: (b, h, 0, qi)
   kv_tile = lambda b, h, qi, j, *s: (b, h // d.groups, kv_block(b, h, qi, j, *s), 0)
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, d=d),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=3, grid=(B, H, d.nq, d.nk),
+          num_scalar_prefetch=4, grid=(B, H, d.nq, d.nk),
           in_specs=[pl.BlockSpec((1, 1, d.bq, K), q_tile),
                     pl.BlockSpec((1, 1, d.bk, K), kv_tile),
                     pl.BlockSpec((1, 1, d.bk, K), kv_tile),
@@ -227,9 +245,9 @@ def backward(d: TileDims, q, k, v, rows: Rows, o, lse, do):
       interpret=d.interpret,
       name="attention_dq",
       cost_estimate=_cost("dq", q, d),
-  )(vis.kv_index, vis.kv_count, rows.window, *args)
+  )(vis.kv_index, vis.kv_count, vis.kv_full, rows.window, *args)
 
-  q_block = lambda b, kvh, kj, g, i, idx, cnt, win: idx[(b * d.nk + kj) * d.nq + i]
+  q_block = lambda b, kvh, kj, g, i, idx, *_: idx[(b * d.nk + kj) * d.nq + i]
   head_q_tile = lambda b, kvh, kj, g, i, *s: (b, kvh * d.groups + g, q_block(
       b, kvh, kj, g, i, *s), 0)
   head_q_stat = lambda b, kvh, kj, g, i, *s: (b, kvh * d.groups + g, 0, q_block(
@@ -238,7 +256,7 @@ def backward(d: TileDims, q, k, v, rows: Rows, o, lse, do):
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, d=d),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=3, grid=(B, KV, d.nk, d.groups, d.nq),
+          num_scalar_prefetch=4, grid=(B, KV, d.nk, d.groups, d.nq),
           in_specs=[pl.BlockSpec((1, 1, d.bq, K), head_q_tile),
                     pl.BlockSpec((1, 1, d.bk, K), k_tile),
                     pl.BlockSpec((1, 1, d.bk, K), k_tile),
@@ -256,7 +274,7 @@ def backward(d: TileDims, q, k, v, rows: Rows, o, lse, do):
       interpret=d.interpret,
       name="attention_dkv",
       cost_estimate=_cost("dkv", q, d),
-  )(vis.q_index, vis.q_count, rows.window, *args)
+  )(vis.q_index, vis.q_count, vis.q_full, rows.window, *args)
   return dq, dk, dv
 
 

@@ -56,6 +56,11 @@ def mask(q_first, k_first, qv, kv, window, d: TileDims, keys_down=False):
   return ok
 
 
+def keep(ok, x, fill):
+  """`x` where `ok`, else `fill`; `x` itself on a tile visible everywhere (`ok` None)."""
+  return x if ok is None else jnp.where(ok, x, fill)
+
+
 def real_rows(x, block, first, d: TileDims):
   """`x [n, K]` with rows past the row's end zeroed (0 * garbage may be NaN)."""
   rows = first * block + jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
@@ -74,9 +79,10 @@ def scores(q, k, d: TileDims):
 
 def grad_tile(q, k, v, do, lse, delta, ok, d: TileDims):
   """`p^T` and `dS^T` (the cotangent of the raw scaled scores), float32 `[bk, bq]`, of
-  one tile; `lse`, `delta` are `[1, bq]` rows."""
+  one tile; `lse`, `delta` are `[1, bq]` rows; `ok` its mask (None: visible everywhere).
+  dS is masked again: past a ragged row's end dP holds whatever the DMA left there."""
   s, dcap = scores(k, q, d)
-  p = jnp.where(ok, jnp.exp(s - lse), 0.0)
+  p = keep(ok, jnp.exp(s - lse), 0.0)
   dp = jax.lax.dot_general(v, do, (((1,), (1,)), ((), ())), preferred_element_type=F32)
-  ds = jnp.where(ok, p * (dp - delta), 0.0)
+  ds = keep(ok, p * (dp - delta), 0.0)
   return p, ds if dcap is None else ds * dcap
