@@ -215,7 +215,7 @@ def run_ours(a, config: dict, pairs) -> dict:
       choose=lambda: remat.resolve_steps(plan, devices, remat.capacity(devices), say, steps))
   state = steps.init_state(jax.random.PRNGKey(0))
   timeline.append(("params initialised", process_age()))
-  frozen = (train_lib.frozen_copy(state["params"], state["params"]["embed"].dtype)
+  frozen = (train_lib.frozen_copy(state["params"], plan.ref_dtype)
             if plan.reference == "step" else None)  # as the trainer
   jax.block_until_ready((state, frozen))
   t_init = time.perf_counter()

@@ -89,7 +89,7 @@ def main() -> int:
   plan = plan_lib.make_plan(cfg, devices, plan_lib.data_sizes(cfg, [prompts]))
   steps = step_lib.make_steps(plan, devices)
   state = steps.init_state(jax.random.PRNGKey(0))
-  frozen = loop.frozen_copy(state["params"], state["params"]["embed"].dtype)
+  frozen = loop.frozen_copy(state["params"], plan.ref_dtype)
   sampler = sampler_lib.OnlineSampler(dataclasses.replace(cfg, compile_only=False), steps,
                                       prompts, _Words(), (gpu.EOS,))
   if not a.temperature:  # the sampler's cost without drawing random numbers

@@ -140,7 +140,7 @@ def main() -> int:
   steps = step_lib.make_steps(plan, devices)
   ops = hlo_ops(steps.train_step.lower(*steps.abstract_inputs()).compile().as_text())
   state = steps.init_state(jax.random.PRNGKey(0))
-  frozen = (train_lib.frozen_copy(state["params"], state["params"]["embed"].dtype)
+  frozen = (train_lib.frozen_copy(state["params"], plan.ref_dtype)
             if plan.reference == "step" else None)
   batch = steps.put_batch(host)
 
