@@ -68,13 +68,15 @@ CASES = {  # T, H, KV, K, softcap, window, dtype, blocks
 @pytest.mark.parametrize("impl,case", [
     pytest.param(i, c, marks=() if c == "ragged-gqa" or (i, c) == ("interpret", "full-tiles")
                  else pytest.mark.slow)
-    for i in ("interpret", "auto", "naive") for c in CASES])
+    for i in ("interpret", "interpret-split", "auto", "naive") for c in CASES])
 def test_attention_matches_the_float64_oracle(impl, case, monkeypatch):
-  """The Pallas kernels (interpret mode) in the case's tiles, the blockwise XLA path
-  that `impl="auto"` takes off TPU in 128 x 128 tiles (several per row, the last one
-  padded) and the naive oracle (whole scores), in values and in the gradients of q, k
-  and v."""
+  """The Pallas kernels (interpret mode) in the case's tiles, their backward fused (the
+  default at these sizes) and split ("interpret-split"), the blockwise XLA path that
+  `impl="auto"` takes off TPU in 128 x 128 tiles (several per row, the last one padded)
+  and the naive oracle (whole scores), in values and in the gradients of q, k and v."""
   T, H, KV, K, softcap, window, dtype, blocks = CASES[case]
+  fused = impl != "interpret-split"
+  impl = impl.split("-")[0]
   if impl == "auto":
     blocks = (128, 128)
   elif case == "bf16":  # visit lists over the scalar-memory budget: one row per call
@@ -93,7 +95,7 @@ def test_attention_matches_the_float64_oracle(impl, case, monkeypatch):
   def run(q, k, v):
     f = lambda q, k, v: attention.attention(
         q, k, v, vis, scale=scale, softcap=softcap, window=window, impl=impl,
-        block_sizes=attention.BlockSizes(*blocks))
+        block_sizes=attention.BlockSizes(*blocks, fused_backward=fused))
     out, pullback = jax.vjp(f, q, k, v)
     return out, pullback(jnp.asarray(g, dtype))
 
@@ -302,12 +304,14 @@ def test_shipped_tables_fit_their_chips():
           chip.scoped_vmem_bytes * tpu.VMEM_HEADROOM), (name, e)
 
 
-def _compile_grads(chip, T, K, H=8, KV=2, dtype=jnp.bfloat16, softcap=0.0, window=0):
+def _compile_grads(chip, T, K, H=8, KV=2, dtype=jnp.bfloat16, softcap=0.0, window=0,
+                   block_sizes=None):
   """The kernels' forward and backward for one row, compiled ahead of time for `chip`."""
   def grads(q, k, v, g, pos, valid, seg, br):
     vis = attention.Visibility(pos, valid, seg, br)
     f = lambda q, k, v: attention.attention(q, k, v, vis, scale=K ** -0.5, softcap=softcap,
-                                            window=window, impl="pallas")
+                                            window=window, impl="pallas",
+                                            block_sizes=block_sizes)
     out, pullback = jax.vjp(f, q, k, v)
     return out, pullback(g)
 
@@ -321,12 +325,15 @@ def _compile_grads(chip, T, K, H=8, KV=2, dtype=jnp.bfloat16, softcap=0.0, windo
 @pytest.mark.slow
 def test_kernels_compile_for_tpu_with_memory_linear_in_the_row():
   """A CI subset of the benchmark's grid (every generation, T up to 8192, head dims 64 to
-  256): Mosaic compiles forward and backward, and the compiled peak grows linearly in T
-  (quadratic scores would grow it 16-fold over 4x the length)."""
-  for chip, T, K in (("v4", 1024, 64), ("v5p", 1024, 256), ("v6e", 1000, 128)):
-    text = _compile_grads(chip, T, K, softcap=30.0, window=256).as_text()
-    assert all(f'"attention_{k}"' in text or f"attention_{k}" in text
-               for k in ("fwd", "dq", "dkv")), chip
+  256): Mosaic compiles forward and backward (fused, and split where asked), and the
+  compiled peak grows linearly in T (quadratic scores would grow it 16-fold over 4x the
+  length)."""
+  split = attention.BlockSizes(256, 256, fused_backward=False)
+  for chip, T, K, bs, kernels in (("v4", 1024, 64, None, ("fwd", "bwd")),
+                                  ("v5p", 1024, 256, None, ("fwd", "bwd")),
+                                  ("v6e", 1000, 128, split, ("fwd", "dq", "dkv"))):
+    text = _compile_grads(chip, T, K, softcap=30.0, window=256, block_sizes=bs).as_text()
+    assert all(f"attention_{k}" in text for k in kernels), chip
   peak = {T: aot_tpu.compiled_stats(_compile_grads("v5e", T, 128))["peak"] for T in (2048, 8192)}
   assert peak[8192] <= 4.4 * peak[2048], peak
 
@@ -335,7 +342,7 @@ def test_kernels_compile_for_tpu_with_memory_linear_in_the_row():
 @pytest.mark.slow
 def test_shared_prefix_train_step_for_v5e_runs_the_kernels_without_t_by_t_scores(tmp_path):
   """The plan's step with prefix sharing (the default rows), compiled for a v5e-8: its
-  HLO holds the three kernels and no float array with two row-length axes, where the
+  HLO holds the kernels (the backward fused) and no float array with two row-length axes, where the
   XLA attention's step holds its `[T, T]` scores."""
   cfg = runs.config(tmp_path, model="tiny", batch_size=16, max_length=160,
                     max_prompt_length=80)
@@ -349,6 +356,6 @@ def test_shared_prefix_train_step_for_v5e_runs_the_kernels_without_t_by_t_scores
     scores[plan.model.attention_impl] = bool(re.search(rf"(f32|bf16)\[[0-9,]*\b{T},{T}\b",
                                                        text))
     if impl == "auto":
-      for kernel in ("attention_fwd", "attention_dq", "attention_dkv"):
+      for kernel in ("attention_fwd", "attention_bwd"):
         assert kernel in text, kernel
   assert scores == {"pallas": False, "xla": True}

@@ -140,11 +140,14 @@ def attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis: Visibility, *, scale: float,
   heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # [B, T, H, K] <-> [B, H, T, K]
   q, k, v = map(heads_first, (q_BxTxHxK, k_BxTxVxK, v_BxTxVxK))
 
+  fused, fused_limit = bs.backward_plan(K, q_BxTxHxK.dtype, T, chip)
+
   def run(interpret):
     d = attention_tiles.TileDims(t=T, bq=bq, bk=bk, nq=nq, nk=nk,
                              groups=H // KV, scale=float(scale), softcap=float(softcap),
                              windowed=windowed, vmem_limit_bytes=bs.vmem_limit_bytes,
-                             interpret=interpret)
+                             interpret=interpret, fused_backward=fused,
+                             fused_vmem_limit_bytes=fused_limit)
     if gspmd_lib.in_manual_context():
       return attention_pallas.flash_attention(
           d, q, k, v, attention_pallas.rows(*vectors, bq, bk))

@@ -39,6 +39,9 @@ class BlockSizes:
     block_q: queries per tile, a multiple of 128.
     block_k: keys per tile, a multiple of 128.
     vmem_limit_bytes: the kernels' scoped VMEM limit, or None for the compiler's default.
+    fused_backward: the backward as one kernel that keeps a row's dq in VMEM (True), as
+      separate dq and dk/dv kernels (False), or None: fused where `fused_backward_bytes`
+      fit the chip's VMEM (`attention.backward`).
 
   Rows shorter than a tile use one tile of the whole row (`tiles`).
   """
@@ -46,6 +49,7 @@ class BlockSizes:
   block_q: int = 512
   block_k: int = 512
   vmem_limit_bytes: int | None = None
+  fused_backward: bool | None = None
 
   def __post_init__(self):
     for name in ("block_q", "block_k"):
@@ -99,6 +103,30 @@ class BlockSizes:
     dq = 2 * (3 * q_rows + 2 * k_rows + vectors + 2 * column) + bq * K * 4 + 2 * column
     dkv = 2 * (2 * q_rows + 4 * k_rows + vectors + 2 * column) + 2 * bk * K * 4
     return max(fwd, dq, dkv) + temps
+
+  def fused_backward_bytes(self, head_dim, dtype, seq_len) -> int:
+    """VMEM of the fused backward kernel on rows of `seq_len`: the kernels' tiles
+    (`vmem_bytes`) and a whole row's dq, its float32 accumulator and its output block
+    (double-buffered)."""
+    rows = common.round_up(seq_len, self.block_q)
+    return (self.vmem_bytes(head_dim, dtype) + rows * head_dim * 4
+            + 2 * seq_len * head_dim * jnp.dtype(dtype).itemsize)
+
+  def backward_plan(self, head_dim, dtype, seq_len, chip) -> tuple[bool, int | None]:
+    """`(fused, vmem_limit_bytes)` of the backward on rows of `seq_len` for `chip` (a
+    `tpu.Chip` or None: unknown): fused where `fused_backward` says so or, when it is
+    None, where its bytes fit the chip's VMEM (the default scoped VMEM of the smallest
+    generation when the chip is unknown), its limit raised above the default as far as
+    it needs; split otherwise."""
+    need = self.fused_backward_bytes(head_dim, dtype, seq_len)
+    room = (self.vmem_limit_bytes or (tpu.MIN_SCOPED_VMEM_BYTES if chip is None
+                                      else chip.vmem_bytes)) * tpu.VMEM_HEADROOM
+    fused = need <= room if self.fused_backward is None else self.fused_backward
+    scoped = tpu.MIN_SCOPED_VMEM_BYTES if chip is None else chip.scoped_vmem_bytes
+    if not fused or self.vmem_limit_bytes or need <= scoped * tpu.VMEM_HEADROOM:
+      return fused, self.vmem_limit_bytes
+    return fused, min(int(need / tpu.VMEM_HEADROOM) + (1 << 20),
+                      chip.vmem_bytes if chip else need * 2)
 
   def check(self, head_dim, dtype, chip=None) -> None:
     """Raises ValueError unless these tiles fit `vmem_limit_bytes` (at most the chip's
@@ -262,18 +290,21 @@ def causal_tiles(seq_len, bq, bk) -> int:
 
 def cost_estimate(kernel, batch, heads, seq_len, head_dim, dtype, bq, bk, softcap
                   ) -> pl.CostEstimate:
-  """What `kernel` ("fwd", "dq" or "dkv") costs for `heads` query heads of `batch` rows:
-  per visited tile the forward does two `bq x bk x K` matmuls, dq three and dk/dv four;
-  one exp per score (and a tanh with a soft-cap). Bytes: the query-side tiles once per
-  head, the key-side tiles once per visited tile."""
+  """What `kernel` ("fwd", "dq", "dkv" or the fused backward "bwd") costs for `heads`
+  query heads of `batch` rows: per visited tile the forward does two `bq x bk x K`
+  matmuls, dq three, dk/dv four and "bwd" five; one exp per score (and a tanh with a
+  soft-cap). Bytes: the query-side tiles once per head, the key-side tiles once per
+  visited tile (the walks over key blocks: the other way round)."""
   tiles = batch * heads * causal_tiles(seq_len, bq, bk)
-  matmuls = {"fwd": 2, "dq": 3, "dkv": 4}[kernel]
+  matmuls = {"fwd": 2, "dq": 3, "dkv": 4, "bwd": 5}[kernel]
   s = jnp.dtype(dtype).itemsize
   scores = tiles * bq * bk
-  q_side = batch * heads * seq_len * head_dim * s * {"fwd": 2, "dq": 3, "dkv": 2}[kernel]
+  q_side = batch * heads * seq_len * head_dim * s * {"fwd": 2, "dq": 3}.get(kernel, 0)
   k_side = tiles * bk * head_dim * s * 2
-  if kernel == "dkv":  # k, v read once; q and dO walked per visited tile
+  if kernel in ("dkv", "bwd"):  # k, v read once; q and dO walked per visited tile
     q_side, k_side = tiles * bq * head_dim * s * 2, batch * heads * seq_len * head_dim * s * 4
+  if kernel == "bwd":  # dq written once; dk, dv per query head in float32
+    q_side += batch * heads * seq_len * head_dim * (s + 8)
   return pl.CostEstimate(flops=2 * matmuls * scores * head_dim,
                          transcendentals=scores * (2 if softcap else 1),
                          bytes_accessed=q_side + k_side)

@@ -12,6 +12,7 @@ import functools
 
 import jax
 
+from tunix_kernels.attention import backward as attention_backward
 from tunix_kernels.attention import pallas as attention_pallas
 from tunix_kernels import gspmd
 from tunix_kernels.attention.tiles import TileDims
@@ -35,7 +36,7 @@ def _backward_body(d: TileDims, axes, q, k, v, *rest):
   del axes
   vectors, (o, lse, do) = rest[:5], rest[5:]
   rows = attention_pallas.rows(*vectors, d.bq, d.bk)
-  return attention_pallas.backward(d, q, k, v, rows, o, lse, do)
+  return attention_backward.backward(d, q, k, v, rows, o, lse, do)
 
 
 def _forward_op(d: TileDims):

@@ -15,17 +15,14 @@ grid axis walks a query block's list of visible key blocks (forward, dq), or a k
 block's list of query blocks (dk/dv); past the end of the list the index map repeats the
 last block (Pallas does not fetch a block again when its index does not change) and the
 body is skipped, so an invisible tile is neither loaded nor computed. A tile visible
-everywhere (`Visits.kv_full`, `q_full`) runs without its mask: at head dim 64 the
-vector units, not the MXU, bound a tile, and the mask is a third of their work.
+everywhere (`Visits.kv_full`, `q_full`) runs without its mask (`tiles.when_visited`).
 
 Ragged `T`: the last tiles run past the row; their rows hold whatever the DMA left
 there and are masked (scores) or zeroed (operands a matmul contracts over) inside the
 kernels. Softmax statistics are float32; the forward saves the log-sum-exp as rows
-`[B, H, 1, T]` (a `[T, 1]` column would take 128 lanes per entry in HBM). The dk/dv
-kernel works on transposed tiles `[bk, bq]`, so that those rows broadcast as they are
-and its products contract plain operands; the dq kernel turns them into columns once per
-query block and works on `[bq, bk]` tiles, so that dq += dS k needs no transposed dS.
-The three `pallas_call`s are `attention_fwd`, `attention_dq` and `attention_dkv`.
+`[B, H, 1, T]` (a `[T, 1]` column would take 128 lanes per entry in HBM). This module is
+the forward (`attention_fwd`) and the op; `attention.backward` holds the backward's
+kernels.
 """
 
 import functools
@@ -36,6 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from tunix_kernels.attention import backward as attention_backward
 from tunix_kernels.attention import blocks as attention_blocks
 from tunix_kernels.attention import tiles as tiles
 from tunix_kernels.attention.tiles import F32
@@ -56,19 +54,6 @@ class Rows(NamedTuple):
   k_cols: jax.Array
   window: jax.Array
   visits: attention_blocks.Visits
-
-
-def _when_visited(listed, full, visit, mask):
-  """`visit(ok)` on a listed tile: `ok` None where `full` (the tile is visible
-  everywhere, so no mask is built or applied), else `mask()`."""
-
-  @pl.when(listed & (full == 1))
-  def _full():
-    visit(None)
-
-  @pl.when(listed & (full == 0))
-  def _partial():
-    visit(mask())
 
 
 def _fwd_kernel(kv_index, kv_count, kv_full, window, q_ref, k_ref, v_ref, qv_ref, kv_ref,
@@ -97,7 +82,7 @@ def _fwd_kernel(kv_index, kv_count, kv_full, window, q_ref, k_ref, v_ref, qv_ref
     acc_sc[...] = acc_sc[...] * alpha[:, :1] + jnp.dot(
         p.astype(v.dtype), v, preferred_element_type=F32)
 
-  _when_visited(j < kv_count[row], kv_full[row * d.nk + j], visit,
+  tiles.when_visited(j < kv_count[row], kv_full[row * d.nk + j], visit,
                 lambda: tiles.mask(qi, kj, qv_ref[0], kv_ref[0], window[0], d))
 
   @pl.when(j == d.nk - 1)
@@ -110,65 +95,6 @@ def _fwd_kernel(kv_index, kv_count, kv_full, window, q_ref, k_ref, v_ref, qv_ref
     lse_ref[0, 0] = jnp.transpose(lse)[0:1, :]  # [bq, 128] lane-replicated -> a row
 
 
-def _dq_kernel(kv_index, kv_count, kv_full, window, q_ref, k_ref, v_ref, qv_ref, kv_ref,
-               do_ref, lse_ref, delta_ref, dq_ref, acc_sc, lse_sc, delta_sc, *, d: TileDims):
-  b, qi, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-  row = b * d.nq + qi
-  kj = kv_index[row * d.nk + j]
-
-  @pl.when(j == 0)
-  def _init():
-    acc_sc[...] = jnp.zeros(acc_sc.shape, F32)
-    # The statistics' rows as lane-replicated columns `[bq, 128]`, once per query
-    # block, so that every tile runs `[bq, bk]` and dq += dS k needs no transposed dS.
-    column = lambda r: jnp.transpose(jnp.broadcast_to(r[0, 0], (LANES, d.bq)))
-    lse_sc[...], delta_sc[...] = column(lse_ref), column(delta_ref)
-
-  def visit(ok):
-    k, v = k_ref[0, 0], v_ref[0, 0]
-    if d.ragged_k:
-      k, v = tiles.real_rows(k, d.bk, kj, d), tiles.real_rows(v, d.bk, kj, d)
-    _, ds = tiles.grad_tile(q_ref[0, 0], k, v, do_ref[0, 0], lse_sc[:, :1],
-                            delta_sc[:, :1], ok, d)
-    acc_sc[...] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=F32)
-
-  _when_visited(j < kv_count[row], kv_full[row * d.nk + j], visit,
-                lambda: tiles.mask(qi, kj, qv_ref[0], kv_ref[0], window[0], d))
-
-  @pl.when(j == d.nk - 1)
-  def _finish():
-    dq_ref[0, 0] = (acc_sc[...] * d.scale).astype(dq_ref.dtype)
-
-
-def _dkv_kernel(q_index, q_count, q_full, window, q_ref, k_ref, v_ref, qv_ref, kv_ref,
-                do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_sc, dv_sc, *, d: TileDims):
-  b, kj, g, i = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
-  col = b * d.nk + kj
-  qi = q_index[col * d.nq + i]
-
-  @pl.when((g == 0) & (i == 0))
-  def _init():
-    dk_sc[...] = jnp.zeros(dk_sc.shape, F32)
-    dv_sc[...] = jnp.zeros(dv_sc.shape, F32)
-
-  def visit(ok):
-    q, do = q_ref[0, 0], do_ref[0, 0]
-    if d.ragged_q:
-      q, do = tiles.real_rows(q, d.bq, qi, d), tiles.real_rows(do, d.bq, qi, d)
-    p, ds = tiles.grad_tile(q, k_ref[0, 0], v_ref[0, 0], do, lse_ref[0, 0],
-                            delta_ref[0, 0], ok, d, keys_down=True)
-    dv_sc[...] += jnp.dot(p.astype(do.dtype), do, preferred_element_type=F32)
-    dk_sc[...] += jnp.dot(ds.astype(q.dtype), q, preferred_element_type=F32)
-
-  _when_visited(i < q_count[col], q_full[col * d.nq + i], visit, lambda: tiles.mask(
-      qi, kj, qv_ref[0], kv_ref[0], window[0], d, keys_down=True))
-
-  @pl.when((g == d.groups - 1) & (i == d.nq - 1))
-  def _finish():
-    dk_ref[0, 0] = (dk_sc[...] * d.scale).astype(dk_ref.dtype)
-    dv_ref[0, 0] = dv_sc[...].astype(dv_ref.dtype)
-
-
 def rows(segments, branches, positions, valid, window_1, bq: int, bk: int) -> Rows:
   """The kernels' `Rows` from the `[B, T]` int32 segment, branch, rope-position and
   validity vectors and the effective window `[1]` (`attention_blocks.NO_WINDOW`: none)."""
@@ -178,16 +104,6 @@ def rows(segments, branches, positions, valid, window_1, bq: int, bk: int) -> Ro
               k_cols=cols(k_vectors), window=window_1,
               visits=attention_blocks.visits(segments, branches, positions, valid,
                                              window_1[0], bq, bk))
-
-
-def _params(d: TileDims, semantics):
-  return pltpu.CompilerParams(dimension_semantics=semantics,
-                              vmem_limit_bytes=d.vmem_limit_bytes)
-
-
-def _cost(kernel, q, d: TileDims):
-  B, H, T, K = q.shape
-  return attention_blocks.cost_estimate(kernel, B, H, T, K, q.dtype, d.bq, d.bk, d.softcap)
 
 
 def forward(d: TileDims, q, k, v, rows: Rows):
@@ -210,77 +126,11 @@ def forward(d: TileDims, q, k, v, rows: Rows):
       functools.partial(_fwd_kernel, d=d),
       grid_spec=grid_spec,
       out_shape=[out_struct(q.shape, q.dtype, q, k, v), out_struct((B, H, 1, T), F32, q, k, v)],
-      compiler_params=_params(d, ("parallel", "parallel", "parallel", "arbitrary")),
+      compiler_params=tiles.compiler_params(d, ("parallel", "parallel", "parallel", "arbitrary")),
       interpret=d.interpret,
       name="attention_fwd",
-      cost_estimate=_cost("fwd", q, d),
+      cost_estimate=tiles.cost("fwd", q, d),
   )(vis.kv_index, vis.kv_count, vis.kv_full, rows.window, q, k, v, rows.q_cols, rows.k_rows)
-
-
-def backward(d: TileDims, q, k, v, rows: Rows, o, lse, do):
-  """`(dq, dk, dv)` in their operands' dtypes, from `forward`'s out and lse."""
-  B, H, T, K = q.shape
-  KV = k.shape[1]
-  vis = rows.visits
-  delta = jnp.sum(o.astype(F32) * do.astype(F32), axis=-1)[:, :, None, :]  # [B, H, 1, T]
-  args = (q, k, v, rows.q_rows, rows.k_cols, do, lse, delta)  # dk/dv's: keys down
-
-  kv_block = lambda b, h, qi, j, idx, *_: idx[(b * d.nq + qi) * d.nk + j]
-  q_tile = lambda b, h, qi, j, *_: (b, h, qi, 0)
-  q_stat = lambda b, h, qi, j, *_: (b, h, 0, qi)
-  kv_tile = lambda b, h, qi, j, *s: (b, h // d.groups, kv_block(b, h, qi, j, *s), 0)
-  dq = pl.pallas_call(
-      functools.partial(_dq_kernel, d=d),
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=4, grid=(B, H, d.nq, d.nk),
-          in_specs=[pl.BlockSpec((1, 1, d.bq, K), q_tile),
-                    pl.BlockSpec((1, 1, d.bk, K), kv_tile),
-                    pl.BlockSpec((1, 1, d.bk, K), kv_tile),
-                    pl.BlockSpec((1, d.bq, 3), lambda b, h, qi, j, *_: (b, qi, 0)),
-                    pl.BlockSpec((1, 3, d.bk), lambda b, h, qi, j, *s: (
-                        b, 0, kv_block(b, h, qi, j, *s))),
-                    pl.BlockSpec((1, 1, d.bq, K), q_tile),
-                    pl.BlockSpec((1, 1, 1, d.bq), q_stat),
-                    pl.BlockSpec((1, 1, 1, d.bq), q_stat)],
-          out_specs=pl.BlockSpec((1, 1, d.bq, K), q_tile),
-          scratch_shapes=[pltpu.VMEM((d.bq, K), F32)] + [pltpu.VMEM((d.bq, LANES), F32)] * 2),
-      out_shape=out_struct(q.shape, q.dtype, *args),
-      compiler_params=_params(d, ("parallel", "parallel", "parallel", "arbitrary")),
-      interpret=d.interpret,
-      name="attention_dq",
-      cost_estimate=_cost("dq", q, d),
-  )(vis.kv_index, vis.kv_count, vis.kv_full, rows.window, q, k, v, rows.q_cols, rows.k_rows,
-    do, lse, delta)
-
-  q_block = lambda b, kvh, kj, g, i, idx, *_: idx[(b * d.nk + kj) * d.nq + i]
-  head_q_tile = lambda b, kvh, kj, g, i, *s: (b, kvh * d.groups + g, q_block(
-      b, kvh, kj, g, i, *s), 0)
-  head_q_stat = lambda b, kvh, kj, g, i, *s: (b, kvh * d.groups + g, 0, q_block(
-      b, kvh, kj, g, i, *s))
-  k_tile = lambda b, kvh, kj, g, i, *_: (b, kvh, kj, 0)
-  dk, dv = pl.pallas_call(
-      functools.partial(_dkv_kernel, d=d),
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=4, grid=(B, KV, d.nk, d.groups, d.nq),
-          in_specs=[pl.BlockSpec((1, 1, d.bq, K), head_q_tile),
-                    pl.BlockSpec((1, 1, d.bk, K), k_tile),
-                    pl.BlockSpec((1, 1, d.bk, K), k_tile),
-                    pl.BlockSpec((1, 3, d.bq), lambda b, kvh, kj, g, i, *s: (
-                        b, 0, q_block(b, kvh, kj, g, i, *s))),
-                    pl.BlockSpec((1, d.bk, 3), lambda b, kvh, kj, g, i, *_: (b, kj, 0)),
-                    pl.BlockSpec((1, 1, d.bq, K), head_q_tile),
-                    pl.BlockSpec((1, 1, 1, d.bq), head_q_stat),
-                    pl.BlockSpec((1, 1, 1, d.bq), head_q_stat)],
-          out_specs=[pl.BlockSpec((1, 1, d.bk, K), k_tile)] * 2,
-          scratch_shapes=[pltpu.VMEM((d.bk, K), F32)] * 2),
-      out_shape=[out_struct(k.shape, k.dtype, *args), out_struct(v.shape, v.dtype, *args)],
-      compiler_params=_params(d, ("parallel", "parallel", "parallel", "arbitrary",
-                                  "arbitrary")),
-      interpret=d.interpret,
-      name="attention_dkv",
-      cost_estimate=_cost("dkv", q, d),
-  )(vis.q_index, vis.q_count, vis.q_full, rows.window, *args)
-  return dq, dk, dv
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -297,7 +147,7 @@ def _fwd(d, q, k, v, rows):
 
 def _bwd(d, res, do):
   q, k, v, rows, o, lse = res
-  dq, dk, dv = backward(d, q, k, v, rows, o, lse, do)
+  dq, dk, dv = attention_backward.backward(d, q, k, v, rows, o, lse, do)
   return (cotangent_for(dq, q), cotangent_for(dk, k), cotangent_for(dv, v), None)
 
 

@@ -6,6 +6,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from tunix_kernels.attention import blocks as attention_blocks
 
 F32 = jnp.float32
 
@@ -23,6 +27,10 @@ class TileDims(NamedTuple):
   windowed: bool       # whether the window test is traced at all
   vmem_limit_bytes: int | None
   interpret: object    # False (Mosaic) or a `pltpu.InterpretParams`
+  # The backward as one kernel (`attention.backward`), under this VMEM limit (None: the
+  # compiler's default), or, when False, as the dq and the dk/dv kernels.
+  fused_backward: bool = False
+  fused_vmem_limit_bytes: int | None = None
 
   @property
   def ragged_q(self):
@@ -91,3 +99,27 @@ def grad_tile(q, k, v, do, lse, delta, ok, d: TileDims, keys_down=False):
   dp = nt(v, do) if keys_down else nt(do, v)
   ds = keep(ok, p * (dp - delta), 0.0)
   return p, ds if dcap is None else ds * dcap
+
+
+def when_visited(listed, full, visit, mask):
+  """In a kernel: `visit(ok)` on a listed tile, `ok` None where `full` (the tile is
+  visible everywhere, so no mask is built or applied), else `mask()`."""
+
+  @pl.when(listed & (full == 1))
+  def _full():
+    visit(None)
+
+  @pl.when(listed & (full == 0))
+  def _partial():
+    visit(mask())
+
+
+def compiler_params(d: TileDims, semantics, vmem_limit_bytes=None):
+  return pltpu.CompilerParams(dimension_semantics=semantics,
+                              vmem_limit_bytes=vmem_limit_bytes or d.vmem_limit_bytes)
+
+
+def cost(kernel, q, d: TileDims):
+  """`attention_blocks.cost_estimate` of `kernel` on heads-first `q [B, H, T, K]`."""
+  B, H, T, K = q.shape
+  return attention_blocks.cost_estimate(kernel, B, H, T, K, q.dtype, d.bq, d.bk, d.softcap)
