@@ -34,6 +34,7 @@ from tunix_kernels import gspmd as gspmd_lib
 from tunix_kernels import naive
 from tunix_kernels import tpu
 from tunix_kernels.attention.blocks import BlockSizes
+from tunix_kernels.attention.tiles import RESIDUALS
 
 # Bytes of one call's visit list (int32 per tile and row) in the 1 MiB of scalar memory
 # (SMEM) the kernels prefetch it into; a batch with longer lists runs in several calls.

@@ -14,6 +14,7 @@ import jax
 
 from tunix_kernels.attention import backward as attention_backward
 from tunix_kernels.attention import pallas as attention_pallas
+from tunix_kernels.attention import tiles as attention_tiles
 from tunix_kernels import gspmd
 from tunix_kernels.attention.tiles import TileDims
 
@@ -60,7 +61,7 @@ def flash_attention(d: TileDims, q_BxHxTxK, k_BxVxTxK, v_BxVxTxK, vectors):
 
 
 def _fwd(d, q, k, v, vectors):
-  o, lse = _forward_op(d)(q, k, v, *vectors)
+  o, lse = attention_tiles.residuals(*_forward_op(d)(q, k, v, *vectors))
   return o, (q, k, v, vectors, o, lse)
 
 

@@ -5,6 +5,7 @@ soft-capped scores, and the backward's `p` and `dS`."""
 from typing import NamedTuple
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -12,6 +13,10 @@ from jax.experimental.pallas import tpu as pltpu
 from tunix_kernels.attention import blocks as attention_blocks
 
 F32 = jnp.float32
+# The name (`jax.ad_checkpoint.checkpoint_name`) of the forward's out and log-sum-exp, the
+# residuals the backward needs besides q, k and v: a remat policy that saves them (the
+# trainer's `dots`) keeps the forward from running again inside the backward.
+RESIDUALS = "attention_residuals"
 
 
 class TileDims(NamedTuple):
@@ -62,6 +67,11 @@ def mask(q_first, k_first, qv, kv, window, d: TileDims, keys_down=False):
   if d.windowed:
     ok &= q_vec(2) - k_vec(2) < window
   return ok
+
+
+def residuals(o, lse):
+  """`(o, lse)` named `RESIDUALS` for remat policies."""
+  return tuple(checkpoint_name(x, RESIDUALS) for x in (o, lse))
 
 
 def keep(ok, x, fill):

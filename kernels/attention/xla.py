@@ -140,7 +140,7 @@ def blockwise(d: BlockwiseDims, q, k, v, vectors, lists):
 
 
 def _blockwise_fwd(d, q, k, v, vectors, lists):
-  out, lse = _forward(d, q, k, v, vectors, lists)
+  out, lse = attention_tiles.residuals(*_forward(d, q, k, v, vectors, lists))
   return out, (q, k, v, vectors, lists, out, lse)
 
 

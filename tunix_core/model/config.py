@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 import tunix_kernels
+from tunix_kernels import attention as attention_lib
 
 RematPolicy = Literal["none", "full", "full_prefetch", "dots", "dots_no_batch", "offload"]
 
@@ -31,6 +32,7 @@ ROPE_TYPES = ("default", "linear", "llama3")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
+_ATTENTION = jax.checkpoint_policies.save_only_these_names(attention_lib.RESIDUALS)
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -38,8 +40,12 @@ REMAT_POLICIES = {
     # layer after while it computes (`tunix_core.model.layer_stack.remat_scan`): its
     # transfers hidden for one more layer of gathered weights and gradients in memory.
     "full_prefetch": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    # The matmul outputs and attention's out and log-sum-exp (not dots: the kernels' own
+    # outputs), so the backward does not run attention's forward again.
+    "dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.checkpoint_dots, _ATTENTION),
+    "dots_no_batch": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims, _ATTENTION),
     # The layer's matmul outputs (our projections are 2-D dots) go to pinned host memory
     # in the forward and come back for the backward: neither held in HBM nor recomputed.
     "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device",
