@@ -52,7 +52,7 @@ def attention_naive(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, segments_BxT, branches_BxT,
   """Grouped-query attention over the whole `[B, H, T, T]` scores, in float32: query i
   sees key j when j <= i, j is a real token (`valid`), of i's segment, of the trunk
   (branch 0) or i's own branch, and fewer than `window` rope positions back (an int32
-  scalar; `tunix_kernels.attention.blocks.NO_WINDOW` for none): the `Visibility` rule
+  scalar; `tunix_kernels.attention.visits.NO_WINDOW` for none): the `Visibility` rule
   written out. A query that sees no key returns 0. `[B, T, H, K]` in q's dtype,
   differentiable in q, k, v by plain autodiff."""
   f32 = lambda x: x.astype(jnp.float32)

@@ -18,6 +18,7 @@ import runs
 from tunix_kernels import attention
 from tunix_kernels import dispatch
 from tunix_kernels.attention import blocks as attention_blocks
+from tunix_kernels.attention import visits as attention_visits
 from tunix_kernels import tpu
 from tunix_kernels import aot_tpu
 from oracles import numpy_attention
@@ -168,8 +169,8 @@ def test_only_tiles_with_a_visible_entry_are_visited():
   mask = numpy_attention_mask(pos, valid, seg, br, 0)
   n = T // b
   tiles = mask.reshape(B, n, b, n, b).any(axis=(2, 4))             # [B, nq, nk]
-  visits = jax.jit(attention_blocks.visits, static_argnums=(5, 6))
-  got = visits(*map(jnp.asarray, (seg, br, pos, valid)), attention_blocks.NO_WINDOW, b, b)
+  visits = jax.jit(attention_visits.visits, static_argnums=(5, 6))
+  got = visits(*map(jnp.asarray, (seg, br, pos, valid)), attention_visits.NO_WINDOW, b, b)
   assert _decoded(got.kv_index, got.kv_count, n, n) == {
       (r, i): set(np.flatnonzero(tiles[r, i]).tolist()) for r in range(B) for i in range(n)}
   assert _decoded(got.q_index, got.q_count, n, n) == {
@@ -187,7 +188,7 @@ def test_only_tiles_with_a_visible_entry_are_visited():
   ones = np.ones((1, 1536), np.int32)
   br = np.repeat(np.array([[0, 1, 2]], np.int32), 512, axis=1)
   pos = np.concatenate([np.arange(1024), np.arange(512, 1024)])[None].astype(np.int32)
-  got = visits(*map(jnp.asarray, (ones, br, pos, ones)), attention_blocks.NO_WINDOW, b, b)
+  got = visits(*map(jnp.asarray, (ones, br, pos, ones)), attention_visits.NO_WINDOW, b, b)
   listed = _decoded(got.kv_index, got.kv_count, 12, 12)
   assert int(got.kv_count.sum()) == 62
   # Of them only the 12 on the diagonal need a mask: 6 below it in the prompt, and in

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from tunix_kernels.attention import blocks as attention_blocks
+from tunix_kernels.attention import visits as attention_visits
 from tunix_kernels.attention import gspmd as attention_gspmd
 from tunix_kernels.attention import pallas as attention_pallas
 from tunix_kernels.attention import tiles as attention_tiles
@@ -109,7 +109,7 @@ def attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis: Visibility, *, scale: float,
   positions, valid = vis.positions.astype(jnp.int32), vis.valid.astype(jnp.int32)
   windowed = not (isinstance(window, int) and window == 0)
   window_1 = jnp.reshape(jnp.where(jnp.asarray(window) > 0, window,
-                                   attention_blocks.NO_WINDOW).astype(jnp.int32), (1,))
+                                   attention_visits.NO_WINDOW).astype(jnp.int32), (1,))
   vectors = (segments, branches, positions, valid, window_1)
   if impl == "naive":
     return naive.attention_naive(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, *vectors[:4], window_1[0],

@@ -10,7 +10,7 @@ and rows `[B, 3, T]` for the side that runs across it (`Rows`). A query sees a
 key at or before it in the row, of its segment, of branch 0 or of its own branch, and
 less than `window` rope positions back.
 
-Skipping: the kernels take `attention_blocks.Visits` by scalar prefetch. The innermost
+Skipping: the kernels take `attention_visits.Visits` by scalar prefetch. The innermost
 grid axis walks a query block's list of visible key blocks (forward, dq), or a key
 block's list of query blocks (dk/dv); past the end of the list the index map repeats the
 last block (Pallas does not fetch a block again when its index does not change) and the
@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from tunix_kernels.attention import backward as attention_backward
-from tunix_kernels.attention import blocks as attention_blocks
+from tunix_kernels.attention import visits as attention_visits
 from tunix_kernels.attention import tiles as tiles
 from tunix_kernels.attention.tiles import F32
 from tunix_kernels.common import MASK_VALUE
@@ -53,7 +53,7 @@ class Rows(NamedTuple):
   q_rows: jax.Array
   k_cols: jax.Array
   window: jax.Array
-  visits: attention_blocks.Visits
+  visits: attention_visits.Visits
 
 
 def _fwd_kernel(kv_index, kv_count, kv_full, window, q_ref, k_ref, v_ref, qv_ref, kv_ref,
@@ -97,12 +97,12 @@ def _fwd_kernel(kv_index, kv_count, kv_full, window, q_ref, k_ref, v_ref, qv_ref
 
 def rows(segments, branches, positions, valid, window_1, bq: int, bk: int) -> Rows:
   """The kernels' `Rows` from the `[B, T]` int32 segment, branch, rope-position and
-  validity vectors and the effective window `[1]` (`attention_blocks.NO_WINDOW`: none)."""
-  q_vectors, k_vectors = attention_blocks.row_vectors(segments, branches, positions, valid)
+  validity vectors and the effective window `[1]` (`attention_visits.NO_WINDOW`: none)."""
+  q_vectors, k_vectors = attention_visits.row_vectors(segments, branches, positions, valid)
   cols = lambda x: jnp.swapaxes(x, 1, 2)
   return Rows(q_cols=cols(q_vectors), k_rows=k_vectors, q_rows=q_vectors,
               k_cols=cols(k_vectors), window=window_1,
-              visits=attention_blocks.visits(segments, branches, positions, valid,
+              visits=attention_visits.visits(segments, branches, positions, valid,
                                              window_1[0], bq, bk))
 
 

@@ -7,7 +7,7 @@ backward (a custom VJP) walks, for each key block, the query blocks that see it 
 recomputes each tile's probabilities. No array of the call is quadratic in the row:
 the largest temporaries are one tile's float32 `[B, KV, G, bq, bk]` scores.
 
-Which tiles are walked is one list for the whole batch (`attention_blocks.visible_tiles`
+Which tiles are walked is one list for the whole batch (`attention_visits.visible_tiles`
 of any row), so each tile is one batched matmul; the `Visibility` rule masks entries
 within it. A causal row walks the tiles on and below the diagonal; prefix-shared rows
 skip a rejected branch's tiles against the chosen one; packed rows and windows skip
@@ -21,7 +21,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from tunix_kernels.attention import blocks as attention_blocks
+from tunix_kernels.attention import visits as attention_visits
 from tunix_kernels.attention import tiles as attention_tiles
 
 _FILL = -1e30  # a masked score: finite, so a query that sees nothing stays free of NaN
@@ -65,7 +65,7 @@ def _rule(d: BlockwiseDims, vectors):
   """`rule(i, j)`: `[B, bq, bk]` bool, the `Visibility` rule on tile (i, j): the Pallas
   kernels' own mask (`attention_tiles.mask`), row by row."""
   *rows, window = vectors
-  q_vectors, k_vectors = attention_blocks.row_vectors(*rows)
+  q_vectors, k_vectors = attention_visits.row_vectors(*rows)
   q_cols = jnp.swapaxes(q_vectors, 1, 2)  # [B, t, 3]
   tile = attention_tiles.TileDims(t=d.t, bq=d.bq, bk=d.bk, nq=d.t // d.bq, nk=d.t // d.bk,
                               groups=1, scale=d.scale, softcap=d.softcap, windowed=True,
@@ -133,7 +133,7 @@ def blockwise(d: BlockwiseDims, q, k, v, vectors, lists):
   """Attention of heads-first `q [B, KV, G, t, K]` over `k, v [B, KV, t, K]`: the
   output in q's dtype; differentiable in q, k, v. `vectors`: the `[B, t]` segments,
   branches, positions and valid of the rule and the effective window (an int32 scalar);
-  `lists`: the tile lists `attention_blocks.tile_lists` gives for the batch's visible
+  `lists`: the tile lists `attention_visits.tile_lists` gives for the batch's visible
   tiles `[1, nq, nk]` (kv_index, kv_count) and their transpose (q_index, q_count), or
   None for a row of one tile."""
   return _forward(d, q, k, v, vectors, lists)[0]
@@ -201,9 +201,9 @@ def xla_attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vectors, *, scale: float,
   rows = [pad(x) for x in rows]   # padded keys are not valid: never attended
   lists = None
   if t > bq or t > bk:
-    visible = attention_blocks.visible_tiles(*rows, window, bq, bk).any(axis=0)[None]
-    lists = (*attention_blocks.tile_lists(visible),
-             *attention_blocks.tile_lists(jnp.swapaxes(visible, 1, 2)))
+    visible = attention_visits.visible_tiles(*rows, window, bq, bk).any(axis=0)[None]
+    lists = (*attention_visits.tile_lists(visible),
+             *attention_visits.tile_lists(jnp.swapaxes(visible, 1, 2)))
   q = jnp.moveaxis(pad(q_BxTxHxK).reshape(B, t, KV, H // KV, K), 1, 3)
   k, v = (jnp.moveaxis(pad(x), 1, 2) for x in (k_BxTxVxK, v_BxTxVxK))
   d = BlockwiseDims(t=t, bq=bq, bk=bk, scale=float(scale), softcap=float(softcap))

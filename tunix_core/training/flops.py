@@ -10,7 +10,7 @@ kernels compute (QK^T and PV): the tiles they visit times the tile's area. A til
 of whose entries is visible is skipped by the kernels and is not work: above the
 diagonal (causal), a rejected response's queries against the chosen one's keys (prefix
 sharing), another packed sequence's keys, keys past a sliding window
-(`attention_blocks.visible_tiles` on the row, tiles of `BlockSizes.get_default` for the
+(`attention_visits.visible_tiles` on the row, tiles of `BlockSizes.get_default` for the
 smallest generation's VMEM). The row is the plan's worst case: full, a shared row a
 prompt of `--max_prompt_length` tokens and two equal responses, a packed row sequences
 of `band` tokens back to back. The LM head costs `2 d_model vocab` per head slot.
@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tunix_kernels.attention import blocks as attention_blocks
+from tunix_kernels.attention import visits as attention_visits
 from tunix_core.model import config as model_config_lib
 
 # Dense bfloat16 FLOP/s per chip, by a substring of `jax.Device.device_kind`: Google
@@ -90,7 +91,7 @@ def planned_row(rows, prompt: int) -> tuple:
 def attended_pairs(plan, chip=None) -> int:
   """(query, key) pairs one planned row's attention computes, summed over the layers:
   per layer, the tiles the kernels visit on `chip` (`tunix_kernels.tpu`'s; None: the
-  tiles of an unknown chip) (`attention_blocks.visible_tiles`, the window of a sliding
+  tiles of an unknown chip) (`attention_visits.visible_tiles`, the window of a sliding
   layer included) times the tile's area."""
   mcfg, rows = plan.model, plan.rows
   bq, bk = attention_blocks.BlockSizes.get_default(
@@ -98,9 +99,9 @@ def attended_pairs(plan, chip=None) -> int:
       seq_len=rows.length).tiles(rows.length)
   segments, branches, positions = planned_row(rows, plan.max_prompt_length)
   valid = np.ones_like(segments)
-  count = lambda window: int(np.sum(attention_blocks.visible_tiles(
+  count = lambda window: int(np.sum(attention_visits.visible_tiles(
       segments, branches, positions, valid, window, bq, bk))) * bq * bk
-  windows = [mcfg.sliding_window if s else attention_blocks.NO_WINDOW
+  windows = [mcfg.sliding_window if s else attention_visits.NO_WINDOW
              for s in mcfg.sliding_layers()]
   return sum(count(w) * windows.count(w) for w in set(windows))
 
