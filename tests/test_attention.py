@@ -267,6 +267,24 @@ def test_dispatch_tiles_and_errors():
   assert picked == ["pallas"]
 
 
+def test_the_backward_is_fused_where_a_rows_dq_fits_vmem():
+  """`BlockSizes.backward_plan`: one kernel where the tiles and a row's dq (its float32
+  accumulator and double-buffered output block, counted by hand here) fit the chip's
+  VMEM, the kernel's limit raised past the default scoped VMEM only as far as it needs;
+  the split kernels where they do not fit, or when asked."""
+  bf16, v5e, bs = jnp.bfloat16, tpu.get_chip("v5e"), attention.BlockSizes(512, 512)
+  need = bs.vmem_bytes(128, bf16) + 8192 * 128 * 4 + 2 * 8192 * 128 * 2
+  assert bs.fused_backward_bytes(128, bf16, 8192) == need
+  fused, limit = bs.backward_plan(128, bf16, 8192, v5e)
+  assert fused and v5e.scoped_vmem_bytes < limit < v5e.vmem_bytes
+  assert need <= limit * tpu.VMEM_HEADROOM <= need + (1 << 20)
+  assert bs.backward_plan(64, bf16, 1024, v5e) == (True, None)     # the default suffices
+  assert bs.backward_plan(128, jnp.float32, 131072, v5e) == (False, None)  # 192 MiB of dq
+  assert bs.backward_plan(128, bf16, 8192, None) == (False, None)  # chip unknown: 16 MiB
+  split = attention.BlockSizes(512, 512, fused_backward=False)
+  assert split.backward_plan(64, bf16, 1024, v5e) == (False, None)
+
+
 def test_get_default_takes_a_generations_measured_tiles(tmp_path, monkeypatch):
   """A table in `tuned/` decides `get_default` for its generation at the nearest
   measured row length (capped at the row); another generation, or no chip, keeps the
