@@ -102,7 +102,8 @@ def attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis: Visibility, *, scale: float,
     raise ValueError(f"the attention kernels take q, k and v of one dtype, got "
                      f"{q_BxTxHxK.dtype}, {k_BxTxVxK.dtype}, {v_BxTxVxK.dtype}")
   if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-    raise TypeError(f"block_sizes must be a tunix_kernels.attention.BlockSizes, got {block_sizes!r}")
+    raise TypeError(f"block_sizes must be a tunix_kernels.attention.BlockSizes, got "
+                    f"{block_sizes!r}")
   zeros = jnp.zeros((B, T), jnp.int32)
   segments = zeros if vis.segments is None else vis.segments.astype(jnp.int32)
   branches = zeros if vis.branches is None else vis.branches.astype(jnp.int32)

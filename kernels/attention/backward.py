@@ -9,10 +9,12 @@ Two plans, chosen once per call (`TileDims.fused_backward`, from `BlockSizes`' V
 model): one kernel (`attention_bwd`) that walks each key block's visible query blocks,
 accumulating dk and dv per key block and dq for the whole row in VMEM, so that each
 tile's scores, probabilities and dS are computed once; or, where a row's dq does not fit
-VMEM, two kernels (`attention_dq`, `attention_dkv`) that each compute them again. At
-head dim 64 the vector units, not the MXU, bound a tile, so computing `p` and dS once is
-most of the backward's gain. The fused kernel runs per query head and writes float32
-dk/dv per query head, summed over each key/value head's group here.
+VMEM, two kernels (`attention_dq`, `attention_dkv`) that each compute them again. On a
+v5e the kernels take about the same time at head dim 64 as at 128: the vector units (exp,
+the online softmax, the casts), not the MXU, bound a tile, which is why computing `p`
+and dS once gains (docs/results/tpu_v5e.md). The fused kernel runs per query head and
+writes dk/dv per query head (float32 under GQA, summed over each key/value head's group
+here).
 """
 
 import functools
@@ -66,8 +68,8 @@ def _fused_kernel(q_index, q_count, q_full, window, q_ref, k_ref, v_ref, qv_ref,
 
   @pl.when(i == d.nq - 1)
   def _finish_block():
-    dk_ref[0, 0] = dk_sc[...] * d.scale
-    dv_ref[0, 0] = dv_sc[...]
+    dk_ref[0, 0] = (dk_sc[...] * d.scale).astype(dk_ref.dtype)
+    dv_ref[0, 0] = dv_sc[...].astype(dv_ref.dtype)
 
   @pl.when((kj == d.nk - 1) & (i == d.nq - 1))
   def _finish_row():
@@ -85,6 +87,9 @@ def _fused(d: TileDims, q, k, v, rows, do, lse, delta):
   q_stat = lambda b, h, kj, i, *s: (b, h, 0, q_block(b, h, kj, i, *s))
   kv_tile = lambda b, h, kj, i, *_: (b, h // d.groups, kj, 0)
   head_k_tile = lambda b, h, kj, i, *_: (b, h, kj, 0)
+  # dk, dv per query head: in their own dtype where each KV head has one query head,
+  # else float32 partials, summed over the group below.
+  part = k.dtype if d.groups == 1 else F32
   dq, dk_h, dv_h = pl.pallas_call(
       functools.partial(_fused_kernel, d=d),
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -104,7 +109,7 @@ def _fused(d: TileDims, q, k, v, rows, do, lse, delta):
           scratch_shapes=[pltpu.VMEM((d.nq * d.bq, K), F32)]
                          + [pltpu.VMEM((d.bk, K), F32)] * 2),
       out_shape=[out_struct(q.shape, q.dtype, *args),
-                 out_struct((B, H, T, K), F32, *args), out_struct((B, H, T, K), F32, *args)],
+                 out_struct((B, H, T, K), part, *args), out_struct((B, H, T, K), part, *args)],
       # The row's dq stays in VMEM across key blocks: both walks are sequential.
       compiler_params=tiles.compiler_params(d, ("parallel", "parallel", "arbitrary",
                                                 "arbitrary"), d.fused_vmem_limit_bytes),
