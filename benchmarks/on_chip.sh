@@ -17,6 +17,10 @@
 # its own compilation cache: cold (empty) and a restart by the same command, each timing
 # process start to the end of step 1 by its own clock.
 #
+# "variants": the attention part again for the kernels of each earlier commit that
+# benchmarks/kernel_variants.sh put under .kernel-variants/ (carried), into
+# $OUT/kernels_REV.jsonl: before and after in one call.
+#
 # "matmul": what the chip sustains on bf16 products of the step's shapes. "profile": the
 # step's time per part (benchmarks/step_profile.py) for PROFILE_CASES (default STEP_CASES),
 # with the step part's compilation caches.
@@ -68,6 +72,13 @@ part() {  # part NAME LIMIT CMD...: one process, its output into $OUT/NAME.txt
 has logprobs && part logprobs "${LOGPROBS_LIMIT:-270}" python3 benchmarks/on_chip.py logprobs ${LOGPROBS_ARGS:-} --out "$OUT/kernels.jsonl"
 has attention && part attention 150 python3 benchmarks/on_chip.py attention \
     --head_dims "${HEAD_DIMS:-64,128}" --out "$OUT/kernels.jsonl"
+if has variants; then  # the same attention cases on earlier commits' kernels
+  for dir in .kernel-variants/*/; do
+    rev=$(basename "$dir")
+    part variants 150 env PYTHONPATH="$PWD/$dir:$PYTHONPATH" python3 benchmarks/on_chip.py \
+        attention --head_dims "${HEAD_DIMS:-64,128}" --out "$OUT/kernels_$rev.jsonl"
+  done
+fi
 if has chipopen; then  # seconds to import jax and open the chip, under CHIPOPEN_ENVS
   # (';'-separated environments, each run twice back to back; "-" is none) and after an
   # idle pause; libtpu's own log lines on the way, and the kernel's huge-page settings.
