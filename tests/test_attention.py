@@ -273,7 +273,7 @@ def test_the_backward_is_fused_where_a_rows_dq_fits_vmem():
   VMEM, the kernel's limit raised past the default scoped VMEM only as far as it needs;
   the split kernels where they do not fit, or when asked."""
   bf16, v5e, bs = jnp.bfloat16, tpu.get_chip("v5e"), attention.BlockSizes(512, 512)
-  need = bs.vmem_bytes(128, bf16) + 8192 * 128 * 4 + 2 * 8192 * 128 * 2
+  need = bs.vmem_bytes(128, bf16) + 4 * 512 * 128 * 2 + 8192 * 128 * 4 + 2 * 8192 * 128 * 2
   assert bs.fused_backward_bytes(128, bf16, 8192) == need
   fused, limit = bs.backward_plan(128, bf16, 8192, v5e)
   assert fused and v5e.scoped_vmem_bytes < limit < v5e.vmem_bytes
@@ -283,6 +283,8 @@ def test_the_backward_is_fused_where_a_rows_dq_fits_vmem():
   assert bs.backward_plan(128, bf16, 8192, None) == (False, None)  # chip unknown: 16 MiB
   split = attention.BlockSizes(512, 512, fused_backward=False)
   assert split.backward_plan(64, bf16, 1024, v5e) == (False, None)
+  with pytest.raises(ValueError, match="fused backward of 131072-token rows"):
+    attention.BlockSizes(512, 512, fused_backward=True).backward_plan(128, bf16, 131072, v5e)
 
 
 def test_get_default_takes_a_generations_measured_tiles(tmp_path, monkeypatch):
@@ -350,6 +352,7 @@ def test_kernels_compile_for_tpu_with_memory_linear_in_the_row():
   split = attention.BlockSizes(256, 256, fused_backward=False)
   for chip, T, K, bs, kernels in (("v4", 1024, 64, None, ("fwd", "bwd")),
                                   ("v5p", 1024, 256, None, ("fwd", "bwd")),
+                                  ("v5e", 100, 64, None, ("fwd", "bwd")),  # one short tile
                                   ("v6e", 1000, 128, split, ("fwd", "dq", "dkv"))):
     text = _compile_grads(chip, T, K, softcap=30.0, window=256, block_sizes=bs).as_text()
     assert all(f"attention_{k}" in text for k in kernels), chip

@@ -24,7 +24,7 @@ _CANDIDATES = ((512, 512), (256, 512), (256, 256), (128, 256), (128, 128))
 TUNED_DIR = os.path.join(os.path.dirname(__file__), "tuned")
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tiles of the attention kernels (forward, dq and dk/dv), checked on construction.
+  """Tiles of the attention kernels (forward and backward), checked on construction.
 
   Attributes:
     block_q: queries per tile, a multiple of 128.
@@ -80,7 +80,8 @@ class BlockSizes:
     return self.block_q, self.block_k
 
   def vmem_bytes(self, head_dim, dtype) -> int:
-    """VMEM the largest of the three kernels needs: double-buffered tiles of q, k, v
+    """VMEM the largest of the forward, dq and dk/dv kernels needs (the fused backward
+    adds a row's dq: `fused_backward_bytes`): double-buffered tiles of q, k, v
     (and dO, dq, dk, dv), the row vectors (padded to whole vregs), float32 accumulators
     and statistics, and about six float32 `[bq, bk]` temporaries."""
     s, K = jnp.dtype(dtype).itemsize, head_dim
@@ -97,27 +98,34 @@ class BlockSizes:
 
   def fused_backward_bytes(self, head_dim, dtype, seq_len) -> int:
     """VMEM of the fused backward kernel on rows of `seq_len`: the kernels' tiles
-    (`vmem_bytes`) and a whole row's dq, its float32 accumulator and its output block
-    (double-buffered)."""
-    rows = common.round_up(seq_len, self.block_q)
-    return (self.vmem_bytes(head_dim, dtype) + rows * head_dim * 4
-            + 2 * seq_len * head_dim * jnp.dtype(dtype).itemsize)
+    (`vmem_bytes`), its dk/dv output tiles in float32 (under GQA) and a whole row's dq,
+    its float32 accumulator and its output block (double-buffered)."""
+    rows, s = common.round_up(seq_len, self.block_q), jnp.dtype(dtype).itemsize
+    return (self.vmem_bytes(head_dim, dtype) + 2 * 2 * self.block_k * head_dim * (4 - s)
+            + rows * head_dim * 4 + 2 * seq_len * head_dim * s)
 
   def backward_plan(self, head_dim, dtype, seq_len, chip) -> tuple[bool, int | None]:
     """`(fused, vmem_limit_bytes)` of the backward on rows of `seq_len` for `chip` (a
-    `tpu.Chip` or None: unknown): fused where `fused_backward` says so or, when it is
-    None, where its bytes fit the chip's VMEM (the default scoped VMEM of the smallest
-    generation when the chip is unknown), its limit raised above the default as far as
-    it needs; split otherwise."""
+    `tpu.Chip` or None: unknown). Room: `vmem_limit_bytes` when set, else the chip's
+    VMEM (the smallest generation's default scoped VMEM when the chip is unknown).
+    Fused where `fused_backward` says so or, when it is None, where its bytes
+    (`fused_backward_bytes`) fit the room, the limit raised past the default scoped VMEM
+    only as far as they need; split otherwise. ValueError when `fused_backward=True`
+    cannot fit the room."""
     need = self.fused_backward_bytes(head_dim, dtype, seq_len)
-    room = (self.vmem_limit_bytes or (tpu.MIN_SCOPED_VMEM_BYTES if chip is None
-                                      else chip.vmem_bytes)) * tpu.VMEM_HEADROOM
-    fused = need <= room if self.fused_backward is None else self.fused_backward
+    room = self.vmem_limit_bytes or (tpu.MIN_SCOPED_VMEM_BYTES if chip is None
+                                     else chip.vmem_bytes)
+    fits = need <= room * tpu.VMEM_HEADROOM
+    if self.fused_backward and not fits:
+      raise ValueError(f"{self} needs about {need / 2**20:.1f} MiB of VMEM for the fused "
+                       f"backward of {seq_len}-token rows (head_dim={head_dim}), more than "
+                       f"{tpu.VMEM_HEADROOM:.0%} of {room / 2**20:.0f} MiB: set "
+                       "fused_backward=None or False")
+    fused = fits if self.fused_backward is None else self.fused_backward
     scoped = tpu.MIN_SCOPED_VMEM_BYTES if chip is None else chip.scoped_vmem_bytes
     if not fused or self.vmem_limit_bytes or need <= scoped * tpu.VMEM_HEADROOM:
       return fused, self.vmem_limit_bytes
-    return fused, min(int(need / tpu.VMEM_HEADROOM) + (1 << 20),
-                      chip.vmem_bytes if chip else need * 2)
+    return fused, min(int(need / tpu.VMEM_HEADROOM) + (1 << 20), chip.vmem_bytes)
 
   def check(self, head_dim, dtype, chip=None) -> None:
     """Raises ValueError unless these tiles fit `vmem_limit_bytes` (at most the chip's
@@ -181,8 +189,8 @@ def cost_estimate(kernel, batch, heads, seq_len, head_dim, dtype, bq, bk, softca
   k_side = tiles * bk * head_dim * s * 2
   if kernel in ("dkv", "bwd"):  # k, v read once; q and dO walked per visited tile
     q_side, k_side = tiles * bq * head_dim * s * 2, batch * heads * seq_len * head_dim * s * 4
-  if kernel == "bwd":  # dq written once; dk, dv per query head in float32
-    q_side += batch * heads * seq_len * head_dim * (s + 8)
+  if kernel == "bwd":  # and dq written once
+    q_side += batch * heads * seq_len * head_dim * s
   return pl.CostEstimate(flops=2 * matmuls * scores * head_dim,
                          transcendentals=scores * (2 if softcap else 1),
                          bytes_accessed=q_side + k_side)

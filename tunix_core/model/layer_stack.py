@@ -48,7 +48,7 @@ def scan(body, x, pieces, settings, rows, *, gather=None, remat: str = "none"):
 
   policy = REMAT_POLICIES[remat]
   if gather is not None and policy is None:
-    policy = jax.checkpoint_policies.checkpoint_dots  # no gathered weight is a dot output
+    policy = REMAT_POLICIES["dots"]  # no gathered weight is a dot output
   if policy is not None:
     trip = jax.checkpoint(trip, policy=policy)
   return jax.lax.scan(trip, x, (pieces, settings))[0]
