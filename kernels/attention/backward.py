@@ -1,9 +1,8 @@
 """The backward of the Pallas TPU attention kernels (`attention.pallas`): dq, dk and dv
 from the forward's out and log-sum-exp, the same tiles visited (`Visits`).
 
-The dk/dv walk works on transposed tiles `[bk, bq]`, so that the statistics' rows
-`[1, bq]` broadcast as they are; the split dq kernel turns them into columns once per
-query block and works on `[bq, bk]` tiles, so that dq += dS k needs no transposed dS.
+Every backward kernel works on transposed tiles `[bk, bq]`, so that the statistics'
+rows `[1, bq]` broadcast as they are.
 
 Two plans, chosen once per call (`TileDims.fused_backward`, from `BlockSizes`' VMEM
 model): one kernel (`attention_bwd`) that walks each key block's visible query blocks,
@@ -28,7 +27,6 @@ from tunix_kernels.attention import tiles as tiles
 from tunix_kernels.attention.tiles import F32
 from tunix_kernels.attention.tiles import TileDims
 from tunix_kernels.common import out_struct
-from tunix_kernels.dispatch import LANES
 
 
 def _fused_kernel(q_index, q_count, q_full, window, q_ref, k_ref, v_ref, qv_ref, kv_ref,
@@ -53,8 +51,7 @@ def _fused_kernel(q_index, q_count, q_full, window, q_ref, k_ref, v_ref, qv_ref,
       q, do = tiles.real_rows(q, d.bq, qi, d), tiles.real_rows(do, d.bq, qi, d)
     if d.ragged_k:  # dq contracts k over the block's rows
       k = tiles.real_rows(k, d.bk, kj, d)
-    p, ds = tiles.grad_tile(q, k, v_ref[0, 0], do, lse_ref[0, 0], delta_ref[0, 0], ok, d,
-                            keys_down=True)
+    p, ds = tiles.grad_tile(q, k, v_ref[0, 0], do, lse_ref[0, 0], delta_ref[0, 0], ok, d)
     ds = ds.astype(q.dtype)
     dv_sc[...] += jnp.dot(p.astype(do.dtype), do, preferred_element_type=F32)
     dk_sc[...] += jnp.dot(ds, q, preferred_element_type=F32)
@@ -122,7 +119,7 @@ def _fused(d: TileDims, q, k, v, rows, do, lse, delta):
 
 
 def _dq_kernel(kv_index, kv_count, kv_full, window, q_ref, k_ref, v_ref, qv_ref, kv_ref,
-               do_ref, lse_ref, delta_ref, dq_ref, acc_sc, lse_sc, delta_sc, *, d: TileDims):
+               do_ref, lse_ref, delta_ref, dq_ref, acc_sc, *, d: TileDims):
   b, qi, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   row = b * d.nq + qi
   kj = kv_index[row * d.nk + j]
@@ -130,21 +127,19 @@ def _dq_kernel(kv_index, kv_count, kv_full, window, q_ref, k_ref, v_ref, qv_ref,
   @pl.when(j == 0)
   def _init():
     acc_sc[...] = jnp.zeros(acc_sc.shape, F32)
-    # The statistics' rows as lane-replicated columns `[bq, 128]`, once per query
-    # block, so that every tile runs `[bq, bk]` and dq += dS k needs no transposed dS.
-    column = lambda r: jnp.transpose(jnp.broadcast_to(r[0, 0], (LANES, d.bq)))
-    lse_sc[...], delta_sc[...] = column(lse_ref), column(delta_ref)
 
   def visit(ok):
     k, v = k_ref[0, 0], v_ref[0, 0]
     if d.ragged_k:
       k, v = tiles.real_rows(k, d.bk, kj, d), tiles.real_rows(v, d.bk, kj, d)
-    _, ds = tiles.grad_tile(q_ref[0, 0], k, v, do_ref[0, 0], lse_sc[:, :1],
-                            delta_sc[:, :1], ok, d)
-    acc_sc[...] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=F32)
+    _, ds = tiles.grad_tile(q_ref[0, 0], k, v, do_ref[0, 0], lse_ref[0, 0],
+                            delta_ref[0, 0], ok, d)
+    # [bk, bq] x [bk, K] contracted over bk -> [bq, K]
+    acc_sc[...] += jax.lax.dot_general(ds.astype(k.dtype), k, (((0,), (0,)), ((), ())),
+                                       preferred_element_type=F32)
 
-  tiles.when_visited(j < kv_count[row], kv_full[row * d.nk + j], visit,
-                lambda: tiles.mask(qi, kj, qv_ref[0], kv_ref[0], window[0], d))
+  tiles.when_visited(j < kv_count[row], kv_full[row * d.nk + j], visit, lambda: tiles.mask(
+      qi, kj, qv_ref[0], kv_ref[0], window[0], d, keys_down=True))
 
   @pl.when(j == d.nk - 1)
   def _finish():
@@ -167,7 +162,7 @@ def _dkv_kernel(q_index, q_count, q_full, window, q_ref, k_ref, v_ref, qv_ref, k
     if d.ragged_q:
       q, do = tiles.real_rows(q, d.bq, qi, d), tiles.real_rows(do, d.bq, qi, d)
     p, ds = tiles.grad_tile(q, k_ref[0, 0], v_ref[0, 0], do, lse_ref[0, 0],
-                            delta_ref[0, 0], ok, d, keys_down=True)
+                            delta_ref[0, 0], ok, d)
     dv_sc[...] += jnp.dot(p.astype(do.dtype), do, preferred_element_type=F32)
     dk_sc[...] += jnp.dot(ds.astype(q.dtype), q, preferred_element_type=F32)
 
@@ -185,7 +180,7 @@ def _split(d: TileDims, q, k, v, rows, do, lse, delta):
   B, H, T, K = q.shape
   KV = k.shape[1]
   vis = rows.visits
-  args = (q, k, v, rows.q_rows, rows.k_cols, do, lse, delta)  # dk/dv's: keys down
+  args = (q, k, v, rows.q_rows, rows.k_cols, do, lse, delta)
 
   kv_block = lambda b, h, qi, j, idx, *_: idx[(b * d.nq + qi) * d.nk + j]
   q_tile = lambda b, h, qi, j, *_: (b, h, qi, 0)
@@ -198,21 +193,20 @@ def _split(d: TileDims, q, k, v, rows, do, lse, delta):
           in_specs=[pl.BlockSpec((1, 1, d.bq, K), q_tile),
                     pl.BlockSpec((1, 1, d.bk, K), kv_tile),
                     pl.BlockSpec((1, 1, d.bk, K), kv_tile),
-                    pl.BlockSpec((1, d.bq, 3), lambda b, h, qi, j, *_: (b, qi, 0)),
-                    pl.BlockSpec((1, 3, d.bk), lambda b, h, qi, j, *s: (
-                        b, 0, kv_block(b, h, qi, j, *s))),
+                    pl.BlockSpec((1, 3, d.bq), lambda b, h, qi, j, *_: (b, 0, qi)),
+                    pl.BlockSpec((1, d.bk, 3), lambda b, h, qi, j, *s: (
+                        b, kv_block(b, h, qi, j, *s), 0)),
                     pl.BlockSpec((1, 1, d.bq, K), q_tile),
                     pl.BlockSpec((1, 1, 1, d.bq), q_stat),
                     pl.BlockSpec((1, 1, 1, d.bq), q_stat)],
           out_specs=pl.BlockSpec((1, 1, d.bq, K), q_tile),
-          scratch_shapes=[pltpu.VMEM((d.bq, K), F32)] + [pltpu.VMEM((d.bq, LANES), F32)] * 2),
+          scratch_shapes=[pltpu.VMEM((d.bq, K), F32)]),
       out_shape=out_struct(q.shape, q.dtype, *args),
       compiler_params=tiles.compiler_params(d, ("parallel", "parallel", "parallel", "arbitrary")),
       interpret=d.interpret,
       name="attention_dq",
       cost_estimate=tiles.cost("dq", q, d),
-  )(vis.kv_index, vis.kv_count, vis.kv_full, rows.window, q, k, v, rows.q_cols, rows.k_rows,
-    do, lse, delta)
+  )(vis.kv_index, vis.kv_count, vis.kv_full, rows.window, *args)
 
   q_block = lambda b, kvh, kj, g, i, idx, *_: idx[(b * d.nk + kj) * d.nq + i]
   head_q_tile = lambda b, kvh, kj, g, i, *s: (b, kvh * d.groups + g, q_block(

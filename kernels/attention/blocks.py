@@ -92,7 +92,7 @@ class BlockSizes:
     column = bq * LANES * 4                   # lse or delta `[bq, 1]`
     temps = 6 * bq * bk * 4
     fwd = 2 * (2 * q_rows + 2 * k_rows + vectors + column) + 2 * column + bq * K * 4
-    dq = 2 * (3 * q_rows + 2 * k_rows + vectors + 2 * column) + bq * K * 4 + 2 * column
+    dq = 2 * (3 * q_rows + 2 * k_rows + vectors + 2 * column) + bq * K * 4
     dkv = 2 * (2 * q_rows + 4 * k_rows + vectors + 2 * column) + 2 * bk * K * 4
     return max(fwd, dq, dkv) + temps
 

@@ -95,18 +95,14 @@ def scores(q, k, d: TileDims):
   return d.softcap * t, 1.0 - t * t
 
 
-def grad_tile(q, k, v, do, lse, delta, ok, d: TileDims, keys_down=False):
-  """`p` and `dS` (the cotangent of the raw scaled scores), float32, of one tile:
-  `[bq, bk]` with `lse`, `delta` as `[bq, 1]` columns, or, with `keys_down`, `[bk, bq]`
-  with them as `[1, bq]` rows (each kernel takes the orientation whose products need no
-  transposed operand); `ok` the tile's mask in that orientation (None: visible
+def grad_tile(q, k, v, do, lse, delta, ok, d: TileDims):
+  """`p^T` and `dS^T` (the cotangent of the raw scaled scores), float32 `[bk, bq]`, of
+  one tile; `lse`, `delta` are `[1, bq]` rows; `ok` its mask `[bk, bq]` (None: visible
   everywhere). dS is masked again: past a ragged row's end dP holds whatever the DMA
   left there."""
-  nt = lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
-                                        preferred_element_type=F32)
-  s, dcap = scores(k, q, d) if keys_down else scores(q, k, d)
+  s, dcap = scores(k, q, d)
   p = keep(ok, jnp.exp(s - lse), 0.0)
-  dp = nt(v, do) if keys_down else nt(do, v)
+  dp = jax.lax.dot_general(v, do, (((1,), (1,)), ((), ())), preferred_element_type=F32)
   ds = keep(ok, p * (dp - delta), 0.0)
   return p, ds if dcap is None else ds * dcap
 
