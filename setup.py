@@ -9,8 +9,9 @@ setup(
     packages=["tunix_kernels"] + [f"tunix_kernels.{op}" for op in ("attention", "dpo_loss", "logprobs")]
     + find_packages(include=["tunix_core", "tunix_core.*"]),
     package_dir={"tunix_kernels": "kernels"},
-    # The attention tiles measured per TPU generation (`BlockSizes.get_default` reads them).
-    package_data={"tunix_kernels.attention": ["tuned/*.json"]},
+    # The kernels' tiles measured per TPU generation (`BlockSizes.get_default` reads them).
+    package_data={"tunix_kernels.attention": ["tuned/*.json"],
+                  "tunix_kernels.logprobs": ["tuned/*.json"]},
     py_modules=["trainer"],
     python_requires=">=3.11",
     install_requires=[

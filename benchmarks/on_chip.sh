@@ -21,6 +21,11 @@
 # benchmarks/kernel_variants.sh put under .kernel-variants/ (carried), into
 # $OUT/kernels_REV.jsonl: before and after in one call.
 #
+# "tune": benchmarks/tune_tiles.py for TUNE_OPS (default "attention logprobs"), its
+# arguments in TUNE_ATTENTION_ARGS / TUNE_LOGPROBS_ARGS (e.g. --merge --seq_lens 8192),
+# TUNE_LIMIT seconds each; the tables land in the tree (the later parts use them) and in
+# $OUT as tuned_OP_CHIP.json.
+#
 # "matmul": what the chip sustains on bf16 products of the step's shapes. "profile": the
 # step's time per part (benchmarks/step_profile.py) for PROFILE_CASES (default STEP_CASES),
 # with the step part's compilation caches.
@@ -54,7 +59,8 @@ if [[ -f .whl-tpu/wheels.txt ]]; then
       pillow \
       > "$OUT/setup.log" 2>&1 || echo "wheel install failed: $OUT/setup.log"
 fi
-ln -sfn "$PWD/kernels" "$site/tunix_kernels"
+# A copy, not a link: the tuner writes its tables into it (the carried tree is read-only).
+rm -rf "$site/tunix_kernels" && cp -r "$PWD/kernels" "$site/tunix_kernels"
 ln -sfn "$PWD/tunix_core" "$site/tunix_core"
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$site" PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -69,6 +75,16 @@ part() {  # part NAME LIMIT CMD...: one process, its output into $OUT/NAME.txt
   tail -c +$(( seen + 1 )) "$OUT/$name.txt" | grep -v "^WARNING\|Finished \|cache hit for" \
       | tail -n 40
 }
+if has tune; then  # tiles measured on this chip (benchmarks/tune_tiles.py), per TUNE_OPS:
+  # each table written in place, so the later parts of the call use it, and into $OUT
+  for op in ${TUNE_OPS:-attention logprobs}; do
+    args_var="TUNE_${op^^}_ARGS"
+    part tune "${TUNE_LIMIT:-400}" python3 benchmarks/tune_tiles.py "$op" ${!args_var:-}
+    for f in "$site/tunix_kernels/$op/tuned/"*.json; do
+      [[ -f $f ]] && cp "$f" "$OUT/tuned_${op}_$(basename "$f")"
+    done
+  done
+fi
 has logprobs && part logprobs "${LOGPROBS_LIMIT:-270}" python3 benchmarks/on_chip.py logprobs ${LOGPROBS_ARGS:-} --out "$OUT/kernels.jsonl"
 has attention && part attention 150 python3 benchmarks/on_chip.py attention \
     --head_dims "${HEAD_DIMS:-64,128}" --out "$OUT/kernels.jsonl"

@@ -20,6 +20,7 @@ from tunix_kernels import dispatch
 from tunix_kernels.attention import blocks as attention_blocks
 from tunix_kernels.attention import visits as attention_visits
 from tunix_kernels import tpu
+from tunix_kernels import tuned
 from tunix_kernels import aot_tpu
 from oracles import numpy_attention
 from oracles import numpy_attention_mask
@@ -294,9 +295,10 @@ def test_get_default_takes_a_generations_measured_tiles(tmp_path, monkeypatch):
   (tmp_path / "v5e.json").write_text(json.dumps({"entries": [
       dict(head_dim=64, dtype="bfloat16", seq_len=1280, block_q=256, block_k=128),
       dict(head_dim=64, dtype="bfloat16", seq_len=8192, block_q=512, block_k=256),
-      dict(head_dim=128, dtype="bfloat16", seq_len=2048, block_q=128, block_k=128)]}))
+      dict(head_dim=128, dtype="bfloat16", seq_len=2048, block_q=128, block_k=128),
+      dict(head_dim=128, dtype="bfloat16", seq_len=8192, block_q=1024, block_k=1024)]}))
   monkeypatch.setattr(attention_blocks, "TUNED_DIR", str(tmp_path))
-  attention_blocks.tuned_table.cache_clear()
+  tuned.load.cache_clear()
   try:
     get = attention.BlockSizes.get_default
     assert get(64, jnp.bfloat16, "v5e", seq_len=1000) == attention.BlockSizes(256, 128)
@@ -305,24 +307,37 @@ def test_get_default_takes_a_generations_measured_tiles(tmp_path, monkeypatch):
     assert get(64, jnp.bfloat16, "v5e", seq_len=700) == attention.BlockSizes(256, 128)
     # More than 2x from every measured length: the largest tiles that fit, capped.
     assert get(64, jnp.bfloat16, "v5e", seq_len=300) == attention.BlockSizes(384, 384)
+    # Measured tiles past the default scoped VMEM (16 MiB on v5e): the limit raised as
+    # far as they, and the fused backward of 8,192-token rows, need (hand-sized: 24 MiB of
+    # float32 score temporaries, a row's dq of 4 MiB in float32 and 2 x 2 MiB in bf16).
+    big = get(128, jnp.bfloat16, "v5e", seq_len=8192)
+    assert (big.block_q, big.block_k) == (1024, 1024) and big.vmem_limit_bytes
+    need = big.fused_backward_bytes(128, jnp.bfloat16, 8192)
+    assert 32 << 20 < need <= big.vmem_limit_bytes * tpu.VMEM_HEADROOM
+    assert big.vmem_limit_bytes <= need / tpu.VMEM_HEADROOM + (1 << 20)
+    assert big.backward_plan(128, jnp.bfloat16, 8192, tpu.get_chip("v5e"))[0]  # fused
     untuned = attention.BlockSizes(512, 512)  # today's rule: the largest that fits
     assert get(64, jnp.float32, "v5e", seq_len=1280) == untuned  # no float32 entry
     assert get(64, jnp.bfloat16, "v4", seq_len=1280) == untuned
     assert get(64, jnp.bfloat16, seq_len=1280) == untuned
   finally:
-    attention_blocks.tuned_table.cache_clear()
+    tuned.load.cache_clear()
 
 
 def test_shipped_tables_fit_their_chips():
-  """Every shipped entry is valid tiles within its generation's default scoped VMEM."""
+  """Every shipped entry is what `get_default` gives at its own row length: valid tiles
+  within its generation's VMEM (its scoped limit raised where they need it)."""
   names = (os.listdir(attention_blocks.TUNED_DIR)
            if os.path.isdir(attention_blocks.TUNED_DIR) else [])
   for name in sorted(names):
     chip = tpu.get_chip(name.removesuffix(".json"))
-    for e in attention_blocks.tuned_table(chip.name):
-      bs = attention.BlockSizes(e["block_q"], e["block_k"])
-      assert bs.vmem_bytes(e["head_dim"], e["dtype"]) <= (
-          chip.scoped_vmem_bytes * tpu.VMEM_HEADROOM), (name, e)
+    for e in tuned.load(attention_blocks.TUNED_DIR, chip.name):
+      bs = attention.BlockSizes.get_default(e["head_dim"], e["dtype"], chip,
+                                            seq_len=e["seq_len"])
+      assert (bs.block_q, bs.block_k) == (e["block_q"], e["block_k"]), (name, e)
+      limit = bs.vmem_limit_bytes or chip.scoped_vmem_bytes
+      assert bs.vmem_bytes(e["head_dim"], e["dtype"]) <= limit * tpu.VMEM_HEADROOM
+      assert limit <= chip.vmem_bytes, (name, e)
 
 
 def _compile_grads(chip, T, K, H=8, KV=2, dtype=jnp.bfloat16, softcap=0.0, window=0,

@@ -86,6 +86,13 @@ def test_on_chip_dry_run_checks_every_impl_against_the_reference():
   tiles = {k: v for k, v in entry["ms"].items() if k != "xla"}
   assert not entry["errors"] and set(tiles) == {"256x256", "128x256", "128x128"}, entry
   assert f"{entry['block_q']}x{entry['block_k']}" == min(tiles, key=tiles.get)
+  # Log-prob heads: the forward's tiles on the forward, then the backward's after it.
+  entry = tune.logprobs_entry(64, 256, 1024, None, 1, True)
+  for stage, fields in (("ms_forward", ("block_n", "block_v")),
+                        ("ms", ("block_n_bwd", "block_v_bwd"))):
+    tiles = {k: v for k, v in entry[stage].items() if k != "xla"}
+    assert set(tiles) == {"64x1024", "64x512"} and not entry["errors"], entry
+    assert "{}x{}".format(*map(entry.get, fields)) == min(tiles, key=tiles.get), entry
   # The measure itself, on a hand-computed gap: |1 - 2| / 2 for values and gradients.
   ones = np.ones((4, 3), np.float32)
   assert on_chip._errors((ones, [ones]), (2 * ones, [2 * ones])) == dict(

@@ -63,7 +63,8 @@ def test_installed_beside_a_kernels_package_imports_and_trains(tmp_path):
       capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert (site / "tunix_kernels" / "logprobs" / "pallas.py").is_file()  # the sub-packages too
-  assert (site / "tunix_kernels" / "attention" / "tuned" / "v5e.json").is_file()  # its data
+  for op in ("attention", "logprobs"):  # its data
+    assert (site / "tunix_kernels" / op / "tuned" / "v5e.json").is_file(), op
   assert not (site / "kernels").exists(), "the wheel must not own the name `kernels`"
   path = os.pathsep.join([_stand_in(tmp_path), str(site)])
   where = _where(path, tmp_path)

@@ -4,6 +4,9 @@ Whether the chosen tiles really compile is `test_tpu_compile.py` (needs libtpu);
 check the choice itself, on any host.
 """
 
+import json
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +15,8 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 from tunix_kernels import LogprobsBlockSizes as BlockSizes
 from tunix_kernels import tpu
+from tunix_kernels import tuned
+from tunix_kernels.logprobs import blocks as logprobs_blocks
 
 MiB = 1 << 20
 HIDDEN_SIZES = (2048, 2304, 3072, 4096, 5120, 8192)
@@ -51,6 +56,58 @@ def test_small_problems_get_small_tiles():
   assert (bs.block_n, bs.block_v, bs.block_d) == (32, 384, None)
   bs = BlockSizes.get_default(64, jnp.float32, num_tokens=3, vocab_size=1)
   assert (bs.block_n, bs.block_v) == (8, 128)
+
+
+def test_get_default_takes_a_generations_measured_tiles(tmp_path, monkeypatch):
+  """A table in `tuned/` decides the tiles on its generation for its D and dtype at the
+  nearest measured vocabulary (within 2x), capped at the head, the VMEM limit raised as
+  far as they need; tiles that do not fit, another D, chip or vocabulary keep the rule."""
+  (tmp_path / "v5e.json").write_text(json.dumps({"entries": [
+      dict(d_model=4096, dtype="bfloat16", vocab_size=128256, block_n=1024, block_v=1024,
+           block_n_bwd=256, block_v_bwd=1024),
+      dict(d_model=4096, dtype="bfloat16", vocab_size=32000, block_n=512, block_v=512,
+           block_n_bwd=128, block_v_bwd=512),
+      dict(d_model=2048, dtype="bfloat16", vocab_size=128256, block_n=4096, block_v=4096,
+           block_n_bwd=4096, block_v_bwd=4096)]}))  # far past 128 MiB of VMEM
+  get = BlockSizes.get_default
+  others = [(4096, jnp.bfloat16, "v5e", 8192, 8000),  # more than 2x from every entry
+            (4096, jnp.float32, "v5e", 8192, 128256), (4096, jnp.bfloat16, "v6e", 8192, 128256),
+            (2048, jnp.bfloat16, "v5e", 8192, 128256)]  # the entry does not fit
+
+  def with_table(directory):
+    monkeypatch.setattr(logprobs_blocks, "TUNED_DIR", str(directory))
+    tuned.load.cache_clear()
+    return [get(d, dt, c, num_tokens=n, vocab_size=v) for d, dt, c, n, v in others]
+
+  try:
+    assert with_table(tmp_path) == with_table(tmp_path / "no-table")
+    with_table(tmp_path)
+    bs = get(4096, jnp.bfloat16, "v5e", num_tokens=8192, vocab_size=100000)
+    assert (bs.block_n, bs.block_v, bs.backward_tiles) == (1024, 1024, (256, 1024)), bs
+    # Hand-sized: 2 x (1024 + 1024) x 4096 bf16 tiles (32 MiB) and 5 [1024, 1024]
+    # float32 temporaries (20 MiB), past the 16 MiB default: the limit raised for them.
+    assert 52 * MiB < bs.vmem_bytes(4096, jnp.bfloat16) <= 0.9 * bs.vmem_limit_bytes
+    assert bs.vmem_limit_bytes <= bs.vmem_bytes(4096, jnp.bfloat16) / 0.9 + MiB
+    small = get(4096, jnp.bfloat16, "v5e", num_tokens=300, vocab_size=40000)
+    assert (small.block_n, small.block_v, small.backward_tiles) == (304, 512, (128, 512))
+    assert get(4096, jnp.bfloat16, "v5e") == bs  # no vocabulary given: the largest
+  finally:
+    tuned.load.cache_clear()
+
+
+def test_shipped_tables_fit_their_chips():
+  """Every shipped entry is what `get_default` gives for its own head: tiles within its
+  generation's VMEM, the scoped limit raised where they need it, that `check` accepts."""
+  names = sorted(os.listdir(logprobs_blocks.TUNED_DIR))
+  assert names, "no table shipped"
+  for name in names:
+    chip = tpu.get_chip(name.removesuffix(".json"))
+    for e in tuned.load(logprobs_blocks.TUNED_DIR, chip.name):
+      bs = BlockSizes.get_default(e["d_model"], e["dtype"], chip, num_tokens=e["num_tokens"],
+                                  vocab_size=e["vocab_size"])
+      assert (bs.block_n, bs.block_v, *bs.backward_tiles) == (
+          e["block_n"], e["block_v"], e["block_n_bwd"], e["block_v_bwd"]), (name, e)
+      bs.check(e["d_model"], e["dtype"], chip)
 
 
 def test_check_names_what_does_not_fit():

@@ -3,9 +3,7 @@ plan, the tiles measured fastest per TPU generation (`tuned/{chip}.json`), and t
 kernels' cost estimate (which tiles a kernel visits: `attention.visits`)."""
 
 import dataclasses
-import functools
-import json
-import math
+import itertools
 import os
 
 import jax.numpy as jnp
@@ -13,11 +11,12 @@ from jax.experimental import pallas as pl
 
 from tunix_kernels import common
 from tunix_kernels import tpu
+from tunix_kernels import tuned
 from tunix_kernels.dispatch import LANES
 
 # Preferred (block_q, block_k), largest first. Larger tiles mean fewer grid steps and
 # re-reads; smaller ones skip masked areas at a finer grain.
-_CANDIDATES = ((512, 512), (256, 512), (256, 256), (128, 256), (128, 128))
+CANDIDATES = ((512, 512), (256, 512), (256, 256), (128, 256), (128, 128))
 # Tiles measured on a chip, one file per generation (`benchmarks/tune_tiles.py` writes
 # them; shipped as package data): `{"entries": [{"head_dim", "dtype", "seq_len",
 # "block_q", "block_k", ...}]}`.
@@ -51,27 +50,41 @@ class BlockSizes:
   def get_default(cls, head_dim, dtype=jnp.bfloat16, chip=None, *, seq_len=None
                   ) -> "BlockSizes":
     """The tiles measured fastest on `chip`'s generation for this head dim and dtype at
-    the nearest measured row length (`tuned_tiles`), else the largest tiles whose VMEM
+    the nearest measured row length (`tuned_tiles`; past the default scoped VMEM with
+    `vmem_limit_bytes` raised, `fitting`), else the largest tiles whose VMEM
     footprint (`vmem_bytes`) fits the chip's default scoped VMEM (the smallest
     generation's, 16 MiB, when `chip` is None); never longer than `seq_len` rounded up
     to 128. Never raises for a valid head dim: when nothing fits it returns the
     smallest tiles and leaves the last word to the compiler."""
     chip = None if chip is None else tpu.get_chip(chip)
     tuned = None if chip is None else tuned_tiles(chip.name, head_dim, dtype, seq_len)
-    return next(cls.fitting(head_dim, dtype, chip, seq_len, ((tuned,) if tuned else ())
-                            + _CANDIDATES), cls(LANES, LANES))
+    measured = (cls.fitting(head_dim, dtype, chip, seq_len, (tuned,), raised=True)
+                if tuned else ())
+    return next(itertools.chain(measured, cls.fitting(head_dim, dtype, chip, seq_len)),
+                cls(LANES, LANES))
 
   @classmethod
-  def fitting(cls, head_dim, dtype, chip, seq_len=None, candidates=_CANDIDATES):
+  def fitting(cls, head_dim, dtype, chip, seq_len=None, candidates=CANDIDATES, *,
+              raised=False):
     """Each of `candidates` (`(block_q, block_k)`, in order), capped at `seq_len`
     rounded up to 128, whose VMEM footprint fits `chip`'s default scoped VMEM (a
-    `tpu.Chip`; None: the smallest generation's)."""
+    `tpu.Chip`; None: the smallest generation's). With `raised` and a known chip, tiles
+    that fit only the chip's whole VMEM come too, their `vmem_limit_bytes` raised as far
+    as they need, and as far as the fused backward needs on rows of `seq_len` where it
+    fits (`backward_plan` then keeps it fused)."""
     scoped = tpu.MIN_SCOPED_VMEM_BYTES if chip is None else chip.scoped_vmem_bytes
     cap = common.round_up(seq_len, LANES) if seq_len else None
     for bq, bk in candidates:
       bs = cls(min(bq, cap or bq), min(bk, cap or bk))
-      if bs.vmem_bytes(head_dim, dtype) <= scoped * tpu.VMEM_HEADROOM:
+      need = bs.vmem_bytes(head_dim, dtype)
+      if need <= scoped * tpu.VMEM_HEADROOM:
         yield bs
+      elif raised and chip is not None and need <= chip.vmem_bytes * tpu.VMEM_HEADROOM:
+        fused = bs.fused_backward_bytes(head_dim, dtype, seq_len) if seq_len else 0
+        if fused <= chip.vmem_bytes * tpu.VMEM_HEADROOM:
+          need = max(need, fused)
+        limit = common.round_up(int(need / tpu.VMEM_HEADROOM), 1 << 20)
+        yield dataclasses.replace(bs, vmem_limit_bytes=min(limit, chip.vmem_bytes))
 
   def tiles(self, seq_len: int) -> tuple[int, int]:
     """`(bq, bk)` for rows of `seq_len` tokens: a row shorter than 128 is one tile."""
@@ -136,33 +149,14 @@ class BlockSizes:
                    "use smaller blocks or BlockSizes.get_default(head_dim, dtype, chip)")
 
 
-@functools.cache
-def tuned_table(chip_name: str) -> tuple[dict, ...]:
-  """The entries of `TUNED_DIR/{chip_name}.json`, () where no table is shipped."""
-  path = os.path.join(TUNED_DIR, f"{chip_name}.json")
-  if not os.path.exists(path):
-    return ()
-  with open(path, encoding="utf-8") as f:
-    return tuple(json.load(f)["entries"])
-
-
 def tuned_tiles(chip_name: str, head_dim: int, dtype, seq_len: int | None
                 ) -> tuple[int, int] | None:
   """`(block_q, block_k)` measured fastest on `chip_name` for `head_dim` and `dtype` at
-  the row length nearest `seq_len` by ratio, within 2x of it (the longest measured when
-  `seq_len` is None), or None where the table has no such entry: a row length far from
-  every measured one is not extrapolated to."""
-  name = jnp.dtype(dtype).name
-  entries = [e for e in tuned_table(chip_name)
-             if e["head_dim"] == head_dim and e["dtype"] == name]
-  if seq_len:
-    entries = [e for e in entries if abs(math.log2(e["seq_len"] / seq_len)) <= 1]
-  if not entries:
-    return None
-  distance = ((lambda e: -e["seq_len"]) if not seq_len
-              else (lambda e: abs(math.log(e["seq_len"] / seq_len))))
-  best = min(entries, key=distance)
-  return best["block_q"], best["block_k"]
+  the row length nearest `seq_len` (`tuned.nearest`: within 2x; the longest measured
+  when `seq_len` is None), or None where the table has no such entry."""
+  best = tuned.lookup(TUNED_DIR, chip_name, "seq_len", seq_len, head_dim=head_dim,
+                      dtype=jnp.dtype(dtype).name)
+  return None if best is None else (best["block_q"], best["block_k"])
 
 
 def causal_tiles(seq_len, bq, bk) -> int:

@@ -2,6 +2,7 @@
 from it per TPU generation, and the kernels' cost estimate."""
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -9,22 +10,27 @@ from jax.experimental import pallas as pl
 
 from tunix_kernels import common
 from tunix_kernels import tpu
+from tunix_kernels import tuned
 from tunix_kernels.dispatch import LANES
 
 SUBLANES = 8
 # Preferred forward (block_n, block_v), largest first. The forward keeps tokens outer,
 # so the weight is re-read once per token block: block_n buys its roofline (v6e needs
 # about 560 flops per HBM byte, 2 x block_n here).
-_CANDIDATES = ((1024, 512), (512, 1024), (512, 512), (256, 512), (256, 256), (128, 256),
+CANDIDATES = ((1024, 512), (512, 1024), (512, 512), (256, 512), (256, 256), (128, 256),
                (128, 128), (64, 128), (16, 128))
 # Preferred fused-backward (block_n, block_v): it keeps the vocabulary outer, so the
 # hidden states and the float32 d_hidden partials move once per vocabulary block and
 # block_v buys its roofline; 256 tokens keep the d_weight matmul's contraction as deep
 # as a v6e MXU.
-_BACKWARD_CANDIDATES = ((256, 2048), (256, 1024), (128, 1024), (256, 512), (128, 512),
+BACKWARD_CANDIDATES = ((256, 2048), (256, 1024), (128, 1024), (256, 512), (128, 512),
                         (128, 256), (128, 128), (64, 128), (16, 128))
 
 
+# Tiles measured on a chip, one file per generation (`benchmarks/tune_tiles.py logprobs`
+# writes them; package data): `{"entries": [{"d_model", "dtype", "num_tokens",
+# "vocab_size", "block_n", "block_v", "block_n_bwd", "block_v_bwd", ...}]}`.
+TUNED_DIR = os.path.join(os.path.dirname(__file__), "tuned")
 # The head the tiles are chosen for when the caller does not know N or V.
 _TYPICAL_N, _TYPICAL_V = 8192, 128256
 
@@ -76,8 +82,10 @@ class BlockSizes:
   @classmethod
   def get_default(cls, d_model, dtype=jnp.bfloat16, chip=None, *, num_tokens=None,
                   vocab_size=None) -> "BlockSizes":
-    """The largest tiles whose VMEM footprint (`vmem_bytes`) fits the chip: whole-D
-    forward and fused-backward tiles when both fit, else split-D tiles for all kernels.
+    """The fused tiles measured fastest on `chip`'s generation for D and the dtype at the
+    nearest measured vocabulary (`tuned_tiles`) where they fit, else the largest tiles
+    whose VMEM footprint (`vmem_bytes`) fits the chip: whole-D forward and
+    fused-backward tiles when both fit, else split-D tiles for all kernels.
 
     Args:
       d_model: hidden size D.
@@ -100,16 +108,16 @@ class BlockSizes:
     v_cap = common.round_up(vocab_size, LANES) if vocab_size else None
     capped = lambda bn, bv: (min(bn, n_cap or bn), min(bv, v_cap or bv))
 
-    def limited(bs):
-      need = bs.vmem_bytes(d_model, dtype)
-      limit = None if need <= scoped * tpu.VMEM_HEADROOM else common.round_up(
-          int(need / tpu.VMEM_HEADROOM), 1 << 20)
-      return dataclasses.replace(bs, vmem_limit_bytes=limit)
-
+    limited = lambda bs: bs.raised(d_model, dtype, chip)
+    measured = chip and tuned_tiles(chip.name, d_model, dtype, vocab_size)
+    if measured:  # measured fastest on this generation, where they fit
+      bs = cls(*capped(*measured[:2]), None, None, *capped(*measured[2:]))
+      if bs.vmem_bytes(d_model, dtype) <= budget:
+        return limited(bs)
     s = jnp.dtype(dtype).itemsize
-    fwd = next((capped(*c) for c in _CANDIDATES
+    fwd = next((capped(*c) for c in CANDIDATES
                 if _fwd_vmem(*capped(*c), d_model, s) <= budget), None)
-    bwd = next((capped(*c) for c in _BACKWARD_CANDIDATES
+    bwd = next((capped(*c) for c in BACKWARD_CANDIDATES
                 if _fused_vmem(*capped(*c), d_model, s) <= budget), None)
     fused = cls(*fwd, None, None, *bwd) if fwd and bwd else None
     # Hidden blocks: multiples of 128 that divide D, largest first (none for D = 2880).
@@ -117,7 +125,7 @@ class BlockSizes:
               if d_model % bd == 0 and bd < d_model]
     split = next((cls(*capped(*c), bd)
                   for min_block_d in (512, LANES)  # rather smaller tiles than a sliver of D
-                  for c in _CANDIDATES for bd in splits if bd >= min(min_block_d, d_model)
+                  for c in CANDIDATES for bd in splits if bd >= min(min_block_d, d_model)
                   if _split_vmem(*capped(*c), bd, d_model, s) <= budget), None)
     plans = [bs for bs in (fused, split) if bs is not None]
     if not plans:
@@ -130,6 +138,15 @@ class BlockSizes:
     # HBM time than the split kernels' extra recompute: the faster on the roofline wins.
     shape = (num_tokens or _TYPICAL_N, d_model, vocab_size or _TYPICAL_V)
     return limited(min(plans, key=lambda bs: roofline_seconds(bs, *shape, dtype, chip)))
+
+  def raised(self, d_model, dtype, chip=None) -> "BlockSizes":
+    """These tiles with `vmem_limit_bytes` as far past `chip`'s default scoped VMEM (a
+    `tpu.Chip`, or None for the smallest generation's) as they need, None within it."""
+    scoped = tpu.MIN_SCOPED_VMEM_BYTES if chip is None else chip.scoped_vmem_bytes
+    need = self.vmem_bytes(d_model, dtype)
+    limit = None if need <= scoped * tpu.VMEM_HEADROOM else common.round_up(
+        int(need / tpu.VMEM_HEADROOM), 1 << 20)
+    return dataclasses.replace(self, vmem_limit_bytes=limit)
 
   def vmem_bytes(self, d_model, dtype) -> int:
     """VMEM the largest of the kernels these tiles run needs (`_fwd_vmem`,
@@ -156,6 +173,17 @@ class BlockSizes:
                    str(self), f"D={d_model} {jnp.dtype(dtype).name}",
                    "use smaller blocks, a block_d, or "
                    "BlockSizes.get_default(d_model, dtype, chip)")
+
+
+def tuned_tiles(chip_name: str, d_model: int, dtype, vocab_size: int | None
+                ) -> tuple[int, int, int, int] | None:
+  """`(block_n, block_v, block_n_bwd, block_v_bwd)` measured fastest on `chip_name` for
+  `d_model` and `dtype` at the vocabulary nearest `vocab_size` (`tuned.nearest`: within
+  2x; the largest measured when it is None), or None where the table has no such entry."""
+  best = tuned.lookup(TUNED_DIR, chip_name, "vocab_size", vocab_size, d_model=d_model,
+                      dtype=jnp.dtype(dtype).name)
+  return None if best is None else tuple(
+      best[k] for k in ("block_n", "block_v", "block_n_bwd", "block_v_bwd"))
 
 
 def roofline_seconds(bs, n, d, v, dtype, chip) -> float:
