@@ -22,22 +22,35 @@ its compiled cost analysis (a Pallas kernel reports its `cost_estimate`) and
 `tunix_kernels.tpu.Chip`'s figures; log-probs also over the 6 N D V compute bound; the
 compiled temporaries; and the error against `naive` (log-probs) or `xla` (attention):
 the largest absolute difference of the values over their largest magnitude, and the
-norm of each gradient's difference over the reference gradient's norm.
+norm of each gradient's difference over the reference gradient's norm. With `--oracle`
+(as `on_chip.sh` runs it) `pallas`, the default tiles (a generation's tuned table), is
+also checked against float64 NumPy on the host (`tests/oracles.py`): the log-probs'
+largest absolute error and the hidden states' gradient on 256 sampled rows (the
+weight's gradient needs every row's logits: checked on the chip only), attention's
+output and gradients for the first KV head's query heads; gradients as the largest
+absolute error over the reference's largest magnitude.
 """
 
 import argparse
+import functools
 import json
+import os
 import statistics
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import tunix_kernels
 from tunix_kernels import attention as attention_lib
 from tunix_kernels import tpu
 from tunix_kernels.logprobs import blocks as logprobs_blocks
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+import oracles  # pylint: disable=g-import-not-at-top,wrong-import-position  (float64 NumPy)
+sys.path.pop(0)
 
 
 def split_tiles(d, dtype, chip, n, v):
@@ -70,9 +83,12 @@ def _errors(out, ref) -> dict:
               grad_errs=[rel(g, r) for g, r in zip(grads, ref_grads)])
 
 
-def measure(fns: dict, args: tuple, repeats: int, chip, reference: str) -> dict:
-  """Compiles each of `fns` on `args`, checks it against `fns[reference]`, and times them
-  interleaved; returns one dict per name (`error` where it did not compile or run)."""
+def measure(fns: dict, args: tuple, repeats: int, chip, reference: str,
+            oracle=None) -> dict:
+  """Compiles each of `fns` on `args`, checks it against `fns[reference]` (and the names
+  in `oracle`, a dict of functions of an output returning more columns, against those),
+  and times them interleaved; returns one dict per name (`error` where it did not compile
+  or run)."""
   rows, compiled, ref = {}, {}, None
   # The reference first, so each other output is checked as it comes and then dropped:
   # four sets of gradients of a large head do not fit the chip at once.
@@ -95,6 +111,8 @@ def measure(fns: dict, args: tuple, repeats: int, chip, reference: str) -> dict:
         ref = out
       elif ref is not None:
         rows[name].update(_errors(out, ref))
+      if name in (oracle or {}):
+        rows[name].update(oracle[name](out))
       del out
     except Exception as e:  # pylint: disable=broad-except  (a table row: OOM, refusal)
       rows[name] = dict(error=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}")
@@ -110,9 +128,11 @@ def measure(fns: dict, args: tuple, repeats: int, chip, reference: str) -> dict:
   return rows
 
 
-def logprobs_case(n, d, v, impls, chip, repeats, interpret) -> dict:
+def logprobs_case(n, d, v, impls, chip, repeats, interpret, oracle=False) -> dict:
   """One head: `hidden [n, d]`, `weight [d, v]` (bf16), each of `impls` (module
-  docstring; with `interpret`, the kernels in interpret mode), checked against `naive`."""
+  docstring; with `interpret`, the kernels in interpret mode), checked against `naive`
+  (and with `oracle` the default tiles' kernels against float64 NumPy on sampled rows,
+  `_logprobs_oracle`)."""
   dtype = jnp.bfloat16
   k = jax.random.split(jax.random.PRNGKey(0), 4)
   args = (jax.random.normal(k[0], (n, d), jnp.float32).astype(dtype),
@@ -130,7 +150,8 @@ def logprobs_case(n, d, v, impls, chip, repeats, interpret) -> dict:
       return value, vjp(g)
     return f
 
-  rows = measure({impl: fn(impl) for impl in impls}, args, repeats, chip, "naive")
+  rows = measure({impl: fn(impl) for impl in impls}, args, repeats, chip, "naive",
+                 oracle and {"pallas": functools.partial(_logprobs_oracle, args)})
   bound_ms = 1e3 * 6 * n * d * v / chip.peak_flops if chip else None
   for row in rows.values():
     if "flops" in row:
@@ -142,9 +163,49 @@ def logprobs_case(n, d, v, impls, chip, repeats, interpret) -> dict:
               impls=rows)
 
 
-def attention_case(t, impls, repeats, interpret, chip, b=1, h=32, kv=8, kdim=128) -> dict:
+def _rows_sample(n: int) -> np.ndarray:
+  """The rows the host oracle checks: the first and last 64 and 128 drawn between."""
+  drawn = np.random.default_rng(0).choice(np.arange(64, max(64, n - 64)),
+                                          min(128, max(0, n - 128)), replace=False)
+  return np.unique(np.concatenate([np.arange(min(64, n)), drawn, np.arange(max(0, n - 64), n)]))
+
+
+def _logprobs_oracle(args, out) -> dict:
+  """The log-probs and the hidden states' gradient of sampled rows against float64 NumPy
+  on the host (`tests/oracles.py`; a row's values and gradient depend on its own logits
+  alone; the weight's gradient needs every row's logits, compared on the chip only)."""
+  h, w, t, g = (np.asarray(x) for x in args)
+  (logp, (dh, _)), rows = out, _rows_sample(h.shape[0])
+  want, _, _ = oracles.numpy_logprobs(h[rows].astype(np.float32), w.astype(np.float32), t[rows])
+  want_dh, _ = oracles.numpy_logprob_grads(h[rows].astype(np.float32), w.astype(np.float32),
+                                           t[rows], g[rows])
+  got, got_dh = np.asarray(logp, np.float64)[rows], np.asarray(dh, np.float64)[rows]
+  return dict(oracle_value_abs=float(np.max(np.abs(got - want))),
+              oracle_grad_errs=[oracles.rel_error(got_dh, want_dh)])
+
+
+def _attention_oracle(args, scale, out) -> dict:
+  """The output and gradients of the first KV head's group (its query heads and the KV
+  head) against float64 NumPy on the host (`tests/oracles.py`), causal rows."""
+  q, kk, vv, g = (np.asarray(x).astype(np.float32) for x in args)
+  G = q.shape[2] // kk.shape[2]
+  b, t = q.shape[:2]
+  pos, ones = np.broadcast_to(np.arange(t), (b, t)), np.ones((b, t), np.int32)
+  mask = oracles.numpy_attention_mask(pos, ones, 0 * ones, 0 * ones, 0)
+  want = oracles.numpy_attention(q[:, :, :G], kk[:, :, :1], vv[:, :, :1], g[:, :, :G], mask,
+                                 scale)
+  value, (dq, dk, dv) = out
+  got = [np.asarray(x, np.float64) for x in (value[:, :, :G], dq[:, :, :G], dk[:, :, :1],
+                                             dv[:, :, :1])]
+  return dict(oracle_value_abs=float(np.max(np.abs(got[0] - want[0]))),
+              oracle_grad_errs=[oracles.rel_error(a, b) for a, b in zip(got[1:], want[1:])])
+
+
+def attention_case(t, impls, repeats, interpret, chip, b=1, h=32, kv=8, kdim=128,
+                   oracle=False) -> dict:
   """`b` causal rows of `t` tokens, `h` query heads over `kv` KV heads of `kdim` (bf16),
-  each of `impls`, checked against `xla`."""
+  each of `impls`, checked against `xla` (and with `oracle` the kernels against float64
+  NumPy for one KV head's group, `_attention_oracle`)."""
   dtype = jnp.bfloat16
   k = jax.random.split(jax.random.PRNGKey(1), 4)
   q = jax.random.normal(k[0], (b, t, h, kdim), jnp.float32).astype(dtype)
@@ -162,7 +223,9 @@ def attention_case(t, impls, repeats, interpret, chip, b=1, h=32, kv=8, kdim=128
       return value, vjp(g)
     return f
 
-  rows = measure({impl: fn(impl) for impl in impls}, (q, kk, vv, g), repeats, chip, "xla")
+  rows = measure({impl: fn(impl) for impl in impls}, (q, kk, vv, g), repeats, chip, "xla",
+                 oracle and {"pallas": functools.partial(_attention_oracle, (q, kk, vv, g),
+                                                         kdim ** -0.5)})
   return dict(op="attention", b=b, t=t, h=h, kv=kv, head_dim=kdim, impls=rows)
 
 
@@ -188,8 +251,10 @@ def _print(case: dict) -> None:
       print(f"{case['op']} {shape} {name}: {r['error']}", flush=True)
       continue
     extra = "".join(f" {k}={r[k]:.3g}" for k in ("roofline_ms", "flops_ndv", "over_bound",
-                                                 "value_err", "tflops") if k in r)
-    grads = " grad_errs=" + ",".join(f"{e:.2g}" for e in r["grad_errs"]) if "grad_errs" in r else ""
+                                                 "value_err", "tflops", "oracle_value_abs")
+                    if k in r)
+    grads = "".join(f" {k}=" + ",".join(f"{e:.2g}" for e in r[k])
+                    for k in ("grad_errs", "oracle_grad_errs") if k in r)
     temp = f" temp={r['temp_bytes'] / 2**20:.0f}MiB" if r.get("temp_bytes") is not None else ""
     print(f"{case['op']} {shape} {name}: {r['ms']:.3f} ms{extra}{temp}{grads}", flush=True)
 
@@ -207,6 +272,10 @@ def main() -> int:
                  "16384:960:49152,16384:896:151936", help="matmul: M:K:N,...")
   p.add_argument("--repeats", type=int, default=7)
   p.add_argument("--out", help="append one JSON line per case")
+  p.add_argument("--oracle", action="store_true", help="also check `pallas` (the default, "
+                 "tuned tiles) against float64 NumPy on the host: log-probs on 256 sampled "
+                 "rows, attention on one KV head's group (rows up to --oracle_max_t)")
+  p.add_argument("--oracle_max_t", type=int, default=8192)
   p.add_argument("--dry_run", action="store_true", help="tiny shapes in interpret mode (CPU)")
   a = p.parse_args()
   chip = tpu.target_chip()
@@ -218,7 +287,8 @@ def main() -> int:
     if a.dry_run:
       heads = [(64, 256, 512)]
     impls = (a.impls or "pallas,split,xla,naive").split(",")
-    cases = (logprobs_case(n, d, v, impls, chip, a.repeats, a.dry_run) for n, d, v in heads)
+    cases = (logprobs_case(n, d, v, impls, chip, a.repeats, a.dry_run, a.oracle)
+             for n, d, v in heads)
   elif a.op == "matmul":
     products = ([(256, 128, 512)] if a.dry_run
                 else [tuple(map(int, x.split(":"))) for x in a.products.split(",")])
@@ -227,6 +297,7 @@ def main() -> int:
     rows = [256] if a.dry_run else [int(t) for t in a.rows.split(",")]
     impls = (a.impls or "pallas,xla").split(",")
     cases = (attention_case(t, impls, a.repeats, a.dry_run, chip, kdim=kdim,
+                            oracle=a.oracle and t <= a.oracle_max_t,
                             **(dict(h=4, kv=2) if a.dry_run else {}))
              for kdim in map(int, a.head_dims.split(",")) for t in rows)
   for case in cases:

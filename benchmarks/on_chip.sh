@@ -10,8 +10,9 @@
 # 120, restarted with and without the compilation cache (RECOVERY_ARGS: more trainer flags,
 # e.g. --model=125m), and "aotcache", the quickstart
 # with the cache that `--compile_only --target_topology=v5e-1` filled on a CPU host, carried
-# as .aot_cache/). Narrowing: LOGPROBS_ARGS (extra arguments of on_chip.py logprobs, e.g.
-# --heads), LOGPROBS_LIMIT, STEP_CASES ("model tokens [flags]" separated by ';'),
+# as .aot_cache/). The kernels' parts check the default tiles against float64 NumPy on
+# the host too (`on_chip.py --oracle`). Narrowing: LOGPROBS_ARGS (extra arguments of
+# on_chip.py logprobs, e.g. --heads), LOGPROBS_LIMIT, ATTENTION_LIMIT, STEP_CASES ("model tokens [flags]" separated by ';'),
 # STEP_LIMIT (seconds per run), STEP_RUNS ("restart": only a restart on the caches an
 # earlier call on the same, still warm, machine filled). Each step case runs twice with
 # its own compilation cache: cold (empty) and a restart by the same command, each timing
@@ -85,9 +86,10 @@ if has tune; then  # tiles measured on this chip (benchmarks/tune_tiles.py), per
     done
   done
 fi
-has logprobs && part logprobs "${LOGPROBS_LIMIT:-270}" python3 benchmarks/on_chip.py logprobs ${LOGPROBS_ARGS:-} --out "$OUT/kernels.jsonl"
-has attention && part attention 150 python3 benchmarks/on_chip.py attention \
-    --head_dims "${HEAD_DIMS:-64,128}" --out "$OUT/kernels.jsonl"
+has logprobs && part logprobs "${LOGPROBS_LIMIT:-270}" python3 benchmarks/on_chip.py logprobs \
+    --oracle ${LOGPROBS_ARGS:-} --out "$OUT/kernels.jsonl"
+has attention && part attention "${ATTENTION_LIMIT:-200}" python3 benchmarks/on_chip.py \
+    attention --oracle --head_dims "${HEAD_DIMS:-64,128}" --out "$OUT/kernels.jsonl"
 if has variants; then  # the same attention cases on earlier commits' kernels
   for dir in .kernel-variants/*/; do
     rev=$(basename "$dir")

@@ -169,7 +169,7 @@ def numpy_attention(q, k, v, g, mask, scale, softcap=0.0):
   q, k, v, g = (np.asarray(x, np.float64) for x in (q, k, v, g))
   G = q.shape[2] // k.shape[2]
   k, v = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)
-  raw = np.einsum("bqhk,bshk->bhqs", q, k) * scale
+  raw = np.einsum("bqhk,bshk->bhqs", q, k, optimize=True) * scale
   s = softcap * np.tanh(raw / softcap) if softcap else raw
   m = mask[:, None]
   s = np.where(m, s, -np.inf)
@@ -177,14 +177,14 @@ def numpy_attention(q, k, v, g, mask, scale, softcap=0.0):
   e = np.where(m, np.exp(s - np.where(np.isfinite(top), top, 0.0)), 0.0)
   total = e.sum(-1, keepdims=True)
   p = e / np.where(total > 0, total, 1.0)
-  out = np.einsum("bhqs,bshk->bqhk", p, v)
-  dp = np.einsum("bqhk,bshk->bhqs", g, v)
+  out = np.einsum("bhqs,bshk->bqhk", p, v, optimize=True)
+  dp = np.einsum("bqhk,bshk->bhqs", g, v, optimize=True)
   ds = p * (dp - np.sum(p * dp, axis=-1, keepdims=True))
   if softcap:
     ds = ds * (1.0 - np.tanh(raw / softcap) ** 2)
-  dq = np.einsum("bhqs,bshk->bqhk", ds, k) * scale
-  dk = np.einsum("bhqs,bqhk->bshk", ds, q) * scale
-  dv = np.einsum("bhqs,bqhk->bshk", p, g)
+  dq = np.einsum("bhqs,bshk->bqhk", ds, k, optimize=True) * scale
+  dk = np.einsum("bhqs,bqhk->bshk", ds, q, optimize=True) * scale
+  dv = np.einsum("bhqs,bqhk->bshk", p, g, optimize=True)
   B, T, KV, K = dk.shape[0], dk.shape[1], dk.shape[2] // G, dk.shape[3]
   fold = lambda x: x.reshape(B, T, KV, G, K).sum(3)
   return out, dq, fold(dk), fold(dv)

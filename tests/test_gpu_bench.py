@@ -11,6 +11,8 @@ import sys
 import numpy as np
 import pytest
 
+import oracles
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SPEC = importlib.util.spec_from_file_location("gpu_bench",
                                                os.path.join(REPO, "benchmarks", "gpu.py"))
@@ -67,14 +69,26 @@ def test_on_chip_dry_run_checks_every_impl_against_the_reference():
   on_chip = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(on_chip)
   case = on_chip.logprobs_case(64, 256, 512, ["pallas", "split", "xla", "naive"], None,
-                               repeats=1, interpret=True)
+                               repeats=1, interpret=True, oracle=True)
   assert case["split_tiles"].endswith("D 128"), case  # the split kernels did run split
   for name in ("pallas", "split", "xla"):
     r = case["impls"][name]
     assert r["ms"] > 0 and r["value_err"] < 1e-6 and max(r["grad_errs"]) < 1e-2, (name, r)
-  case = on_chip.attention_case(256, ["pallas", "xla"], 1, True, None, h=4, kv=2, kdim=128)
+  # The default kernels against float64 NumPy on the host too (the gradient in bf16).
+  r = case["impls"]["pallas"]
+  assert r["oracle_value_abs"] < 1e-5 and max(r["oracle_grad_errs"]) < 1e-2, r
+  case = on_chip.attention_case(256, ["pallas", "xla"], 1, True, None, h=4, kv=2, kdim=128,
+                                oracle=True)
   r = case["impls"]["pallas"]
   assert r["value_err"] < 1e-2 and max(r["grad_errs"]) < 1e-2, r
+  assert r["oracle_value_abs"] < 2e-2 and max(r["oracle_grad_errs"]) < 1e-2, r
+  # The host oracle flags a wrong answer: its own float64 answer, moved by 1e-3 and 1%.
+  rng = np.random.default_rng(0)
+  h, w = rng.normal(size=(8, 16)), rng.normal(size=(16, 32))
+  t, g = rng.integers(0, 32, 8), rng.normal(size=8)
+  logp, dh = oracles.numpy_logprobs(h, w, t)[0], oracles.numpy_logprob_grads(h, w, t, g)[0]
+  bad = on_chip._logprobs_oracle((h, w, t, g), (logp + 1e-3, (dh * 1.01, None)))
+  assert bad["oracle_value_abs"] > 9e-4 and bad["oracle_grad_errs"][0] > 9e-3, bad
   # The tile tuner (benchmarks/tune_tiles.py) on the same measure: every candidate that
   # fits is timed and checked, and the choice is the fastest of them.
   sys.path.insert(0, os.path.join(REPO, "benchmarks"))
