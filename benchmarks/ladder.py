@@ -126,8 +126,10 @@ def main():
   if not aot_tpu.has_libtpu():
     raise SystemExit("needs libtpu (the `tpu` extra)")
   if a.split_backward:
-    # The default tiles take the faster backward on the chip's roofline; rank the split
-    # pair first instead (the fused one stays where only it fits).
+    # The default tiles take a measured table's (fused) tiles, else the faster backward
+    # on the chip's roofline; rank the split pair first instead (the fused one stays
+    # where only it fits).
+    logprobs_blocks.tuned_tiles = lambda *_: None
     logprobs_blocks.roofline_seconds = lambda bs, *_: float(bs.fused)
   if a.row is not None:
     print("RESULT " + json.dumps(measure(a.row)))

@@ -24,8 +24,8 @@
 #
 # "tune": benchmarks/tune_tiles.py for TUNE_OPS (default "attention logprobs"), its
 # arguments in TUNE_ATTENTION_ARGS / TUNE_LOGPROBS_ARGS (e.g. --merge --seq_lens 8192),
-# TUNE_LIMIT seconds each; the tables land in the tree (the later parts use them) and in
-# $OUT as tuned_OP_CHIP.json.
+# TUNE_LIMIT seconds each; the tables land in the package copy under /tmp/site that the
+# later parts import (the carried tree is read-only) and in $OUT as tuned_OP_CHIP.json.
 #
 # "matmul": what the chip sustains on bf16 products of the step's shapes. "profile": the
 # step's time per part (benchmarks/step_profile.py) for PROFILE_CASES (default STEP_CASES),
@@ -77,7 +77,7 @@ part() {  # part NAME LIMIT CMD...: one process, its output into $OUT/NAME.txt
       | tail -n 40
 }
 if has tune; then  # tiles measured on this chip (benchmarks/tune_tiles.py), per TUNE_OPS:
-  # each table written in place, so the later parts of the call use it, and into $OUT
+  # each table written into the package copy the later parts import, and into $OUT
   for op in ${TUNE_OPS:-attention logprobs}; do
     args_var="TUNE_${op^^}_ARGS"
     part tune "${TUNE_LIMIT:-400}" python3 benchmarks/tune_tiles.py "$op" ${!args_var:-}
@@ -86,7 +86,7 @@ if has tune; then  # tiles measured on this chip (benchmarks/tune_tiles.py), per
     done
   done
 fi
-has logprobs && part logprobs "${LOGPROBS_LIMIT:-270}" python3 benchmarks/on_chip.py logprobs \
+has logprobs && part logprobs "${LOGPROBS_LIMIT:-330}" python3 benchmarks/on_chip.py logprobs \
     --oracle ${LOGPROBS_ARGS:-} --out "$OUT/kernels.jsonl"
 has attention && part attention "${ATTENTION_LIMIT:-200}" python3 benchmarks/on_chip.py \
     attention --oracle --head_dims "${HEAD_DIMS:-64,128}" --out "$OUT/kernels.jsonl"

@@ -19,7 +19,9 @@ Log-probs: each case is a head `hidden [N, D] @ weight [D, V]` (bf16, `--lm_head
 forward's tiles are timed on the forward alone, then the fused backward's on forward +
 backward with the fastest forward tiles, each checked against the chunked XLA path.
 
-The entry keeps every candidate's time beside the choice.
+The entry keeps every candidate's time beside the choice, and when and on what it was
+measured (`measured`); the table is rewritten after each entry, and `--merge` keeps its
+entries of the cases not measured now.
 """
 
 import argparse
@@ -35,6 +37,7 @@ import jax.numpy as jnp
 import on_chip  # benchmarks/on_chip.py: `measure`, the interleaved timer
 import tunix_kernels
 from tunix_kernels import attention as attention_lib
+from tunix_kernels import common
 from tunix_kernels import tpu
 from tunix_kernels.attention import blocks as attention_blocks
 from tunix_kernels.logprobs import blocks as logprobs_blocks
@@ -106,7 +109,9 @@ def logprobs_entry(n: int, d: int, v: int, chip, repeats: int, interpret: bool):
           jax.random.randint(k[2], (n,), 0, v), jax.random.normal(k[3], (n,), jnp.float32))
   kernel = "interpret" if interpret else "pallas"
   room = (chip.vmem_bytes if chip else tpu.MIN_SCOPED_VMEM_BYTES) * tpu.VMEM_HEADROOM
-  cap = lambda bn, bv: (min(bn, n), min(bv, v))
+  # Capped as `get_default` caps: at N and V rounded up to the TPU tiling.
+  n_cap, v_cap = common.round_up(n, 16), common.round_up(v, 128)
+  cap = lambda bn, bv: (min(bn, n_cap), min(bv, v_cap))
 
   def fn(impl, bs, backward):
     def f(h, w, t, g):
@@ -117,8 +122,9 @@ def logprobs_entry(n: int, d: int, v: int, chip, repeats: int, interpret: bool):
       return value, vjp(g)
     return f
 
-  default = Tiles.get_default(d, dtype, chip, num_tokens=n, vocab_size=v)
-  stages, best = {}, default
+  # From the rule's tiles (not a table's), fused: the stages time the fused backward.
+  default = Tiles.get_default(d, dtype, chip, num_tokens=n, vocab_size=v, measured=False)
+  stages, best = {}, dataclasses.replace(default, block_d=None)
   for stage, candidates in (
       ("forward", FORWARD), ("backward", BACKWARD)):
     fields = ("block_n", "block_v") if stage == "forward" else ("block_n_bwd", "block_v_bwd")
@@ -135,7 +141,8 @@ def logprobs_entry(n: int, d: int, v: int, chip, repeats: int, interpret: bool):
   return dict(d_model=d, dtype="bfloat16", num_tokens=n, vocab_size=v,
               block_n=best.block_n, block_v=best.block_v, block_n_bwd=best.block_n_bwd,
               block_v_bwd=best.block_v_bwd,
-              default=[default.block_n, default.block_v, *default.backward_tiles],
+              rule=[default.block_n, default.block_v, default.block_d,
+                    *default.backward_tiles],
               ms_forward=_times(stages["forward"]), ms=_times(stages["backward"]),
               errors={f"{stage} {name}": r["error"] for stage, rows in stages.items()
                       for name, r in rows.items() if "error" in r})
@@ -188,19 +195,21 @@ def main() -> int:
   if a.merge and os.path.exists(out):
     with open(out, encoding="utf-8") as f:
       kept = json.load(f)["entries"]
+  device = jax.devices()[0]
+  measured = dict(date=datetime.date.today().isoformat(), jax=jax.__version__,
+                  platform_version=getattr(device.client, "platform_version", ""))
   entries = []
-  for entry in cases:
-    entries.append(entry)
+  for entry in cases:  # the table rewritten after each entry: a cut-off run keeps its own
+    entries.append(dict(entry, measured=measured))
     print(json.dumps(entry), flush=True)
-  table = dict(chip=name, device_kind=jax.devices()[0].device_kind, jax=jax.__version__,
-               platform_version=getattr(jax.devices()[0].client, "platform_version", ""),
-               date=datetime.date.today().isoformat(), how=f"benchmarks/tune_tiles.py {a.op}: "
-               + how, entries=[e for e in kept if key(e) not in set(map(key, entries))]
-               + entries)
-  os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-  with open(out, "w", encoding="utf-8") as f:
-    json.dump(table, f, indent=1)
-    f.write("\n")
+    done = set(map(key, entries))
+    table = dict(chip=name, device_kind=device.device_kind, **measured,
+                 how=f"benchmarks/tune_tiles.py {a.op}: " + how,
+                 entries=[e for e in kept if key(e) not in done] + entries)
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w", encoding="utf-8") as f:
+      json.dump(table, f, indent=1)
+      f.write("\n")
   print(f"wrote {out}", flush=True)
   return 0
 

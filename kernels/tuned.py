@@ -23,16 +23,16 @@ def load(directory: str, chip_name: str) -> tuple[dict, ...]:
 
 
 def nearest(entries, field: str, value: int | None) -> dict | None:
-  """The entry whose `field` is nearest `value` by ratio, within 2x of it (the largest
-  when `value` is None), or None: a problem far from every measured one is not
-  extrapolated to."""
+  """The entry whose `field` is nearest `value` by ratio, within 2x of it (the larger of
+  two equally near; the largest when `value` is None), or None: a problem far from every
+  measured one is not extrapolated to."""
   if value:
     entries = [e for e in entries if abs(math.log2(e[field] / value)) <= 1]
   if not entries:
     return None
   if not value:
     return max(entries, key=lambda e: e[field])
-  return min(entries, key=lambda e: abs(math.log(e[field] / value)))
+  return min(entries, key=lambda e: (abs(math.log(e[field] / value)), -e[field]))
 
 
 def lookup(directory: str, chip_name: str, field: str, value: int | None, **match

@@ -23,18 +23,22 @@ def numpy_logprobs(h, w, t, ignore_index=IGNORE_INDEX, softcap=None):
   return np.where(ignored, 0.0, picked), logits, lse
 
 
-def numpy_logprob_grads(h, w, t, g, ignore_index=IGNORE_INDEX, softcap=None):
-  """Float64 gradients `(d_hidden, d_weight)` of `numpy_logprobs` for a cotangent g."""
-  _, logits, lse = numpy_logprobs(h, w, t, ignore_index, softcap)
+def numpy_logprob_grads(h, w, t, g, ignore_index=IGNORE_INDEX, softcap=None,
+                        weight_grad=True):
+  """Float64 gradients `(d_hidden, d_weight)` of `numpy_logprobs` for a cotangent g
+  (`d_weight` None without `weight_grad`: it needs every row, `d_hidden` only its own)."""
+  h64, w64 = np.asarray(h, np.float64), np.asarray(w, np.float64)
+  _, logits, lse = numpy_logprobs(h64, w64, t, ignore_index, softcap)
   p = np.exp(logits - lse[..., None])
   ignored = t == ignore_index
-  onehot = np.eye(w.shape[1])[np.where(ignored, 0, t)]
+  onehot = np.zeros_like(p)
+  np.put_along_axis(onehot, np.where(ignored, 0, t)[..., None], 1.0, -1)
   dlogits = np.where(ignored, 0.0, g)[..., None] * (onehot - p)
   if softcap is not None:  # d(c tanh(z / c)) / dz = 1 - tanh(z / c)^2 = 1 - (capped / c)^2
     dlogits = dlogits * (1.0 - (logits / softcap) ** 2)
-  h64, w64 = np.asarray(h, np.float64), np.asarray(w, np.float64)
   dh = dlogits @ w64.T
-  dw = h64.reshape(-1, h64.shape[-1]).T @ dlogits.reshape(-1, w64.shape[1])
+  dw = (h64.reshape(-1, h64.shape[-1]).T @ dlogits.reshape(-1, w64.shape[1])
+        if weight_grad else None)
   return dh, dw
 
 

@@ -316,6 +316,14 @@ def test_get_default_takes_a_generations_measured_tiles(tmp_path, monkeypatch):
     assert 32 << 20 < need <= big.vmem_limit_bytes * tpu.VMEM_HEADROOM
     assert big.vmem_limit_bytes <= need / tpu.VMEM_HEADROOM + (1 << 20)
     assert big.backward_plan(128, jnp.bfloat16, 8192, tpu.get_chip("v5e"))[0]  # fused
+    # Rows of unknown length: the whole VMEM, so tiles chosen once keep longer rows fused.
+    anywhere = get(128, jnp.bfloat16, "v5e")
+    assert (anywhere.block_q, anywhere.block_k) == (1024, 1024)
+    assert anywhere.vmem_limit_bytes == tpu.get_chip("v5e").vmem_bytes
+    assert anywhere.backward_plan(128, jnp.bfloat16, 32768, tpu.get_chip("v5e"))[0]
+    # Equally near two measured lengths: the longer one's, whatever the file's order.
+    for entries in ([dict(t=2048), dict(t=8192)], [dict(t=8192), dict(t=2048)]):
+      assert tuned.nearest(entries, "t", 4096) == dict(t=8192)
     untuned = attention.BlockSizes(512, 512)  # today's rule: the largest that fits
     assert get(64, jnp.float32, "v5e", seq_len=1280) == untuned  # no float32 entry
     assert get(64, jnp.bfloat16, "v4", seq_len=1280) == untuned

@@ -71,7 +71,7 @@ class BlockSizes:
     `tpu.Chip`; None: the smallest generation's). With `raised` and a known chip, tiles
     that fit only the chip's whole VMEM come too, their `vmem_limit_bytes` raised as far
     as they need, and as far as the fused backward needs on rows of `seq_len` where it
-    fits (`backward_plan` then keeps it fused)."""
+    fits (`backward_plan` then keeps it fused; the whole VMEM when `seq_len` is None)."""
     scoped = tpu.MIN_SCOPED_VMEM_BYTES if chip is None else chip.scoped_vmem_bytes
     cap = common.round_up(seq_len, LANES) if seq_len else None
     for bq, bk in candidates:
@@ -80,7 +80,9 @@ class BlockSizes:
       if need <= scoped * tpu.VMEM_HEADROOM:
         yield bs
       elif raised and chip is not None and need <= chip.vmem_bytes * tpu.VMEM_HEADROOM:
-        fused = bs.fused_backward_bytes(head_dim, dtype, seq_len) if seq_len else 0
+        # Rows of unknown length: the whole VMEM, so no row's fused backward is refused.
+        fused = (bs.fused_backward_bytes(head_dim, dtype, seq_len) if seq_len
+                 else chip.vmem_bytes * tpu.VMEM_HEADROOM)
         if fused <= chip.vmem_bytes * tpu.VMEM_HEADROOM:
           need = max(need, fused)
         limit = common.round_up(int(need / tpu.VMEM_HEADROOM), 1 << 20)

@@ -81,7 +81,7 @@ class BlockSizes:
 
   @classmethod
   def get_default(cls, d_model, dtype=jnp.bfloat16, chip=None, *, num_tokens=None,
-                  vocab_size=None) -> "BlockSizes":
+                  vocab_size=None, measured=True) -> "BlockSizes":
     """The fused tiles measured fastest on `chip`'s generation for D and the dtype at the
     nearest measured vocabulary (`tuned_tiles`) where they fit, else the largest tiles
     whose VMEM footprint (`vmem_bytes`) fits the chip: whole-D forward and
@@ -96,6 +96,8 @@ class BlockSizes:
         chip may get larger tiles with the limit raised, up to `VMEM_HEADROOM` of its VMEM.
       num_tokens, vocab_size: N and V when known; tiles never exceed them (rounded up to
         the TPU tiling), so small problems get small grids.
+      measured: read the generation's table; False: the rule alone (what the tuner
+        starts from).
 
     Never raises for a valid D and dtype: when no tiles fit (a huge D, or one without a
     divisor that is a multiple of 128) it returns the smallest, unchecked.
@@ -109,9 +111,9 @@ class BlockSizes:
     capped = lambda bn, bv: (min(bn, n_cap or bn), min(bv, v_cap or bv))
 
     limited = lambda bs: bs.raised(d_model, dtype, chip)
-    measured = chip and tuned_tiles(chip.name, d_model, dtype, vocab_size)
-    if measured:  # measured fastest on this generation, where they fit
-      bs = cls(*capped(*measured[:2]), None, None, *capped(*measured[2:]))
+    tuned = measured and chip and tuned_tiles(chip.name, d_model, dtype, vocab_size)
+    if tuned:  # measured fastest on this generation, where they fit
+      bs = cls(*capped(*tuned[:2]), None, None, *capped(*tuned[2:]))
       if bs.vmem_bytes(d_model, dtype) <= budget:
         return limited(bs)
     s = jnp.dtype(dtype).itemsize
@@ -146,6 +148,8 @@ class BlockSizes:
     need = self.vmem_bytes(d_model, dtype)
     limit = None if need <= scoped * tpu.VMEM_HEADROOM else common.round_up(
         int(need / tpu.VMEM_HEADROOM), 1 << 20)
+    if limit and chip is not None:
+      limit = min(limit, chip.vmem_bytes)
     return dataclasses.replace(self, vmem_limit_bytes=limit)
 
   def vmem_bytes(self, d_model, dtype) -> int:
