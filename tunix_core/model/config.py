@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import tunix_kernels
 from tunix_kernels import attention as attention_lib
 
-RematPolicy = Literal["none", "full", "full_prefetch", "dots", "dots_no_batch", "offload"]
+RematPolicy = Literal["none", "full", "full_prefetch", "dots", "dots_no_batch", "attention",
+                      "offload"]
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -32,6 +33,9 @@ ROPE_TYPES = ("default", "linear", "llama3")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
+# Names (`jax.ad_checkpoint.checkpoint_name`) of the attention block's q/k/v projections
+# (with their biases) and its output projection, which `--remat=attention` keeps.
+ATTENTION_PROJECTIONS, ATTENTION_OUTPUT = "attention_projections", "attention_output"
 _ATTENTION = jax.checkpoint_policies.save_only_these_names(attention_lib.RESIDUALS)
 REMAT_POLICIES = {
     "none": None,
@@ -46,6 +50,11 @@ REMAT_POLICIES = {
         jax.checkpoint_policies.checkpoint_dots, _ATTENTION),
     "dots_no_batch": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims, _ATTENTION),
+    # What attention's backward needs (its projections, the kernels' out and log-sum-exp)
+    # and the block's output; the norms and the MLP run again: its [T, F] activations,
+    # the largest of a layer, are not kept. Between dots and full in memory and time.
+    "attention": jax.checkpoint_policies.save_only_these_names(
+        attention_lib.RESIDUALS, ATTENTION_PROJECTIONS, ATTENTION_OUTPUT),
     # The layer's matmul outputs (our projections are 2-D dots) go to pinned host memory
     # in the forward and come back for the backward: neither held in HBM nor recomputed.
     "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device",

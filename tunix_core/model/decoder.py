@@ -13,6 +13,7 @@ builds them, for evaluation and tests only).
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from tunix_kernels import attention as attention_lib
@@ -144,7 +145,8 @@ def self_attention(x_BxTxD, layer, setting, positions_BxT, mask_BxT, cfg: ModelC
       q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis, scale=attention_scale(cfg),
       softcap=cfg.attn_softcap, window=setting["window"] if cfg.sliding_window else 0,
       impl=cfg.attention_impl)
-  return project(out_BxTxHxK.reshape(B * T, -1), layer, "wo", cfg).reshape(B, T, -1)
+  out_NxD = project(out_BxTxHxK.reshape(B * T, -1), layer, "wo", cfg)
+  return checkpoint_name(out_NxD, model_config.ATTENTION_OUTPUT).reshape(B, T, -1)
 
 
 def attention_scale(cfg: ModelConfig) -> float:
@@ -163,6 +165,7 @@ def qkv(x_BxTxD, layer, setting, positions_BxT, cfg: ModelConfig):
   q, k, v = (project(x_NxD, layer, name, cfg) for name in ("wq", "wk", "wv"))
   if cfg.qkv_bias:
     q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
+  q, k, v = (checkpoint_name(x, model_config.ATTENTION_PROJECTIONS) for x in (q, k, v))
   q_BxTxHxK, k_BxTxVxK = q.reshape(B, T, H, K), k.reshape(B, T, KV, K)
   v_BxTxVxK = v.reshape(B, T, KV, K)
   if cfg.qk_norm:

@@ -1,8 +1,9 @@
 """`--remat=auto`: the cheapest rematerialisation policy whose step fits the device.
 
 Rematerialisation trades memory for compute: `none` keeps every activation for the
-backward, `dots` keeps only the matmul outputs and recomputes the rest, `full` recomputes
-each layer's forward. `auto` compiles the plan's step under each policy in that order of
+backward, `dots` keeps only the matmul outputs and recomputes the rest, `attention` keeps
+only what attention's backward needs and recomputes the MLP, `full` recomputes each
+layer's forward. `auto` compiles the plan's step under each policy in that order of
 cost and takes the first whose compiled memory (`need`) fits the device's capacity; a
 step that fits under none of them gets `full` and fails as it would. Without a capacity (CPU and GPU devices:
 host memory, or an unknown bound) it is `none`. Each compile is the very step the run
@@ -20,7 +21,7 @@ from tunix_core.training import executables
 from tunix_core.training import plan as plan_lib
 from tunix_core.training import step as step_lib
 
-CANDIDATES = ("none", "dots", "full")  # cheapest first
+CANDIDATES = ("none", "dots", "attention", "full")  # cheapest first
 
 
 def capacity(devices) -> int | None:
