@@ -57,9 +57,9 @@ class BlockSizes:
     to 128. Never raises for a valid head dim: when nothing fits it returns the
     smallest tiles and leaves the last word to the compiler."""
     chip = None if chip is None else tpu.get_chip(chip)
-    tuned = None if chip is None else tuned_tiles(chip.name, head_dim, dtype, seq_len)
-    measured = (cls.fitting(head_dim, dtype, chip, seq_len, (tuned,), raised=True)
-                if tuned else ())
+    from_table = None if chip is None else tuned_tiles(chip.name, head_dim, dtype, seq_len)
+    measured = (cls.fitting(head_dim, dtype, chip, seq_len, (from_table,), raised=True)
+                if from_table else ())
     return next(itertools.chain(measured, cls.fitting(head_dim, dtype, chip, seq_len)),
                 cls(LANES, LANES))
 

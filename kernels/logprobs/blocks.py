@@ -17,13 +17,13 @@ SUBLANES = 8
 # Preferred forward (block_n, block_v), largest first. The forward keeps tokens outer,
 # so the weight is re-read once per token block: block_n buys its roofline (v6e needs
 # about 560 flops per HBM byte, 2 x block_n here).
-CANDIDATES = ((1024, 512), (512, 1024), (512, 512), (256, 512), (256, 256), (128, 256),
+_CANDIDATES = ((1024, 512), (512, 1024), (512, 512), (256, 512), (256, 256), (128, 256),
                (128, 128), (64, 128), (16, 128))
 # Preferred fused-backward (block_n, block_v): it keeps the vocabulary outer, so the
 # hidden states and the float32 d_hidden partials move once per vocabulary block and
 # block_v buys its roofline; 256 tokens keep the d_weight matmul's contraction as deep
 # as a v6e MXU.
-BACKWARD_CANDIDATES = ((256, 2048), (256, 1024), (128, 1024), (256, 512), (128, 512),
+_BACKWARD_CANDIDATES = ((256, 2048), (256, 1024), (128, 1024), (256, 512), (128, 512),
                         (128, 256), (128, 128), (64, 128), (16, 128))
 
 
@@ -110,16 +110,15 @@ class BlockSizes:
     v_cap = common.round_up(vocab_size, LANES) if vocab_size else None
     capped = lambda bn, bv: (min(bn, n_cap or bn), min(bv, v_cap or bv))
 
-    limited = lambda bs: bs.raised(d_model, dtype, chip)
-    tuned = measured and chip and tuned_tiles(chip.name, d_model, dtype, vocab_size)
-    if tuned:  # measured fastest on this generation, where they fit
-      bs = cls(*capped(*tuned[:2]), None, None, *capped(*tuned[2:]))
+    from_table = measured and chip and tuned_tiles(chip.name, d_model, dtype, vocab_size)
+    if from_table:  # measured fastest on this generation, where they fit
+      bs = cls(*capped(*from_table[:2]), None, None, *capped(*from_table[2:]))
       if bs.vmem_bytes(d_model, dtype) <= budget:
-        return limited(bs)
+        return bs.raised(d_model, dtype, chip)
     s = jnp.dtype(dtype).itemsize
-    fwd = next((capped(*c) for c in CANDIDATES
+    fwd = next((capped(*c) for c in _CANDIDATES
                 if _fwd_vmem(*capped(*c), d_model, s) <= budget), None)
-    bwd = next((capped(*c) for c in BACKWARD_CANDIDATES
+    bwd = next((capped(*c) for c in _BACKWARD_CANDIDATES
                 if _fused_vmem(*capped(*c), d_model, s) <= budget), None)
     fused = cls(*fwd, None, None, *bwd) if fwd and bwd else None
     # Hidden blocks: multiples of 128 that divide D, largest first (none for D = 2880).
@@ -127,7 +126,7 @@ class BlockSizes:
               if d_model % bd == 0 and bd < d_model]
     split = next((cls(*capped(*c), bd)
                   for min_block_d in (512, LANES)  # rather smaller tiles than a sliver of D
-                  for c in CANDIDATES for bd in splits if bd >= min(min_block_d, d_model)
+                  for c in _CANDIDATES for bd in splits if bd >= min(min_block_d, d_model)
                   if _split_vmem(*capped(*c), bd, d_model, s) <= budget), None)
     plans = [bs for bs in (fused, split) if bs is not None]
     if not plans:
@@ -135,11 +134,12 @@ class BlockSizes:
       # the smallest tiles, so tracing never fails; the compiler has the last word.
       return cls(_sublanes(dtype), LANES, splits[-1] if splits else None)
     if chip is None:  # the fused backward's fewer flops, wherever it fits
-      return limited(plans[0])
+      return plans[0].raised(d_model, dtype, chip)
     # On a small VMEM (v4) the fused backward's narrow vocabulary tiles can cost more
     # HBM time than the split kernels' extra recompute: the faster on the roofline wins.
     shape = (num_tokens or _TYPICAL_N, d_model, vocab_size or _TYPICAL_V)
-    return limited(min(plans, key=lambda bs: roofline_seconds(bs, *shape, dtype, chip)))
+    return min(plans, key=lambda bs: roofline_seconds(bs, *shape, dtype, chip)).raised(
+        d_model, dtype, chip)
 
   def raised(self, d_model, dtype, chip=None) -> "BlockSizes":
     """These tiles with `vmem_limit_bytes` as far past `chip`'s default scoped VMEM (a
