@@ -182,8 +182,10 @@ def _logprobs_oracle(args, out) -> dict:
   h, w, t, g = (np.asarray(x) for x in args)
   (logp, (dh, _)), rows = out, _rows_sample(h.shape[0])
   h64, w64 = h[rows].astype(np.float64), w.astype(np.float64)  # one host copy of the head
-  want = oracles.numpy_logprobs(h64, w64, t[rows])[0]
-  want_dh, _ = oracles.numpy_logprob_grads(h64, w64, t[rows], g[rows], weight_grad=False)
+  forward = oracles.numpy_logprobs(h64, w64, t[rows])  # the [rows, V] logits once
+  want = forward[0]
+  want_dh, _ = oracles.numpy_logprob_grads(h64, w64, t[rows], g[rows], weight_grad=False,
+                                           forward=forward)
   got, got_dh = np.asarray(logp, np.float64)[rows], np.asarray(dh, np.float64)[rows]
   return dict(oracle_value_abs=float(np.max(np.abs(got - want))),
               oracle_grad_errs=[oracles.rel_error(got_dh, want_dh)])

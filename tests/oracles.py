@@ -24,11 +24,12 @@ def numpy_logprobs(h, w, t, ignore_index=IGNORE_INDEX, softcap=None):
 
 
 def numpy_logprob_grads(h, w, t, g, ignore_index=IGNORE_INDEX, softcap=None,
-                        weight_grad=True):
+                        weight_grad=True, forward=None):
   """Float64 gradients `(d_hidden, d_weight)` of `numpy_logprobs` for a cotangent g
-  (`d_weight` None without `weight_grad`: it needs every row, `d_hidden` only its own)."""
+  (`d_weight` None without `weight_grad`: it needs every row, `d_hidden` only its own);
+  `forward`: `numpy_logprobs`' result for the same inputs, when the caller has it."""
   h64, w64 = np.asarray(h, np.float64), np.asarray(w, np.float64)
-  _, logits, lse = numpy_logprobs(h64, w64, t, ignore_index, softcap)
+  _, logits, lse = forward or numpy_logprobs(h64, w64, t, ignore_index, softcap)
   p = np.exp(logits - lse[..., None])
   ignored = t == ignore_index
   onehot = np.zeros_like(p)
