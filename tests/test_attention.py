@@ -151,13 +151,13 @@ def _decoded(index, count, outer, inner):
           for i in range(outer)}
 
 
-def _decoded_full(index, count, full, outer, inner):
-  """`{(b, i): set of listed blocks marked full}` of a `Visits` list."""
+def _decoded_kind(index, count, kinds, outer, inner, kind=attention_visits.FULL):
+  """`{(b, i): set of listed blocks marked kind}` of a `Visits` list."""
   B = count.size // outer
-  index, full = (np.asarray(x).reshape(B, outer, inner) for x in (index, full))
+  index, kinds = (np.asarray(x).reshape(B, outer, inner) for x in (index, kinds))
   count = np.asarray(count).reshape(B, outer)
-  return {(b, i): {int(x) for x, f in zip(index[b, i, :count[b, i]], full[b, i]) if f}
-          for b in range(B) for i in range(outer)}
+  return {(b, i): {int(x) for x, f in zip(index[b, i, :count[b, i]], kinds[b, i])
+                   if f == kind} for b in range(B) for i in range(outer)}
 
 
 def test_only_tiles_with_a_visible_entry_are_visited():
@@ -176,12 +176,18 @@ def test_only_tiles_with_a_visible_entry_are_visited():
       (r, i): set(np.flatnonzero(tiles[r, i]).tolist()) for r in range(B) for i in range(n)}
   assert _decoded(got.q_index, got.q_count, n, n) == {
       (r, j): set(np.flatnonzero(tiles[r, :, j]).tolist()) for r in range(B) for j in range(n)}
-  # A tile marked full is visible everywhere, and here every such tile is marked.
+  # A tile marked full is visible everywhere, and here every such tile is marked; one
+  # marked causal is its causal triangle exactly.
   full = mask.reshape(B, n, b, n, b).all(axis=(2, 4))
-  assert _decoded_full(got.kv_index, got.kv_count, got.kv_full, n, n) == {
+  assert _decoded_kind(got.kv_index, got.kv_count, got.kv_kind, n, n) == {
       (r, i): set(np.flatnonzero(full[r, i]).tolist()) for r in range(B) for i in range(n)}
-  assert _decoded_full(got.q_index, got.q_count, got.q_full, n, n) == {
+  assert _decoded_kind(got.q_index, got.q_count, got.q_kind, n, n) == {
       (r, j): set(np.flatnonzero(full[r, :, j]).tolist()) for r in range(B) for j in range(n)}
+  triangle = np.tril(np.ones((b, b), bool))
+  causal = _decoded_kind(got.kv_index, got.kv_count, got.kv_kind, n, n, attention_visits.CAUSAL)
+  assert all((mask[r, i * b:(i + 1) * b, j * b:(j + 1) * b] == triangle).all()
+             for (r, i), js in causal.items() for j in js)
+  assert sum(map(len, causal.values())) > 0
   # By hand: one shared row of a 512-token prompt and two 512-token responses in
   # 128-token tiles. The prompt's 4 query blocks visit 1 + 2 + 3 + 4 tiles; each response
   # block visits the 4 prompt tiles and its own branch's causal ones: 62 of the 78 causal
@@ -192,10 +198,13 @@ def test_only_tiles_with_a_visible_entry_are_visited():
   got = visits(*map(jnp.asarray, (ones, br, pos, ones)), attention_visits.NO_WINDOW, b, b)
   listed = _decoded(got.kv_index, got.kv_count, 12, 12)
   assert int(got.kv_count.sum()) == 62
-  # Of them only the 12 on the diagonal need a mask: 6 below it in the prompt, and in
-  # each branch 16 prompt tiles and 6 of its own below the diagonal.
-  kv_full = np.asarray(got.kv_full).reshape(12, 12)
-  assert sum(kv_full[i, :c].sum() for i, c in enumerate(np.asarray(got.kv_count))) == 50
+  # Of them only the 12 on the diagonal need a mask, the causal comparison alone: 6
+  # below it in the prompt, and in each branch 16 prompt tiles and 6 of its own below
+  # the diagonal, need none.
+  kinds = np.asarray(got.kv_kind).reshape(12, 12)
+  counts = lambda kind: sum((kinds[i, :c] == kind).sum()
+                            for i, c in enumerate(np.asarray(got.kv_count)))
+  assert (counts(attention_visits.FULL), counts(attention_visits.CAUSAL)) == (50, 12)
   assert listed[0, 8] == {0, 1, 2, 3, 8} and listed[0, 11] == {0, 1, 2, 3, 8, 9, 10, 11}
   # Padding keys and windows only ever remove tiles; the lists stay a superset.
   pos, valid, seg, br = _layout(rng, B, T)
@@ -205,7 +214,7 @@ def test_only_tiles_with_a_visible_entry_are_visited():
   needed = mask.reshape(B, n, b, n, b).any(axis=(2, 4))
   assert all(set(np.flatnonzero(needed[r, i])) <= listed[r, i] for r, i in listed)
   full = mask.reshape(B, n, b, n, b).all(axis=(2, 4))
-  marked = _decoded_full(got.kv_index, got.kv_count, got.kv_full, n, n)
+  marked = _decoded_kind(got.kv_index, got.kv_count, got.kv_kind, n, n)
   assert all(marked[r, i] <= set(np.flatnonzero(full[r, i])) for r, i in marked)
 
 

@@ -29,7 +29,7 @@ from tunix_kernels.attention.tiles import TileDims
 from tunix_kernels.common import out_struct
 
 
-def _fused_kernel(q_index, q_count, q_full, window, q_ref, k_ref, v_ref, qv_ref, kv_ref,
+def _fused_kernel(q_index, q_count, q_kind, window, q_ref, k_ref, v_ref, qv_ref, kv_ref,
                   do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, dq_sc, dk_sc, dv_sc,
                   *, d: TileDims):
   b, kj, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
@@ -60,12 +60,12 @@ def _fused_kernel(q_index, q_count, q_full, window, q_ref, k_ref, v_ref, qv_ref,
     dq_sc[rows, :] += jax.lax.dot_general(ds, k, (((0,), (0,)), ((), ())),
                                           preferred_element_type=F32)
 
-  tiles.when_visited(i < q_count[col], q_full[col * d.nq + i], visit, lambda: tiles.mask(
-      qi, kj, qv_ref[0], kv_ref[0], window[0], d, keys_down=True))
+  tiles.when_visited(i < q_count[col], q_kind[col * d.nq + i], visit, qi, kj, qv_ref[0],
+                     kv_ref[0], window[0], d, keys_down=True)
 
   @pl.when(i == d.nq - 1)
   def _finish_block():
-    dk_ref[0, 0] = (dk_sc[...] * d.scale).astype(dk_ref.dtype)
+    dk_ref[0, 0] = (dk_sc[...] * d.dk_scale).astype(dk_ref.dtype)
     dv_ref[0, 0] = dv_sc[...].astype(dv_ref.dtype)
 
   @pl.when((kj == d.nk - 1) & (i == d.nq - 1))
@@ -113,12 +113,12 @@ def _fused(d: TileDims, q, k, v, rows, do, lse, delta):
       interpret=d.interpret,
       name="attention_bwd",
       cost_estimate=tiles.cost("bwd", q, d),
-  )(vis.q_index, vis.q_count, vis.q_full, rows.window, *args)
+  )(vis.q_index, vis.q_count, vis.q_kind, rows.window, *args)
   per_group = lambda x_h, x: x_h.reshape(B, KV, d.groups, T, K).sum(axis=2).astype(x.dtype)
   return dq, per_group(dk_h, k), per_group(dv_h, v)
 
 
-def _dq_kernel(kv_index, kv_count, kv_full, window, q_ref, k_ref, v_ref, qv_ref, kv_ref,
+def _dq_kernel(kv_index, kv_count, kv_kind, window, q_ref, k_ref, v_ref, qv_ref, kv_ref,
                do_ref, lse_ref, delta_ref, dq_ref, acc_sc, *, d: TileDims):
   b, qi, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   row = b * d.nq + qi
@@ -138,15 +138,15 @@ def _dq_kernel(kv_index, kv_count, kv_full, window, q_ref, k_ref, v_ref, qv_ref,
     acc_sc[...] += jax.lax.dot_general(ds.astype(k.dtype), k, (((0,), (0,)), ((), ())),
                                        preferred_element_type=F32)
 
-  tiles.when_visited(j < kv_count[row], kv_full[row * d.nk + j], visit, lambda: tiles.mask(
-      qi, kj, qv_ref[0], kv_ref[0], window[0], d, keys_down=True))
+  tiles.when_visited(j < kv_count[row], kv_kind[row * d.nk + j], visit, qi, kj, qv_ref[0],
+                     kv_ref[0], window[0], d, keys_down=True)
 
   @pl.when(j == d.nk - 1)
   def _finish():
     dq_ref[0, 0] = (acc_sc[...] * d.scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(q_index, q_count, q_full, window, q_ref, k_ref, v_ref, qv_ref, kv_ref,
+def _dkv_kernel(q_index, q_count, q_kind, window, q_ref, k_ref, v_ref, qv_ref, kv_ref,
                 do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_sc, dv_sc, *, d: TileDims):
   b, kj, g, i = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
   col = b * d.nk + kj
@@ -166,12 +166,12 @@ def _dkv_kernel(q_index, q_count, q_full, window, q_ref, k_ref, v_ref, qv_ref, k
     dv_sc[...] += jnp.dot(p.astype(do.dtype), do, preferred_element_type=F32)
     dk_sc[...] += jnp.dot(ds.astype(q.dtype), q, preferred_element_type=F32)
 
-  tiles.when_visited(i < q_count[col], q_full[col * d.nq + i], visit, lambda: tiles.mask(
-      qi, kj, qv_ref[0], kv_ref[0], window[0], d, keys_down=True))
+  tiles.when_visited(i < q_count[col], q_kind[col * d.nq + i], visit, qi, kj, qv_ref[0],
+                     kv_ref[0], window[0], d, keys_down=True)
 
   @pl.when((g == d.groups - 1) & (i == d.nq - 1))
   def _finish():
-    dk_ref[0, 0] = (dk_sc[...] * d.scale).astype(dk_ref.dtype)
+    dk_ref[0, 0] = (dk_sc[...] * d.dk_scale).astype(dk_ref.dtype)
     dv_ref[0, 0] = dv_sc[...].astype(dv_ref.dtype)
 
 
@@ -206,7 +206,7 @@ def _split(d: TileDims, q, k, v, rows, do, lse, delta):
       interpret=d.interpret,
       name="attention_dq",
       cost_estimate=tiles.cost("dq", q, d),
-  )(vis.kv_index, vis.kv_count, vis.kv_full, rows.window, *args)
+  )(vis.kv_index, vis.kv_count, vis.kv_kind, rows.window, *args)
 
   q_block = lambda b, kvh, kj, g, i, idx, *_: idx[(b * d.nk + kj) * d.nq + i]
   head_q_tile = lambda b, kvh, kj, g, i, *s: (b, kvh * d.groups + g, q_block(
@@ -235,7 +235,7 @@ def _split(d: TileDims, q, k, v, rows, do, lse, delta):
       interpret=d.interpret,
       name="attention_dkv",
       cost_estimate=tiles.cost("dkv", q, d),
-  )(vis.q_index, vis.q_count, vis.q_full, rows.window, *args)
+  )(vis.q_index, vis.q_count, vis.q_kind, rows.window, *args)
   return dq, dk, dv
 
 
@@ -243,4 +243,5 @@ def backward(d: TileDims, q, k, v, rows, o, lse, do):
   """`(dq, dk, dv)` in their operands' dtypes from the forward's out and lse (`[B, H, 1,
   T]` float32), by the plan `d.fused_backward` names; `rows` the kernels' `Rows`."""
   delta = jnp.sum(o.astype(F32) * do.astype(F32), axis=-1)[:, :, None, :]  # [B, H, 1, T]
+  q = tiles.prescale(q, d)  # dq is still the original q's: its kernels scale it
   return (_fused if d.fused_backward else _split)(d, q, k, v, rows, do, lse, delta)

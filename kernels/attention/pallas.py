@@ -15,7 +15,9 @@ grid axis walks a query block's list of visible key blocks (forward, dq), or a k
 block's list of query blocks (dk/dv); past the end of the list the index map repeats the
 last block (Pallas does not fetch a block again when its index does not change) and the
 body is skipped, so an invisible tile is neither loaded nor computed. A tile visible
-everywhere (`Visits.kv_full`, `q_full`) runs without its mask (`tiles.when_visited`).
+everywhere runs without a mask, a diagonal tile of one sequence and branch with the
+causal comparison alone (`Visits.kv_kind`, `q_kind`; `tiles.when_visited`). Where the
+scale is a power of two q enters the kernels multiplied by it (`tiles.prescale`).
 
 Ragged `T`: the last tiles run past the row; their rows hold whatever the DMA left
 there and are masked (scores) or zeroed (operands a matmul contracts over) inside the
@@ -56,7 +58,7 @@ class Rows(NamedTuple):
   visits: attention_visits.Visits
 
 
-def _fwd_kernel(kv_index, kv_count, kv_full, window, q_ref, k_ref, v_ref, qv_ref, kv_ref,
+def _fwd_kernel(kv_index, kv_count, kv_kind, window, q_ref, k_ref, v_ref, qv_ref, kv_ref,
                 o_ref, lse_ref, m_sc, l_sc, acc_sc, *, d: TileDims):
   b, qi, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   row = b * d.nq + qi
@@ -82,8 +84,8 @@ def _fwd_kernel(kv_index, kv_count, kv_full, window, q_ref, k_ref, v_ref, qv_ref
     acc_sc[...] = acc_sc[...] * alpha[:, :1] + jnp.dot(
         p.astype(v.dtype), v, preferred_element_type=F32)
 
-  tiles.when_visited(j < kv_count[row], kv_full[row * d.nk + j], visit,
-                lambda: tiles.mask(qi, kj, qv_ref[0], kv_ref[0], window[0], d))
+  tiles.when_visited(j < kv_count[row], kv_kind[row * d.nk + j], visit, qi, kj,
+                     qv_ref[0], kv_ref[0], window[0], d)
 
   @pl.when(j == d.nk - 1)
   def _finish():
@@ -109,6 +111,7 @@ def rows(segments, branches, positions, valid, window_1, bq: int, bk: int) -> Ro
 def forward(d: TileDims, q, k, v, rows: Rows):
   """`(out [B, H, T, K] in q's dtype, lse [B, H, 1, T] float32)`."""
   B, H, T, K = q.shape
+  q = tiles.prescale(q, d)
   vis = rows.visits
   kv_block = lambda b, h, qi, j, idx, *_: idx[(b * d.nq + qi) * d.nk + j]
   q_spec = pl.BlockSpec((1, 1, d.bq, K), lambda b, h, qi, j, *_: (b, h, qi, 0))
@@ -130,7 +133,7 @@ def forward(d: TileDims, q, k, v, rows: Rows):
       interpret=d.interpret,
       name="attention_fwd",
       cost_estimate=tiles.cost("fwd", q, d),
-  )(vis.kv_index, vis.kv_count, vis.kv_full, rows.window, q, k, v, rows.q_cols, rows.k_rows)
+  )(vis.kv_index, vis.kv_count, vis.kv_kind, rows.window, q, k, v, rows.q_cols, rows.k_rows)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

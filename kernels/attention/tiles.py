@@ -2,6 +2,7 @@
 the static `TileDims`, the visibility mask built from the row vectors, the scaled and
 soft-capped scores, and the backward's `p` and `dS`."""
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -11,6 +12,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from tunix_kernels.attention import blocks as attention_blocks
+from tunix_kernels.attention import visits as attention_visits
 
 F32 = jnp.float32
 # The name (`jax.ad_checkpoint.checkpoint_name`) of the forward's out and log-sum-exp, the
@@ -36,6 +38,18 @@ class TileDims(NamedTuple):
   # compiler's default), or, when False, as the dq and the dk/dv kernels.
   fused_backward: bool = False
   fused_vmem_limit_bytes: int | None = None
+
+  @property
+  def prescaled(self):
+    """Whether q enters the kernels already multiplied by `scale` (`prescale`): where
+    the scale is a power of two (1/8 at head dim 64) that is exact, and it saves the
+    vector units, which bound a tile, a multiply per score."""
+    return math.frexp(self.scale)[0] == 0.5
+
+  @property
+  def dk_scale(self):
+    """What dk's accumulated `dS^T q` is multiplied by: 1 when q came prescaled."""
+    return 1.0 if self.prescaled else self.scale
 
   @property
   def ragged_q(self):
@@ -69,6 +83,20 @@ def mask(q_first, k_first, qv, kv, window, d: TileDims, keys_down=False):
   return ok
 
 
+def causal_mask(q_first, k_first, d: TileDims, keys_down=False):
+  """`mask`'s result on a `visits.CAUSAL` tile, where only the causal rule hides
+  entries: one comparison per entry."""
+  shape, q_axis = ((d.bk, d.bq), 1) if keys_down else ((d.bq, d.bk), 0)
+  ahead = (jax.lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
+           - jax.lax.broadcasted_iota(jnp.int32, shape, q_axis))
+  return ahead <= q_first * d.bq - k_first * d.bk
+
+
+def prescale(q, d: TileDims):
+  """`q` times the scale, exactly, where the kernels take it so (`TileDims.prescaled`)."""
+  return q * jnp.asarray(d.scale, q.dtype) if d.prescaled and d.scale != 1 else q
+
+
 def residuals(o, lse):
   """`(o, lse)` named `RESIDUALS` for remat policies."""
   return tuple(checkpoint_name(x, RESIDUALS) for x in (o, lse))
@@ -88,7 +116,8 @@ def real_rows(x, block, first, d: TileDims):
 def scores(q, k, d: TileDims):
   """float32 `q k^T * scale`, soft-capped; and `1 - tanh^2` of the cap (None without)."""
   s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32)
-  s = s * d.scale
+  if not d.prescaled:
+    s = s * d.scale
   if not d.softcap:
     return s, None
   t = jnp.tanh(s * (1.0 / d.softcap))
@@ -107,17 +136,22 @@ def grad_tile(q, k, v, do, lse, delta, ok, d: TileDims):
   return p, ds if dcap is None else ds * dcap
 
 
-def when_visited(listed, full, visit, mask):
-  """In a kernel: `visit(ok)` on a listed tile, `ok` None where `full` (the tile is
-  visible everywhere, so no mask is built or applied), else `mask()`."""
+def when_visited(listed, kind, visit, q_first, k_first, qv, kv, window, d: TileDims,
+                 keys_down=False):
+  """In a kernel: `visit(ok)` on a listed tile, with the mask its `visits` kind needs
+  (None on a FULL tile: nothing is built or applied); the other arguments are `mask`'s."""
 
-  @pl.when(listed & (full == 1))
+  @pl.when(listed & (kind == attention_visits.FULL))
   def _full():
     visit(None)
 
-  @pl.when(listed & (full == 0))
-  def _partial():
-    visit(mask())
+  @pl.when(listed & (kind == attention_visits.CAUSAL))
+  def _causal():
+    visit(causal_mask(q_first, k_first, d, keys_down))
+
+  @pl.when(listed & (kind == attention_visits.MASKED))
+  def _masked():
+    visit(mask(q_first, k_first, qv, kv, window, d, keys_down))
 
 
 def compiler_params(d: TileDims, semantics, vmem_limit_bytes=None):

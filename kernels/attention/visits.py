@@ -1,7 +1,8 @@
 """Which tiles the attention kernels visit: per-block summaries of the `[B, T]` row
 vectors give, for each tile, whether any entry is visible (`visible_tiles`: a tile
-without one is skipped) and whether every entry is (`full_tiles`: its mask is skipped),
-and the per-row lists of them the kernels take by scalar prefetch (`Visits`)."""
+without one is skipped) and which mask a visited tile needs (`tile_kinds`: none where
+every entry is visible, the causal diagonal alone where only that hides entries), and
+the per-row lists of them the kernels take by scalar prefetch (`Visits`)."""
 
 from typing import NamedTuple
 
@@ -12,6 +13,11 @@ import jax.numpy as jnp
 NO_KEY = int(jnp.iinfo(jnp.int32).min)
 # The "window" of unwindowed layers: longer than any row.
 NO_WINDOW = 1 << 30
+# What a listed tile needs (`tile_kinds`): the whole rule evaluated per entry, nothing
+# (every entry visible), or the causal comparison of row indices alone. Masks cost the
+# vector units, which bound a tile, several operations per score: a diagonal tile of one
+# sequence and branch needs only the one comparison.
+MASKED, FULL, CAUSAL = 0, 1, 2
 
 
 class Visits(NamedTuple):
@@ -19,18 +25,17 @@ class Visits(NamedTuple):
 
   kv_index `[B * nq * nk]`: for query block qi of row b, the key blocks with a visible
     entry in ascending order, then the last of them repeated (a repeated block index is
-    not fetched again); kv_count `[B * nq]` how many there are; kv_full `[B * nq * nk]`
-    1 where the listed tile is visible everywhere (the kernels skip its mask), else 0.
-    q_index `[B * nk * nq]`, q_count `[B * nk]` and q_full: the same from the key
-    blocks' side (the dk/dv kernel).
+    not fetched again); kv_count `[B * nq]` how many there are; kv_kind `[B * nq * nk]`
+    the listed tile's `tile_kinds` (MASKED, FULL or CAUSAL). q_index `[B * nk * nq]`,
+    q_count `[B * nk]` and q_kind: the same from the key blocks' side (the backward).
   """
 
   kv_index: jax.Array
   kv_count: jax.Array
-  kv_full: jax.Array
+  kv_kind: jax.Array
   q_index: jax.Array
   q_count: jax.Array
-  q_full: jax.Array
+  q_kind: jax.Array
 
 
 def _summaries(x_BxT, valid_BxT, block):
@@ -76,12 +81,13 @@ def visible_tiles(segments, branches, positions, valid, window, bq, bk) -> jax.A
   return visible & (q(q_pos[0]) - k(k_pos[1]) < window)
 
 
-def full_tiles(segments, branches, positions, valid, window, bq, bk) -> jax.Array:
-  """`[B, nq, nk]` bool: the tiles whose every entry is visible (same arguments as
-  `visible_tiles`; a conservative test: a tile it keeps is visible everywhere, one it
-  drops may still be). Such a tile lies wholly inside the row, below the diagonal, in
-  one segment, its keys all real and of the trunk or of its queries' one branch, and
-  within the window."""
+def tile_kinds(segments, branches, positions, valid, window, bq, bk) -> jax.Array:
+  """`[B, nq, nk]` int32: FULL for a tile whose every entry is visible, CAUSAL for one
+  where only the causal rule hides entries, else MASKED (same arguments as
+  `visible_tiles`; conservative: a tile marked FULL or CAUSAL is so, one marked MASKED
+  may not need the whole rule). Both lie wholly inside the row, in one segment, their
+  keys all real and of the trunk or of their queries' one branch, and within the
+  window; a FULL tile lies below the diagonal as well."""
   B, T = valid.shape
   every = jnp.ones((B, T), bool)
   n_q, n_k = -(-T // bq), -(-T // bk)
@@ -93,29 +99,30 @@ def full_tiles(segments, branches, positions, valid, window, bq, bk) -> jax.Arra
   k_last = (jnp.arange(n_k) + 1) * bk - 1
   q, k = (lambda a: a[:, :, None]), (lambda a: a[:, None, :])
   one = lambda mm: mm[0] == mm[1]
-  below = (q_end <= T)[:, None] & (k_last < T)[None, :] & (k_last[None, :] <= q_first[:, None])
-  full = below[None] & k(k_real) & q(one(q_seg)) & k(one(k_seg)) & (q(q_seg[0]) == k(k_seg[0]))
+  inside = ((q_end <= T)[:, None] & (k_last < T)[None, :])[None]
+  below = (k_last[None, :] <= q_first[:, None])[None]
+  causal = inside & k(k_real) & q(one(q_seg)) & k(one(k_seg)) & (q(q_seg[0]) == k(k_seg[0]))
   trunk = (k(k_br[0]) == 0) & (k(k_br[1]) == 0)
-  full &= trunk | (q(one(q_br)) & k(one(k_br)) & (q(q_br[0]) == k(k_br[0])))
-  return full & (q(q_pos[1]) - k(k_pos[0]) < window)
+  causal &= trunk | (q(one(q_br)) & k(one(k_br)) & (q(q_br[0]) == k(k_br[0])))
+  causal &= q(q_pos[1]) - k(k_pos[0]) < window
+  return jnp.where(causal, jnp.where(below, FULL, CAUSAL), MASKED).astype(jnp.int32)
 
 
-def listed_flags(index, flags_BxRxC):
-  """`flags` (bool `[B, R, C]`) of the tiles a `tile_lists` index lists, in its order,
-  flattened int32 `[B * R * C]` (past a list's end: its last tile's)."""
-  B, R, C = flags_BxRxC.shape
-  return jnp.take_along_axis(flags_BxRxC, index.reshape(B, R, C), axis=-1
-                             ).reshape(-1).astype(jnp.int32)
+def listed_kinds(index, kinds_BxRxC):
+  """`kinds` (int32 `[B, R, C]`) of the tiles a `tile_lists` index lists, in its order,
+  flattened `[B * R * C]` (past a list's end: its last tile's)."""
+  B, R, C = kinds_BxRxC.shape
+  return jnp.take_along_axis(kinds_BxRxC, index.reshape(B, R, C), axis=-1).reshape(-1)
 
 
 def visits(segments, branches, positions, valid, window, bq, bk) -> Visits:
-  """The `Visits` lists of `visible_tiles` and `full_tiles` (same arguments), per row."""
+  """The `Visits` lists of `visible_tiles` and `tile_kinds` (same arguments), per row."""
   visible = visible_tiles(segments, branches, positions, valid, window, bq, bk)
-  full = full_tiles(segments, branches, positions, valid, window, bq, bk)
+  kinds = tile_kinds(segments, branches, positions, valid, window, bq, bk)
   kv_index, kv_count = tile_lists(visible)
   q_index, q_count = tile_lists(jnp.swapaxes(visible, 1, 2))
-  return Visits(kv_index, kv_count, listed_flags(kv_index, full),
-                q_index, q_count, listed_flags(q_index, jnp.swapaxes(full, 1, 2)))
+  return Visits(kv_index, kv_count, listed_kinds(kv_index, kinds),
+                q_index, q_count, listed_kinds(q_index, jnp.swapaxes(kinds, 1, 2)))
 
 
 def row_vectors(segments, branches, positions, valid):
