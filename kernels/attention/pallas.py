@@ -63,8 +63,6 @@ def _fwd_kernel(kv_index, kv_count, kv_kind, window, q_ref, k_ref, v_ref, qv_ref
   b, qi, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   row = b * d.nq + qi
   kj = kv_index[row * d.nk + j]
-  K = o_ref.shape[-1]
-  ones_column = v_ref.shape[-1] > K  # `_with_ones`: the MXU sums p into column K
 
   @pl.when(j == 0)
   def _init():
@@ -78,8 +76,7 @@ def _fwd_kernel(kv_index, kv_count, kv_kind, window, q_ref, k_ref, v_ref, qv_ref
     m_new = jnp.maximum(m_old, jnp.max(tiles.keep(ok, s, MASK_VALUE), axis=1, keepdims=True))
     p = tiles.keep(ok, jnp.exp(s - m_new[:, :1]), 0.0)
     alpha = jnp.exp(m_old - m_new)
-    if not ones_column:
-      l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
+    l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
     m_sc[...] = m_new
     v = v_ref[0, 0]
     if d.ragged_k:
@@ -92,21 +89,12 @@ def _fwd_kernel(kv_index, kv_count, kv_kind, window, q_ref, k_ref, v_ref, qv_ref
 
   @pl.when(j == d.nk - 1)
   def _finish():
-    l = acc_sc[:, K:K + 1] if ones_column else l_sc[:, :1]
+    l = l_sc[:, :1]
     seen = l > 0  # a query that sees no key (a padding query) returns 0
-    o_ref[0, 0] = jnp.where(seen, acc_sc[:, :K] / jnp.where(seen, l, 1.0), 0.0
+    o_ref[0, 0] = jnp.where(seen, acc_sc[...] / jnp.where(seen, l, 1.0), 0.0
                             ).astype(o_ref.dtype)
-    lse = jnp.where(seen, m_sc[...] + jnp.log(jnp.where(seen, l, 1.0)), 0.0)
+    lse = jnp.where(seen, m_sc[...] + jnp.log(jnp.where(seen, l_sc[...], 1.0)), 0.0)
     lse_ref[0, 0] = jnp.transpose(lse)[0:1, :]  # [bq, 128] lane-replicated -> a row
-
-
-def _with_ones(v):
-  """`v [B, KV, T, K]`, and where 2K fits the MXU's 128 columns ones beside it: the
-  forward's `p @ v` then yields each row's sum of p in column K at no cost (the MXU's
-  columns past K idle anyway), which the vector units, a tile's bound, would otherwise
-  add up score by score."""
-  K = v.shape[-1]
-  return jnp.concatenate([v, jnp.ones_like(v)], axis=-1) if 2 * K <= LANES else v
 
 
 def rows(segments, branches, positions, valid, window_1, bq: int, bk: int) -> Rows:
@@ -123,21 +111,20 @@ def rows(segments, branches, positions, valid, window_1, bq: int, bk: int) -> Ro
 def forward(d: TileDims, q, k, v, rows: Rows):
   """`(out [B, H, T, K] in q's dtype, lse [B, H, 1, T] float32)`."""
   B, H, T, K = q.shape
-  q, v = tiles.prescale(q, d), _with_ones(v)
+  q = tiles.prescale(q, d)
   vis = rows.visits
   kv_block = lambda b, h, qi, j, idx, *_: idx[(b * d.nq + qi) * d.nk + j]
   q_spec = pl.BlockSpec((1, 1, d.bq, K), lambda b, h, qi, j, *_: (b, h, qi, 0))
-  kv_spec = lambda width: pl.BlockSpec((1, 1, d.bk, width), lambda b, h, qi, j, *s: (
+  kv_spec = pl.BlockSpec((1, 1, d.bk, K), lambda b, h, qi, j, *s: (
       b, h // d.groups, kv_block(b, h, qi, j, *s), 0))
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=4, grid=(B, H, d.nq, d.nk),
-      in_specs=[q_spec, kv_spec(K), kv_spec(v.shape[-1]),
+      in_specs=[q_spec, kv_spec, kv_spec,
                 pl.BlockSpec((1, d.bq, 3), lambda b, h, qi, j, *_: (b, qi, 0)),
                 pl.BlockSpec((1, 3, d.bk), lambda b, h, qi, j, *s: (
                     b, 0, kv_block(b, h, qi, j, *s)))],
       out_specs=[q_spec, pl.BlockSpec((1, 1, 1, d.bq), lambda b, h, qi, j, *_: (b, h, 0, qi))],
-      scratch_shapes=[pltpu.VMEM((d.bq, LANES), F32)] * 2
-                     + [pltpu.VMEM((d.bq, v.shape[-1]), F32)])
+      scratch_shapes=[pltpu.VMEM((d.bq, LANES), F32)] * 2 + [pltpu.VMEM((d.bq, K), F32)])
   return pl.pallas_call(
       functools.partial(_fwd_kernel, d=d),
       grid_spec=grid_spec,
