@@ -117,7 +117,6 @@ def test_padding_leaves_real_positions_unchanged(side):
 # "full" stays in the fast tier; the other policies differ only in what they save.
 @pytest.mark.parametrize("remat", ["full", pytest.param("dots", marks=pytest.mark.slow),
                                    pytest.param("dots_no_batch", marks=pytest.mark.slow),
-                                   pytest.param("mlp_up", marks=pytest.mark.slow),
                                    pytest.param("attention", marks=pytest.mark.slow)])
 def test_remat_same_gradients(remat):
   params = model.init_params(jax.random.PRNGKey(0), CFG)

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import tunix_kernels
 from tunix_kernels import attention as attention_lib
 
-RematPolicy = Literal["none", "full", "full_prefetch", "dots", "dots_no_batch", "mlp_up",
-                      "attention", "offload"]
+RematPolicy = Literal["none", "full", "full_prefetch", "dots", "dots_no_batch", "attention",
+                      "offload"]
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -36,8 +36,6 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 # Names (`jax.ad_checkpoint.checkpoint_name`) of the attention block's q/k/v projections
 # (with their biases) and its output projection, which `--remat=attention` keeps.
 ATTENTION_PROJECTIONS, ATTENTION_OUTPUT = "attention_projections", "attention_output"
-# The name of the MLP's up projection, which `--remat=mlp_up` keeps besides those.
-MLP_UP = "mlp_up"
 _ATTENTION = jax.checkpoint_policies.save_only_these_names(attention_lib.RESIDUALS)
 REMAT_POLICIES = {
     "none": None,
@@ -57,11 +55,6 @@ REMAT_POLICIES = {
     # the largest of a layer, are not kept. Between dots and full in memory and time.
     "attention": jax.checkpoint_policies.save_only_these_names(
         attention_lib.RESIDUALS, ATTENTION_PROJECTIONS, ATTENTION_OUTPUT),
-    # "attention" and the MLP's up projection `[T, F]`: the backward recomputes the gate
-    # projection alone, one of the MLP's three matmuls where "attention" runs two again.
-    # Between dots (which keeps the gate and the down projection too) and attention.
-    "mlp_up": jax.checkpoint_policies.save_only_these_names(
-        attention_lib.RESIDUALS, ATTENTION_PROJECTIONS, ATTENTION_OUTPUT, MLP_UP),
     # The layer's matmul outputs (our projections are 2-D dots) go to pinned host memory
     # in the forward and come back for the backward: neither held in HBM nor recomputed.
     "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device",

@@ -183,8 +183,7 @@ def mlp(x_BxTxD, layer, cfg: ModelConfig):
   gate = project(x_NxD, layer, "w_gate", cfg)
   gate = (jax.nn.silu(gate) if cfg.mlp_activation == "silu"
           else jax.nn.gelu(gate, approximate=True))
-  up = checkpoint_name(project(x_NxD, layer, "w_up", cfg), model_config.MLP_UP)
-  out_NxD = project(gate * up, layer, "w_down", cfg)
+  out_NxD = project(gate * project(x_NxD, layer, "w_up", cfg), layer, "w_down", cfg)
   return out_NxD.reshape(x_BxTxD.shape[:-1] + (-1,))
 
 

@@ -132,13 +132,13 @@ class TrainConfig:
                          "dtype if narrower than --param_dtype, as bfloat16 on TPU and "
                          "GPU; else --param_dtype).", group="model")
   compute_dtype: str = _flag("auto", "Activation/matmul dtype (auto: bfloat16 on TPU and "
-                             "GPU, float32 on CPU); params keep --param_dtype.", group="model")
+                             "GPU, float32 on CPU); params keep --param_dtype.",
+                             group="model")
   remat: str = _flag("auto", "Rematerialisation of each layer in the backward: auto (the "
-                     "first of none, dots, mlp_up, attention (the MLP recomputed; mlp_up: "
-                     "but its up projection), full whose step fits a TPU chip; else none), "
-                     "offload (matmul outputs to pinned host memory and back), full_prefetch "
-                     "(full, with --fsdp's backward transfers under its compute, for one "
-                     "more layer in HBM).", group="model")
+                     "first of none, dots, attention (the MLP recomputed), full whose step "
+                     "fits a TPU chip; else none), offload (matmul outputs to pinned host "
+                     "memory and back), full_prefetch (full, with --fsdp's backward "
+                     "transfers under its compute, for one more layer in HBM).", group="model")
   export_hf_dir: str = _flag("", "After the last step, write the policy here as a Hugging "
                              "Face directory (with --hf_model_dir's config and tokenizer "
                              "files); empty: no export.", group="model")

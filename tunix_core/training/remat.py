@@ -2,8 +2,7 @@
 
 Rematerialisation trades memory for compute: `none` keeps every activation for the
 backward, `dots` keeps only the matmul outputs and recomputes the rest, `attention` keeps
-only what attention's backward needs and recomputes the MLP (`mlp_up`: all but its gate
-projection, which `dots` keeps too), `full` recomputes each
+only what attention's backward needs and recomputes the MLP, `full` recomputes each
 layer's forward. `auto` compiles the plan's step under each policy in that order of
 cost and takes the first whose compiled memory (`need`) fits the device's capacity; a
 step that fits under none of them gets `full` and fails as it would. Without a capacity (CPU and GPU devices:
@@ -22,7 +21,7 @@ from tunix_core.training import executables
 from tunix_core.training import plan as plan_lib
 from tunix_core.training import step as step_lib
 
-CANDIDATES = ("none", "dots", "mlp_up", "attention", "full")  # cheapest first
+CANDIDATES = ("none", "dots", "attention", "full")  # cheapest first
 
 
 def capacity(devices) -> int | None:
