@@ -8,10 +8,9 @@ Two plans, chosen once per call (`TileDims.fused_backward`, from `BlockSizes`' V
 model): one kernel (`attention_bwd`) that walks each key block's visible query blocks,
 accumulating dk and dv per key block and dq for the whole row in VMEM, so that each
 tile's scores, probabilities and dS are computed once; or, where a row's dq does not fit
-VMEM, two kernels (`attention_dq`, `attention_dkv`) that each compute them again. On a
-v5e the kernels take about the same time at head dim 64 as at 128: the vector units (exp,
-the online softmax, the casts), not the MXU, bound a tile, which is why computing `p`
-and dS once gains (docs/results/tpu_v5e.md). The fused kernel runs per query head and
+VMEM, two kernels (`attention_dq`, `attention_dkv`) that each compute them again (two
+more products per tile and their exp and casts: the fused plan is 18-19% faster on a
+v5e at 8,192 tokens, docs/results/tpu_v5e.md). The fused kernel runs per query head and
 writes dk/dv per query head (float32 under GQA, summed over each key/value head's group
 here).
 """

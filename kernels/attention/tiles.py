@@ -43,7 +43,7 @@ class TileDims(NamedTuple):
   def prescaled(self):
     """Whether q enters the kernels already multiplied by `scale` (`prescale`): where
     the scale is a power of two (1/8 at head dim 64) that is exact, and it saves the
-    vector units, which bound a tile, a multiply per score."""
+    vector units a multiply per score."""
     return math.frexp(self.scale)[0] == 0.5
 
   @property

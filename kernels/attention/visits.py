@@ -14,9 +14,9 @@ NO_KEY = int(jnp.iinfo(jnp.int32).min)
 # The "window" of unwindowed layers: longer than any row.
 NO_WINDOW = 1 << 30
 # What a listed tile needs (`tile_kinds`): the whole rule evaluated per entry, nothing
-# (every entry visible), or the causal comparison of row indices alone. Masks cost the
-# vector units, which bound a tile, several operations per score: a diagonal tile of one
-# sequence and branch needs only the one comparison.
+# (every entry visible), or the causal comparison of row indices alone. The whole rule
+# costs the vector units several operations per score; a diagonal tile of one sequence
+# and branch needs only the one comparison.
 MASKED, FULL, CAUSAL = 0, 1, 2
 
 
