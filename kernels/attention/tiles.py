@@ -114,7 +114,8 @@ def real_rows(x, block, first, d: TileDims):
 
 
 def scores(q, k, d: TileDims):
-  """float32 `q k^T * scale`, soft-capped; and `1 - tanh^2` of the cap (None without)."""
+  """float32 `q k^T * scale` (q came multiplied where `d.prescaled`), soft-capped; and
+  `1 - tanh^2` of the cap (None without)."""
   s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32)
   if not d.prescaled:
     s = s * d.scale
