@@ -60,36 +60,33 @@ class TileDims(NamedTuple):
     return self.t % self.bk != 0
 
 
+def causal_mask(q_first, k_first, d: TileDims, keys_down=False):
+  """The causal rule on the tile of query block `q_first` and key block `k_first`, a
+  key at or before its query in the row: `[bq, bk]`, or `[bk, bq]` with `keys_down`.
+  Alone it is `mask` on a `visits.CAUSAL` tile: one comparison per entry."""
+  shape, q_axis = ((d.bk, d.bq), 1) if keys_down else ((d.bq, d.bk), 0)
+  ahead = (jax.lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
+           - jax.lax.broadcasted_iota(jnp.int32, shape, q_axis))
+  return ahead <= q_first * d.bq - k_first * d.bk
+
+
 def mask(q_first, k_first, qv, kv, window, d: TileDims, keys_down=False):
   """Which entries of the tile of query block `q_first` and key block `k_first` are
   visible: `[bq, bk]` from query vectors `qv [bq, 3]` and key vectors `kv [3, bk]`, or,
   with `keys_down`, `[bk, bq]` from `kv [bk, 3]` and `qv [3, bq]` (the backward's
   orientation)."""
   if keys_down:
-    shape, q_axis = (kv.shape[0], qv.shape[1]), 1
-    q_vec, k_vec = (lambda r: qv[r:r + 1, :]), (lambda r: kv[:, r:r + 1])
+    q_axis, q_vec, k_vec = 1, (lambda r: qv[r:r + 1, :]), (lambda r: kv[:, r:r + 1])
   else:
-    shape, q_axis = (qv.shape[0], kv.shape[1]), 0
-    q_vec, k_vec = (lambda r: qv[:, r:r + 1]), (lambda r: kv[r:r + 1, :])
-  q_index = q_first * d.bq + jax.lax.broadcasted_iota(jnp.int32, shape, q_axis)
-  k_index = k_first * d.bk + jax.lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
-  ok = (k_index <= q_index) & (k_vec(0) == q_vec(0))
+    q_axis, q_vec, k_vec = 0, (lambda r: qv[:, r:r + 1]), (lambda r: kv[r:r + 1, :])
+  ok = causal_mask(q_first, k_first, d, keys_down) & (k_vec(0) == q_vec(0))
   if d.ragged_q or d.ragged_k:  # vectors past the row are garbage
-    ok &= q_index < d.t
+    ok &= q_first * d.bq + jax.lax.broadcasted_iota(jnp.int32, ok.shape, q_axis) < d.t
   branch = k_vec(1)
   ok &= (branch == 0) | (branch == q_vec(1))
   if d.windowed:
     ok &= q_vec(2) - k_vec(2) < window
   return ok
-
-
-def causal_mask(q_first, k_first, d: TileDims, keys_down=False):
-  """`mask`'s result on a `visits.CAUSAL` tile, where only the causal rule hides
-  entries: one comparison per entry."""
-  shape, q_axis = ((d.bk, d.bq), 1) if keys_down else ((d.bq, d.bk), 0)
-  ahead = (jax.lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
-           - jax.lax.broadcasted_iota(jnp.int32, shape, q_axis))
-  return ahead <= q_first * d.bq - k_first * d.bk
 
 
 def prescale(q, d: TileDims):
