@@ -41,8 +41,8 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
 def hlo_ops(hlo_text: str) -> dict:
-  """`{instruction name: (opcode, op_name)}` of every instruction of an HLO module's
-  text (every computation: fusion bodies and loop bodies included)."""
+  """`{instruction name: (opcode, op_name, shape)}` of every instruction of an HLO
+  module's text (every computation: fusion bodies and loop bodies included)."""
   ops = {}
   for line in hlo_text.splitlines():
     m = _INSTRUCTION.match(line)
@@ -51,7 +51,8 @@ def hlo_ops(hlo_text: str) -> dict:
     rest = m.group(2)
     opcode = _OPCODE.search(rest.split(", metadata=")[0])
     op_name = _OP_NAME.search(rest)
-    ops[m.group(1)] = (opcode.group(1) if opcode else "?", op_name.group(1) if op_name else "")
+    ops[m.group(1)] = (opcode.group(1) if opcode else "?", op_name.group(1) if op_name else "",
+                       rest.split("{")[0].split(" ")[0][:80])
   return ops
 
 
@@ -68,16 +69,17 @@ def part_of(op_name: str) -> tuple[str, str]:
   return part, "backward" if backward else "forward"
 
 
-def op_times(trace_dir: str, ops: dict) -> tuple[collections.Counter, int]:
+def op_times(trace_dir: str, ops: dict) -> tuple[collections.Counter, int, collections.Counter]:
   """Summed device time in seconds per `(part, direction)` of the step's ops in the
-  newest profile under `trace_dir`, and how many device ops were counted."""
+  newest profile under `trace_dir`, how many device ops were counted, and the seconds
+  per HLO instruction (what `--top` lists)."""
   from jax.profiler import ProfileData  # pylint: disable=g-import-not-at-top
   path = max(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True),
              key=os.path.getmtime)
   data = ProfileData.from_file(path)
   tpu = [p for p in data.planes  # a chip's ops: its plane's "XLA Ops" line
          if p.name.startswith("/device:") and any(l.name == "XLA Ops" for l in p.lines)]
-  totals, count = collections.Counter(), 0
+  totals, count, per_op = collections.Counter(), 0, collections.Counter()
   for plane in tpu or [p for p in data.planes if p.name == "/host:CPU"]:
     for line in plane.lines:
       if tpu and line.name != "XLA Ops":  # a chip's other lines repeat these ops
@@ -88,13 +90,14 @@ def op_times(trace_dir: str, ops: dict) -> tuple[collections.Counter, int]:
         if name not in ops or ops[name][0] in _CONTROL:
           continue
         totals[part_of(ops[name][1])] += event.duration_ns * 1e-9
+        per_op[name] += event.duration_ns * 1e-9
         count += 1
   if not count:  # a profile laid out otherwise: say what it holds
     for plane in data.planes:
       print(f"profile plane {plane.name}: " + ", ".join(
           f"{line.name} ({[e.name for e in list(line.events)[:3]]})" for line in plane.lines),
             file=sys.stderr)
-  return totals, count
+  return totals, count, per_op
 
 
 def table(result: dict) -> str:
@@ -125,6 +128,8 @@ def main() -> int:
   p.add_argument("--cache_dir", help="the trainer's --compilation_cache_dir")
   p.add_argument("--trace_dir", help="where the profile goes (default: a new temp dir)")
   p.add_argument("--out", help="JSONL the result appends to")
+  p.add_argument("--top", type=int, default=30, help="list this many of the slowest HLO "
+                 "instructions (ms per step, opcode, the scope they were traced under)")
   a = p.parse_args()
 
   import jax  # pylint: disable=g-import-not-at-top
@@ -138,7 +143,12 @@ def main() -> int:
   devices = jax.devices()[:1]
   plan, host = gpu.ours_plan(a, config, pairs, devices)
   steps = step_lib.make_steps(plan, devices)
-  ops = hlo_ops(steps.train_step.lower(*steps.abstract_inputs()).compile().as_text())
+  hlo = steps.train_step.lower(*steps.abstract_inputs()).compile().as_text()
+  ops = hlo_ops(hlo)
+  if a.out:  # beside the results: the compiled step, to read the listed ops in
+    with open(os.path.join(os.path.dirname(os.path.abspath(a.out)),
+                           f"hlo-{a.model}-{a.tokens}.txt"), "w") as f:
+      f.write(hlo)
   state = steps.init_state(jax.random.PRNGKey(0))
   frozen = (train_lib.frozen_copy(state["params"], plan.ref_dtype)
             if plan.reference == "step" else None)
@@ -158,13 +168,17 @@ def main() -> int:
   trace_dir = a.trace_dir or tempfile.mkdtemp(prefix="step-profile-")
   with jax.profiler.trace(trace_dir):
     run(a.steps)
-  totals, count = op_times(trace_dir, ops)
+  totals, count, per_op = op_times(trace_dir, ops)
   result = dict(model=a.model, tokens=a.tokens, pairs=a.pairs, plan=plan.describe(),
                 device=devices[0].device_kind, step_s=step_s, device_ops=count // a.steps,
                 parts_ms={f"{part}/{way}": round(1e3 * s / a.steps, 3)
                           for (part, way), s in sorted(totals.items())},
-                framework=f"jax {jax.__version__}", trace_dir=trace_dir)
+                framework=f"jax {jax.__version__}", trace_dir=trace_dir,
+                top_ops=[(round(1e3 * s / a.steps, 3), name, *ops[name])
+                         for name, s in per_op.most_common(a.top)])
   print(table(result))
+  for ms, name, opcode, op_name, shape in result["top_ops"]:
+    print(f"{ms:9.3f} ms  {name}  {opcode} {shape}  {op_name}")
   if a.out:
     gpu._append(a.out, result)  # pylint: disable=protected-access  (gpu.py's own rows)
   return 0
