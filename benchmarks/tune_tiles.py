@@ -90,7 +90,7 @@ def case(t: int, b: int, h: int, kv: int, kdim: int, chip, repeats: int, interpr
   # VMEM limit raised (capped at the row: some repeat), that fit.
   tiles = {f"{bs.block_q}x{bs.block_k}": bs for bs in attention_lib.BlockSizes.fitting(
       kdim, jnp.bfloat16, chip, t, LARGE_ATTENTION + attention_blocks.CANDIDATES,
-      raised=True)}
+      raised=True, groups=h // kv)}
   fns = {name: fn("interpret" if interpret else "pallas", bs) for name, bs in tiles.items()}
   rows = on_chip.measure(dict(fns, xla=fn("xla")), (q, kk, vv, g), repeats, chip, "xla")
   best = tiles[_fastest(rows, tiles, f"T={t}, K={kdim}")]

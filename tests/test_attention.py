@@ -278,16 +278,20 @@ def test_dispatch_tiles_and_errors():
 
 
 def test_the_backward_is_fused_where_a_rows_dq_fits_vmem():
-  """`BlockSizes.backward_plan`: one kernel where the tiles and a row's dq (its float32
-  accumulator and double-buffered output block, counted by hand here) fit the chip's
-  VMEM, the kernel's limit raised past the default scoped VMEM only as far as it needs;
-  the split kernels where they do not fit, or when asked."""
+  """`BlockSizes.backward_plan`: one kernel where the tiles and the row's dq of each
+  query head of a group (its float32 accumulator and double-buffered output block,
+  counted by hand here) fit the chip's VMEM, the kernel's limit raised past the default
+  scoped VMEM only as far as it needs; the split kernels where they do not fit, or when
+  asked."""
   bf16, v5e, bs = jnp.bfloat16, tpu.get_chip("v5e"), attention.BlockSizes(512, 512)
-  need = bs.vmem_bytes(128, bf16) + 4 * 512 * 128 * 2 + 8192 * 128 * 4 + 2 * 8192 * 128 * 2
-  assert bs.fused_backward_bytes(128, bf16, 8192) == need
-  fused, limit = bs.backward_plan(128, bf16, 8192, v5e)
+  row = 8192 * 128 * 4 + 2 * 8192 * 128 * 2  # 8 MiB per query head of the group
+  assert bs.fused_backward_bytes(128, bf16, 8192) == bs.vmem_bytes(128, bf16) + row
+  need = bs.vmem_bytes(128, bf16) + 4 * row
+  assert bs.fused_backward_bytes(128, bf16, 8192, groups=4) == need
+  fused, limit = bs.backward_plan(128, bf16, 8192, v5e, groups=4)
   assert fused and v5e.scoped_vmem_bytes < limit < v5e.vmem_bytes
   assert need <= limit * tpu.VMEM_HEADROOM <= need + (1 << 20)
+  assert bs.backward_plan(128, bf16, 8192, v5e, groups=16) == (False, None)  # 128 MiB
   assert bs.backward_plan(64, bf16, 1024, v5e) == (True, None)     # the default suffices
   assert bs.backward_plan(128, jnp.float32, 131072, v5e) == (False, None)  # 192 MiB of dq
   assert bs.backward_plan(128, bf16, 8192, None) == (False, None)  # chip unknown: 16 MiB

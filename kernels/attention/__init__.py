@@ -122,7 +122,8 @@ def attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis: Visibility, *, scale: float,
                                        softcap=softcap, block_q=bs.block_q,
                                        block_k=bs.block_k)
   chip = tpu.target_chip()
-  bs = block_sizes or BlockSizes.get_default(K, q_BxTxHxK.dtype, chip, seq_len=T)
+  bs = block_sizes or BlockSizes.get_default(K, q_BxTxHxK.dtype, chip, seq_len=T,
+                                             groups=H // KV)
   if block_sizes is not None:
     bs.check(K, q_BxTxHxK.dtype, chip)
   bq, bk = bs.tiles(T)
@@ -142,7 +143,7 @@ def attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis: Visibility, *, scale: float,
   heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # [B, T, H, K] <-> [B, H, T, K]
   q, k, v = map(heads_first, (q_BxTxHxK, k_BxTxVxK, v_BxTxVxK))
 
-  fused, fused_limit = bs.backward_plan(K, q_BxTxHxK.dtype, T, chip)
+  fused, fused_limit = bs.backward_plan(K, q_BxTxHxK.dtype, T, chip, H // KV)
 
   def run(interpret):
     d = attention_tiles.TileDims(t=T, bq=bq, bk=bk, nq=nq, nk=nk,

@@ -10,9 +10,10 @@ accumulating dk and dv per key block and dq for the whole row in VMEM, so that e
 tile's scores, probabilities and dS are computed once; or, where a row's dq does not fit
 VMEM, two kernels (`attention_dq`, `attention_dkv`) that each compute them again (two
 more products per tile and their exp and casts: the fused plan is 18-19% faster on a
-v5e at 8,192 tokens, docs/results/tpu_v5e.md). The fused kernel runs per query head and
-writes dk/dv per query head (float32 under GQA, summed over each key/value head's group
-here).
+v5e at 8,192 tokens, docs/results/tpu_v5e.md). The fused kernel walks each key/value
+head's group of query heads inside each key block, so dk and dv are summed over the group
+in VMEM and written once per key/value head (no per-query-head partials for XLA to read
+back and sum), while the group's rows of dq stay in VMEM.
 """
 
 import functools
@@ -31,15 +32,15 @@ from tunix_kernels.common import out_struct
 def _fused_kernel(q_index, q_count, q_kind, window, q_ref, k_ref, v_ref, qv_ref, kv_ref,
                   do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, dq_sc, dk_sc, dv_sc,
                   *, d: TileDims):
-  b, kj, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+  b, kj, g, i = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
   col = b * d.nk + kj
   qi = q_index[col * d.nq + i]
 
   @pl.when((kj == 0) & (i == 0))
-  def _init_row():
-    dq_sc[...] = jnp.zeros(dq_sc.shape, F32)
+  def _init_row():  # query head g of the group
+    dq_sc[g] = jnp.zeros(dq_sc.shape[1:], F32)
 
-  @pl.when(i == 0)
+  @pl.when((g == 0) & (i == 0))
   def _init_block():
     dk_sc[...] = jnp.zeros(dk_sc.shape, F32)
     dv_sc[...] = jnp.zeros(dv_sc.shape, F32)
@@ -56,65 +57,63 @@ def _fused_kernel(q_index, q_count, q_kind, window, q_ref, k_ref, v_ref, qv_ref,
     dk_sc[...] += jnp.dot(ds, q, preferred_element_type=F32)
     # [bk, bq] x [bk, K] contracted over bk -> this query block's rows of dq
     rows = pl.ds(pl.multiple_of(qi * d.bq, d.bq), d.bq)
-    dq_sc[rows, :] += jax.lax.dot_general(ds, k, (((0,), (0,)), ((), ())),
-                                          preferred_element_type=F32)
+    dq_sc[g, rows, :] += jax.lax.dot_general(ds, k, (((0,), (0,)), ((), ())),
+                                             preferred_element_type=F32)
 
   tiles.when_visited(i < q_count[col], q_kind[col * d.nq + i], visit, qi, kj, qv_ref[0],
                      kv_ref[0], window[0], d, keys_down=True)
 
-  @pl.when(i == d.nq - 1)
+  @pl.when((g == d.groups - 1) & (i == d.nq - 1))
   def _finish_block():
     dk_ref[0, 0] = (dk_sc[...] * d.dk_scale).astype(dk_ref.dtype)
     dv_ref[0, 0] = dv_sc[...].astype(dv_ref.dtype)
 
   @pl.when((kj == d.nk - 1) & (i == d.nq - 1))
   def _finish_row():
-    dq_ref[0, 0] = (dq_sc[:d.t, :] * d.scale).astype(dq_ref.dtype)
+    dq_ref[0, g] = (dq_sc[g, :d.t, :] * d.scale).astype(dq_ref.dtype)
 
 
 def _fused(d: TileDims, q, k, v, rows, do, lse, delta):
-  """`(dq, dk, dv)` by the one kernel (module docstring)."""
+  """`(dq, dk, dv)` by the one kernel (module docstring): grid `(B, KV, nk, groups,
+  nq)`, the group's rows of dq resident across the key blocks."""
   B, H, T, K = q.shape
   KV = k.shape[1]
   vis = rows.visits
   args = (q, k, v, rows.q_rows, rows.k_cols, do, lse, delta)
-  q_block = lambda b, h, kj, i, idx, *_: idx[(b * d.nk + kj) * d.nq + i]
-  q_tile = lambda b, h, kj, i, *s: (b, h, q_block(b, h, kj, i, *s), 0)
-  q_stat = lambda b, h, kj, i, *s: (b, h, 0, q_block(b, h, kj, i, *s))
-  kv_tile = lambda b, h, kj, i, *_: (b, h // d.groups, kj, 0)
-  head_k_tile = lambda b, h, kj, i, *_: (b, h, kj, 0)
-  # dk, dv per query head: in their own dtype where each KV head has one query head,
-  # else float32 partials, summed over the group below.
-  part = k.dtype if d.groups == 1 else F32
-  dq, dk_h, dv_h = pl.pallas_call(
+  q_block = lambda b, kvh, kj, g, i, idx, *_: idx[(b * d.nk + kj) * d.nq + i]
+  q_tile = lambda b, kvh, kj, g, i, *s: (b, kvh * d.groups + g, q_block(b, kvh, kj, g, i, *s), 0)
+  q_stat = lambda b, kvh, kj, g, i, *s: (b, kvh * d.groups + g, 0, q_block(b, kvh, kj, g, i, *s))
+  kv_tile = lambda b, kvh, kj, g, i, *_: (b, kvh, kj, 0)
+  dq, dk, dv = pl.pallas_call(
       functools.partial(_fused_kernel, d=d),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=4, grid=(B, H, d.nk, d.nq),
+          num_scalar_prefetch=4, grid=(B, KV, d.nk, d.groups, d.nq),
           in_specs=[pl.BlockSpec((1, 1, d.bq, K), q_tile),
                     pl.BlockSpec((1, 1, d.bk, K), kv_tile),
                     pl.BlockSpec((1, 1, d.bk, K), kv_tile),
-                    pl.BlockSpec((1, 3, d.bq), lambda b, h, kj, i, *s: (
-                        b, 0, q_block(b, h, kj, i, *s))),
-                    pl.BlockSpec((1, d.bk, 3), lambda b, h, kj, i, *_: (b, kj, 0)),
+                    pl.BlockSpec((1, 3, d.bq), lambda b, kvh, kj, g, i, *s: (
+                        b, 0, q_block(b, kvh, kj, g, i, *s))),
+                    pl.BlockSpec((1, d.bk, 3), lambda b, kvh, kj, g, i, *_: (b, kj, 0)),
                     pl.BlockSpec((1, 1, d.bq, K), q_tile),
                     pl.BlockSpec((1, 1, 1, d.bq), q_stat),
                     pl.BlockSpec((1, 1, 1, d.bq), q_stat)],
-          out_specs=[pl.BlockSpec((1, 1, T, K), lambda b, h, kj, i, *_: (b, h, 0, 0)),
-                     pl.BlockSpec((1, 1, d.bk, K), head_k_tile),
-                     pl.BlockSpec((1, 1, d.bk, K), head_k_tile)],
-          scratch_shapes=[pltpu.VMEM((d.nq * d.bq, K), F32)]
+          out_specs=[pl.BlockSpec((1, d.groups, T, K), lambda b, kvh, *_: (b, kvh, 0, 0)),
+                     pl.BlockSpec((1, 1, d.bk, K), kv_tile),
+                     pl.BlockSpec((1, 1, d.bk, K), kv_tile)],
+          scratch_shapes=[pltpu.VMEM((d.groups, d.nq * d.bq, K), F32)]
                          + [pltpu.VMEM((d.bk, K), F32)] * 2),
-      out_shape=[out_struct(q.shape, q.dtype, *args),
-                 out_struct((B, H, T, K), part, *args), out_struct((B, H, T, K), part, *args)],
-      # The row's dq stays in VMEM across key blocks: both walks are sequential.
+      out_shape=[out_struct(q.shape, q.dtype, *args), out_struct(k.shape, k.dtype, *args),
+                 out_struct(v.shape, v.dtype, *args)],
+      # The group's dq stays in VMEM across key blocks, dk/dv across the group's heads:
+      # every walk is sequential.
       compiler_params=tiles.compiler_params(d, ("parallel", "parallel", "arbitrary",
-                                                "arbitrary"), d.fused_vmem_limit_bytes),
+                                                "arbitrary", "arbitrary"),
+                                            d.fused_vmem_limit_bytes),
       interpret=d.interpret,
       name="attention_bwd",
       cost_estimate=tiles.cost("bwd", q, d),
   )(vis.q_index, vis.q_count, vis.q_kind, rows.window, *args)
-  per_group = lambda x_h, x: x_h.reshape(B, KV, d.groups, T, K).sum(axis=2).astype(x.dtype)
-  return dq, per_group(dk_h, k), per_group(dv_h, v)
+  return dq, dk, dv
 
 
 def _dq_kernel(kv_index, kv_count, kv_kind, window, q_ref, k_ref, v_ref, qv_ref, kv_ref,

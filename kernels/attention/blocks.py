@@ -47,31 +47,33 @@ class BlockSizes:
     common.check_vmem_limit(self.vmem_limit_bytes)
 
   @classmethod
-  def get_default(cls, head_dim, dtype=jnp.bfloat16, chip=None, *, seq_len=None
-                  ) -> "BlockSizes":
+  def get_default(cls, head_dim, dtype=jnp.bfloat16, chip=None, *, seq_len=None,
+                  groups=1) -> "BlockSizes":
     """The tiles measured fastest on `chip`'s generation for this head dim and dtype at
     the nearest measured row length (`tuned_tiles`; past the default scoped VMEM with
     `vmem_limit_bytes` raised, `fitting`), else the largest tiles whose VMEM
     footprint (`vmem_bytes`) fits the chip's default scoped VMEM (the smallest
     generation's, 16 MiB, when `chip` is None); never longer than `seq_len` rounded up
-    to 128. Never raises for a valid head dim: when nothing fits it returns the
-    smallest tiles and leaves the last word to the compiler."""
+    to 128; `groups` query heads per key/value head (what the fused backward keeps of a
+    row grows with it). Never raises for a valid head dim: when nothing fits it returns
+    the smallest tiles and leaves the last word to the compiler."""
     chip = None if chip is None else tpu.get_chip(chip)
     from_table = None if chip is None else tuned_tiles(chip.name, head_dim, dtype, seq_len)
-    measured = (cls.fitting(head_dim, dtype, chip, seq_len, (from_table,), raised=True)
-                if from_table else ())
+    measured = (cls.fitting(head_dim, dtype, chip, seq_len, (from_table,), raised=True,
+                            groups=groups) if from_table else ())
     return next(itertools.chain(measured, cls.fitting(head_dim, dtype, chip, seq_len)),
                 cls(LANES, LANES))
 
   @classmethod
   def fitting(cls, head_dim, dtype, chip, seq_len=None, candidates=CANDIDATES, *,
-              raised=False):
+              raised=False, groups=1):
     """Each of `candidates` (`(block_q, block_k)`, in order), capped at `seq_len`
     rounded up to 128, whose VMEM footprint fits `chip`'s default scoped VMEM (a
     `tpu.Chip`; None: the smallest generation's). With `raised` and a known chip, tiles
     that fit only the chip's whole VMEM come too, their `vmem_limit_bytes` raised as far
-    as they need, and as far as the fused backward needs on rows of `seq_len` where it
-    fits (`backward_plan` then keeps it fused; the whole VMEM when `seq_len` is None)."""
+    as they need, and as far as the fused backward needs on rows of `seq_len` with
+    `groups` query heads per key/value head where it fits (`backward_plan` then keeps it
+    fused; the whole VMEM when `seq_len` is None)."""
     scoped = tpu.MIN_SCOPED_VMEM_BYTES if chip is None else chip.scoped_vmem_bytes
     cap = common.round_up(seq_len, LANES) if seq_len else None
     for bq, bk in candidates:
@@ -81,7 +83,7 @@ class BlockSizes:
         yield bs
       elif raised and chip is not None and need <= chip.vmem_bytes * tpu.VMEM_HEADROOM:
         # Rows of unknown length: the whole VMEM, so no row's fused backward is refused.
-        fused = (bs.fused_backward_bytes(head_dim, dtype, seq_len) if seq_len
+        fused = (bs.fused_backward_bytes(head_dim, dtype, seq_len, groups) if seq_len
                  else chip.vmem_bytes * tpu.VMEM_HEADROOM)
         if fused <= chip.vmem_bytes * tpu.VMEM_HEADROOM:
           need = max(need, fused)
@@ -111,23 +113,26 @@ class BlockSizes:
     dkv = 2 * (2 * q_rows + 4 * k_rows + vectors + 2 * column) + 2 * bk * K * 4
     return max(fwd, dq, dkv) + temps
 
-  def fused_backward_bytes(self, head_dim, dtype, seq_len) -> int:
-    """VMEM of the fused backward kernel on rows of `seq_len`: the kernels' tiles
-    (`vmem_bytes`), its dk/dv output tiles in float32 (under GQA) and a whole row's dq,
-    its float32 accumulator and its output block (double-buffered)."""
+  def fused_backward_bytes(self, head_dim, dtype, seq_len, groups=1) -> int:
+    """VMEM of the fused backward kernel on rows of `seq_len` with `groups` query heads
+    per key/value head: the kernels' tiles (`vmem_bytes`) and the whole row's dq of
+    every head of a group, its float32 accumulator and its output block
+    (double-buffered)."""
     rows, s = common.round_up(seq_len, self.block_q), jnp.dtype(dtype).itemsize
-    return (self.vmem_bytes(head_dim, dtype) + 2 * 2 * self.block_k * head_dim * (4 - s)
-            + rows * head_dim * 4 + 2 * seq_len * head_dim * s)
+    return (self.vmem_bytes(head_dim, dtype)
+            + groups * (rows * head_dim * 4 + 2 * seq_len * head_dim * s))
 
-  def backward_plan(self, head_dim, dtype, seq_len, chip) -> tuple[bool, int | None]:
-    """`(fused, vmem_limit_bytes)` of the backward on rows of `seq_len` for `chip` (a
+  def backward_plan(self, head_dim, dtype, seq_len, chip, groups=1
+                    ) -> tuple[bool, int | None]:
+    """`(fused, vmem_limit_bytes)` of the backward on rows of `seq_len` with `groups`
+    query heads per key/value head for `chip` (a
     `tpu.Chip` or None: unknown). Room: `vmem_limit_bytes` when set, else the chip's
     VMEM (the smallest generation's default scoped VMEM when the chip is unknown).
     Fused where `fused_backward` says so or, when it is None, where its bytes
     (`fused_backward_bytes`) fit the room, the limit raised past the default scoped VMEM
     only as far as they need; split otherwise. ValueError when `fused_backward=True`
     cannot fit the room."""
-    need = self.fused_backward_bytes(head_dim, dtype, seq_len)
+    need = self.fused_backward_bytes(head_dim, dtype, seq_len, groups)
     room = self.vmem_limit_bytes or (tpu.MIN_SCOPED_VMEM_BYTES if chip is None
                                      else chip.vmem_bytes)
     fits = need <= room * tpu.VMEM_HEADROOM
