@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from tunix_kernels.attention import visits as attention_visits
 from tunix_kernels.attention import gspmd as attention_gspmd
@@ -34,6 +35,7 @@ from tunix_kernels import gspmd as gspmd_lib
 from tunix_kernels import naive
 from tunix_kernels import tpu
 from tunix_kernels.attention.blocks import BlockSizes
+from tunix_kernels.attention.tiles import INPUTS
 from tunix_kernels.attention.tiles import RESIDUALS
 
 # Bytes of one call's visit list (int32 per tile and row) in the 1 MiB of scalar memory
@@ -141,7 +143,8 @@ def attention(q_BxTxHxK, k_BxTxVxK, v_BxTxVxK, vis: Visibility, *, scale: float,
         scale=scale, softcap=softcap, window=window, impl=impl, block_sizes=block_sizes)
         for i in range(0, B, rows_per_call)], axis=0)
   heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # [B, T, H, K] <-> [B, H, T, K]
-  q, k, v = map(heads_first, (q_BxTxHxK, k_BxTxVxK, v_BxTxVxK))
+  q, k, v = (checkpoint_name(heads_first(x), INPUTS)
+             for x in (q_BxTxHxK, k_BxTxVxK, v_BxTxVxK))
 
   fused, fused_limit = bs.backward_plan(K, q_BxTxHxK.dtype, T, chip, H // KV)
 

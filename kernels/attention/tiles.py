@@ -19,6 +19,10 @@ F32 = jnp.float32
 # residuals the backward needs besides q, k and v: a remat policy that saves them (the
 # trainer's `dots`) keeps the forward from running again inside the backward.
 RESIDUALS = "attention_residuals"
+# The name of q, k and v as the kernels take them (heads first, after whatever the caller
+# did to them, e.g. the rotary embedding): a policy that saves them spares the backward
+# recomputing the caller's work and the transposes to reach them.
+INPUTS = "attention_inputs"
 
 
 class TileDims(NamedTuple):

@@ -36,7 +36,8 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 # Names (`jax.ad_checkpoint.checkpoint_name`) of the attention block's q/k/v projections
 # (with their biases) and its output projection, which `--remat=attention` keeps.
 ATTENTION_PROJECTIONS, ATTENTION_OUTPUT = "attention_projections", "attention_output"
-_ATTENTION = jax.checkpoint_policies.save_only_these_names(attention_lib.RESIDUALS)
+_ATTENTION = jax.checkpoint_policies.save_only_these_names(attention_lib.RESIDUALS,
+                                                          attention_lib.INPUTS)
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -45,16 +46,19 @@ REMAT_POLICIES = {
     # transfers hidden for one more layer of gathered weights and gradients in memory.
     "full_prefetch": jax.checkpoint_policies.nothing_saveable,
     # The matmul outputs and attention's out and log-sum-exp (not dots: the kernels' own
-    # outputs), so the backward does not run attention's forward again.
+    # outputs), so the backward does not run attention's forward again, and the kernels'
+    # q, k and v, so it does not run the rope and the layouts before them again.
     "dots": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.checkpoint_dots, _ATTENTION),
     "dots_no_batch": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims, _ATTENTION),
-    # What attention's backward needs (its projections, the kernels' out and log-sum-exp)
-    # and the block's output; the norms and the MLP run again: its [T, F] activations,
-    # the largest of a layer, are not kept. Between dots and full in memory and time.
+    # What attention's backward needs (the kernels' q, k and v as they take them, else the
+    # projections they come from; the kernels' out and log-sum-exp) and the block's
+    # output; the norms and the MLP run again: its [T, F] activations, the largest of a
+    # layer, are not kept. Between dots and full in memory and time.
     "attention": jax.checkpoint_policies.save_only_these_names(
-        attention_lib.RESIDUALS, ATTENTION_PROJECTIONS, ATTENTION_OUTPUT),
+        attention_lib.RESIDUALS, attention_lib.INPUTS, ATTENTION_PROJECTIONS,
+        ATTENTION_OUTPUT),
     # The layer's matmul outputs (our projections are 2-D dots) go to pinned host memory
     # in the forward and come back for the backward: neither held in HBM nor recomputed.
     "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device",
