@@ -73,30 +73,40 @@ def _fused_kernel(q_index, q_count, q_kind, window, q_ref, k_ref, v_ref, qv_ref,
     dq_ref[0, g] = (dq_sc[g, :d.t, :] * d.scale).astype(dq_ref.dtype)
 
 
+def _group_walk(d: TileDims, B: int, KV: int, K: int):
+  """`(grid, in_specs, kv_tile)` of the walk both dk/dv kernels make, `(B, KV, nk,
+  groups, nq)`: each key block of a key/value head, the group's query heads, their
+  visible query blocks (listed in `q_index`); operands as the kernels take them."""
+  q_block = lambda b, kvh, kj, g, i, idx, *_: idx[(b * d.nk + kj) * d.nq + i]
+  q_tile = lambda b, kvh, kj, g, i, *s: (b, kvh * d.groups + g, q_block(
+      b, kvh, kj, g, i, *s), 0)
+  q_stat = lambda b, kvh, kj, g, i, *s: (b, kvh * d.groups + g, 0, q_block(
+      b, kvh, kj, g, i, *s))
+  kv_tile = lambda b, kvh, kj, g, i, *_: (b, kvh, kj, 0)
+  in_specs = [pl.BlockSpec((1, 1, d.bq, K), q_tile),
+              pl.BlockSpec((1, 1, d.bk, K), kv_tile),
+              pl.BlockSpec((1, 1, d.bk, K), kv_tile),
+              pl.BlockSpec((1, 3, d.bq), lambda b, kvh, kj, g, i, *s: (
+                  b, 0, q_block(b, kvh, kj, g, i, *s))),
+              pl.BlockSpec((1, d.bk, 3), lambda b, kvh, kj, g, i, *_: (b, kj, 0)),
+              pl.BlockSpec((1, 1, d.bq, K), q_tile),
+              pl.BlockSpec((1, 1, 1, d.bq), q_stat),
+              pl.BlockSpec((1, 1, 1, d.bq), q_stat)]
+  return (B, KV, d.nk, d.groups, d.nq), in_specs, kv_tile
+
+
 def _fused(d: TileDims, q, k, v, rows, do, lse, delta):
-  """`(dq, dk, dv)` by the one kernel (module docstring): grid `(B, KV, nk, groups,
-  nq)`, the group's rows of dq resident across the key blocks."""
+  """`(dq, dk, dv)` by the one kernel (module docstring) on `_group_walk`'s grid, the
+  group's rows of dq resident across the key blocks."""
   B, H, T, K = q.shape
   KV = k.shape[1]
   vis = rows.visits
   args = (q, k, v, rows.q_rows, rows.k_cols, do, lse, delta)
-  q_block = lambda b, kvh, kj, g, i, idx, *_: idx[(b * d.nk + kj) * d.nq + i]
-  q_tile = lambda b, kvh, kj, g, i, *s: (b, kvh * d.groups + g, q_block(b, kvh, kj, g, i, *s), 0)
-  q_stat = lambda b, kvh, kj, g, i, *s: (b, kvh * d.groups + g, 0, q_block(b, kvh, kj, g, i, *s))
-  kv_tile = lambda b, kvh, kj, g, i, *_: (b, kvh, kj, 0)
+  grid, in_specs, kv_tile = _group_walk(d, B, KV, K)
   dq, dk, dv = pl.pallas_call(
       functools.partial(_fused_kernel, d=d),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=4, grid=(B, KV, d.nk, d.groups, d.nq),
-          in_specs=[pl.BlockSpec((1, 1, d.bq, K), q_tile),
-                    pl.BlockSpec((1, 1, d.bk, K), kv_tile),
-                    pl.BlockSpec((1, 1, d.bk, K), kv_tile),
-                    pl.BlockSpec((1, 3, d.bq), lambda b, kvh, kj, g, i, *s: (
-                        b, 0, q_block(b, kvh, kj, g, i, *s))),
-                    pl.BlockSpec((1, d.bk, 3), lambda b, kvh, kj, g, i, *_: (b, kj, 0)),
-                    pl.BlockSpec((1, 1, d.bq, K), q_tile),
-                    pl.BlockSpec((1, 1, 1, d.bq), q_stat),
-                    pl.BlockSpec((1, 1, 1, d.bq), q_stat)],
+          num_scalar_prefetch=4, grid=grid, in_specs=in_specs,
           out_specs=[pl.BlockSpec((1, d.groups, T, K), lambda b, kvh, *_: (b, kvh, 0, 0)),
                      pl.BlockSpec((1, 1, d.bk, K), kv_tile),
                      pl.BlockSpec((1, 1, d.bk, K), kv_tile)],
@@ -206,25 +216,11 @@ def _split(d: TileDims, q, k, v, rows, do, lse, delta):
       cost_estimate=tiles.cost("dq", q, d),
   )(vis.kv_index, vis.kv_count, vis.kv_kind, rows.window, *args)
 
-  q_block = lambda b, kvh, kj, g, i, idx, *_: idx[(b * d.nk + kj) * d.nq + i]
-  head_q_tile = lambda b, kvh, kj, g, i, *s: (b, kvh * d.groups + g, q_block(
-      b, kvh, kj, g, i, *s), 0)
-  head_q_stat = lambda b, kvh, kj, g, i, *s: (b, kvh * d.groups + g, 0, q_block(
-      b, kvh, kj, g, i, *s))
-  k_tile = lambda b, kvh, kj, g, i, *_: (b, kvh, kj, 0)
+  grid, in_specs, k_tile = _group_walk(d, B, KV, K)
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, d=d),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=4, grid=(B, KV, d.nk, d.groups, d.nq),
-          in_specs=[pl.BlockSpec((1, 1, d.bq, K), head_q_tile),
-                    pl.BlockSpec((1, 1, d.bk, K), k_tile),
-                    pl.BlockSpec((1, 1, d.bk, K), k_tile),
-                    pl.BlockSpec((1, 3, d.bq), lambda b, kvh, kj, g, i, *s: (
-                        b, 0, q_block(b, kvh, kj, g, i, *s))),
-                    pl.BlockSpec((1, d.bk, 3), lambda b, kvh, kj, g, i, *_: (b, kj, 0)),
-                    pl.BlockSpec((1, 1, d.bq, K), head_q_tile),
-                    pl.BlockSpec((1, 1, 1, d.bq), head_q_stat),
-                    pl.BlockSpec((1, 1, 1, d.bq), head_q_stat)],
+          num_scalar_prefetch=4, grid=grid, in_specs=in_specs,
           out_specs=[pl.BlockSpec((1, 1, d.bk, K), k_tile)] * 2,
           scratch_shapes=[pltpu.VMEM((d.bk, K), F32)] * 2),
       out_shape=[out_struct(k.shape, k.dtype, *args), out_struct(v.shape, v.dtype, *args)],
