@@ -175,13 +175,14 @@ def causal_tiles(seq_len, bq, bk) -> int:
              for i in range(nq))
 
 
-def cost_estimate(kernel, batch, heads, seq_len, head_dim, dtype, bq, bk, softcap
-                  ) -> pl.CostEstimate:
+def cost_estimate(kernel, batch, heads, seq_len, head_dim, dtype, bq, bk, softcap,
+                  groups=1) -> pl.CostEstimate:
   """What `kernel` ("fwd", "dq", "dkv" or the fused backward "bwd") costs for `heads`
-  query heads of `batch` rows: per visited tile the forward does two `bq x bk x K`
-  matmuls, dq three, dk/dv four and "bwd" five; one exp per score (and a tanh with a
-  soft-cap). Bytes: the query-side tiles once per head, the key-side tiles once per
-  visited tile (the walks over key blocks: the other way round)."""
+  query heads (`groups` per key/value head) of `batch` rows: per visited tile the
+  forward does two `bq x bk x K` matmuls, dq three, dk/dv four and "bwd" five; one exp
+  per score (and a tanh with a soft-cap). Bytes: the query-side tiles once per head, the
+  key-side tiles once per visited tile (the walks over key blocks, a group's heads
+  inside: the other way round, k, v, dk and dv once per key/value head)."""
   tiles = batch * heads * causal_tiles(seq_len, bq, bk)
   matmuls = {"fwd": 2, "dq": 3, "dkv": 4, "bwd": 5}[kernel]
   s = jnp.dtype(dtype).itemsize
@@ -189,7 +190,8 @@ def cost_estimate(kernel, batch, heads, seq_len, head_dim, dtype, bq, bk, softca
   q_side = batch * heads * seq_len * head_dim * s * {"fwd": 2, "dq": 3}.get(kernel, 0)
   k_side = tiles * bk * head_dim * s * 2
   if kernel in ("dkv", "bwd"):  # k, v read once; q and dO walked per visited tile
-    q_side, k_side = tiles * bq * head_dim * s * 2, batch * heads * seq_len * head_dim * s * 4
+    q_side = tiles * bq * head_dim * s * 2
+    k_side = batch * heads // groups * seq_len * head_dim * s * 4
   if kernel == "bwd":  # and dq written once
     q_side += batch * heads * seq_len * head_dim * s
   return pl.CostEstimate(flops=2 * matmuls * scores * head_dim,

@@ -164,4 +164,5 @@ def compiler_params(d: TileDims, semantics, vmem_limit_bytes=None):
 def cost(kernel, q, d: TileDims):
   """`attention_blocks.cost_estimate` of `kernel` on heads-first `q [B, H, T, K]`."""
   B, H, T, K = q.shape
-  return attention_blocks.cost_estimate(kernel, B, H, T, K, q.dtype, d.bq, d.bk, d.softcap)
+  return attention_blocks.cost_estimate(kernel, B, H, T, K, q.dtype, d.bq, d.bk, d.softcap,
+                                        d.groups)
