@@ -98,7 +98,7 @@ def _group_walk(d: TileDims, B: int, KV: int, K: int):
 def _fused(d: TileDims, q, k, v, rows, do, lse, delta):
   """`(dq, dk, dv)` by the one kernel (module docstring) on `_group_walk`'s grid, the
   group's rows of dq resident across the key blocks."""
-  B, H, T, K = q.shape
+  B, _, T, K = q.shape
   KV = k.shape[1]
   vis = rows.visits
   args = (q, k, v, rows.q_rows, rows.k_cols, do, lse, delta)
