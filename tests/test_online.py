@@ -51,6 +51,26 @@ def test_pairs_are_the_best_and_worst_sample_and_ties_stay_padding():
   assert (batch["tokens"][1] == 258).all()
 
 
+def test_the_data_chosen_wins_only_above_every_sample_and_is_never_rejected():
+  """`--online_data_chosen`: candidate 2 (the data's chosen response) after 2 samples."""
+  prompts = [np.array([256, 7])] * 4
+  samples = np.array([[[1, 257, 0], [2, 257, 0], [9, 9, 257]]] * 4, np.int32)
+  lengths = np.array([[2, 2, 3]] * 4)
+  scores = np.array([[0.0, 0.0, 1.0],   # both samples miss: the data's answer vs sample 0
+                     [1.0, 0.0, 1.0],   # a sample as good: the sample
+                     [1.0, 1.0, 1.0],   # nothing to prefer
+                     [1.0, 0.5, -1.0]])  # the data's answer scored lowest: not rejected
+  batch = pairs_lib.build(prompts, samples, lengths, scores, pad_id=258, max_length=6,
+                          samples=2)
+  want = {0: ([9, 9, 257], [1, 257]), 1: ([1, 257], [2, 257]), 3: ([1, 257], [2, 257])}
+  for b, responses in want.items():
+    for c, response in enumerate(responses):
+      tokens, _, _ = data_encode.build_row([], [256, 7], response, 258, 6, 6)
+      np.testing.assert_array_equal(batch["tokens"][b, c], tokens, err_msg=f"{b} {c}")
+  assert not batch["loss_mask"][2].any()
+  np.testing.assert_array_equal(pairs_lib.choose(scores, 2)[2], [False, False, True, False])
+
+
 def test_shipped_rewards_by_hand():
   prompts = ["sort 3 1 2\n"] * 4 + ["max 4 9 2\n"] * 3 + ["hello\n"]
   completions = ["1 2 3", "1 3 2", "cat", "3 2 1 0", "9", "4", "x", "1"]
@@ -104,7 +124,9 @@ def test_init_from_loads_the_saved_policy_and_refuses_what_does_not_fit(start, t
 
 @pytest.mark.slow
 def test_fsdp_on_8_devices_samples_what_one_device_does(start, tmp_path):
-  cfg = _online(tmp_path, start)
+  # The data's chosen responses (16 ids at most) join the samples: a reward they can beat.
+  cfg = _online(tmp_path, start, online_data_chosen=True, online_max_new_tokens=16,
+                reward_fn="online_rewards:ones")
   train_set, _ = source_lib.load_data(cfg, lambda *_: None)
   idx = np.arange(8)
   got = []
@@ -118,8 +140,9 @@ def test_fsdp_on_8_devices_samples_what_one_device_does(start, tmp_path):
     got.append((batch, metrics))
   for key in got[0][0]:
     np.testing.assert_array_equal(got[0][0][key], got[1][0][key], err_msg=key)
-  assert got[0][1]["online/reward_mean"] == got[1][1]["online/reward_mean"]
+  assert got[0][1] == got[1][1]
   assert 0 < got[0][1]["online/tie_rate"] < 1  # some pairs, some ties: both paths ran
+  assert 0 < got[0][1]["online/data_chosen"] < 1
 
 
 def _trainer(cfg, *extra, script="trainer.py"):
@@ -166,7 +189,9 @@ def test_bad_online_settings_end_in_one_line_with_status_1(start, tmp_path):
             "--reward_fn='online_rewards:missing' cannot be imported: AttributeError"),
            (dict(reward_fn="online_rewards:NOT_CALLABLE"), "is a int, not a function"),
            (dict(online_samples=1), "--online_samples=1: online DPO needs K >= 2"),
-           (dict(reference="precomputed"), "--reference=precomputed cannot serve")]
+           (dict(reference="precomputed"), "--reference=precomputed cannot serve"),
+           (dict(online_data_chosen=True, online_max_new_tokens=1),
+            "--online_data_chosen: the longest chosen response of --train_data (")]
   for kw, message in cases:
     proc = _trainer(_online(tmp_path / "a", start, **kw))
     lines = proc.stderr.strip().splitlines()

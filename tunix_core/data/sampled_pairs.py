@@ -1,6 +1,7 @@
 """Preference pairs from scored samples: the best and the worst of each prompt's K.
 
-The batch is the trainer's pair batch (`data.store.PairStore.take`'s layout: int32
+Candidates past the K samples (`--online_data_chosen`: the data's chosen response) may
+be chosen, never rejected: the rejected side is always the policy's own sample. The batch is the trainer's pair batch (`data.store.PairStore.take`'s layout: int32
 `[B, 2, T]` tokens, targets, loss and attention masks), built from the sampled ids as
 they are (never re-tokenized). A prompt whose K scores all tie has nothing to prefer:
 its pair stays padding, scored nowhere, so it adds nothing to the loss or its gradient
@@ -15,29 +16,34 @@ from tunix_core.data import encode as data_encode
 from tunix_core.data import packing
 
 
-def choose(scores_BxK: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """`(chosen [B], rejected [B], tied [B])`: the first highest and the first lowest
-  scored sample of each prompt, and whether all its scores are equal."""
-  return (np.argmax(scores_BxK, -1), np.argmin(scores_BxK, -1),
-          scores_BxK.max(-1) == scores_BxK.min(-1))
+def choose(scores_BxC: np.ndarray, samples: int | None = None
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """`(chosen [B], rejected [B], tied [B])` of `C` scored candidates per prompt: the
+  first highest scored candidate, the first lowest of the first `samples` (all by
+  default), and whether those two scores are equal (nothing to prefer)."""
+  own_BxK = scores_BxC[:, :samples]
+  return (np.argmax(scores_BxC, -1), np.argmin(own_BxK, -1),
+          scores_BxC.max(-1) == own_BxK.min(-1))
 
 
-def build(prompts: list, samples_BxKxN: np.ndarray, lengths_BxK: np.ndarray,
-          scores_BxK: np.ndarray, pad_id: int, max_length: int) -> dict:
-  """The pair batch of `B` prompts (id arrays) and their `K` samples each (`N` ids,
-  valid up to `lengths`, an ending EOS included): for each prompt, its best sample
-  chosen and its worst rejected, or padding where all tie (`choose`)."""
+def build(prompts: list, samples_BxCxN: np.ndarray, lengths_BxC: np.ndarray,
+          scores_BxC: np.ndarray, pad_id: int, max_length: int,
+          samples: int | None = None) -> dict:
+  """The pair batch of `B` prompts (id arrays) and their `C` candidates each (`N` ids,
+  valid up to `lengths`, an ending EOS included; the first `samples` of them, all by
+  default, the policy's): for each prompt, its best candidate chosen and its worst
+  sample rejected, or padding where they tie (`choose`)."""
   B, T = len(prompts), max_length
   batch = {"tokens": np.full((B, 2, T), pad_id, np.int32),
            "targets": np.full((B, 2, T), data_encode.IGNORE_INDEX, np.int32),
            "loss_mask": np.zeros((B, 2, T), np.int32),
            "attention_mask": np.zeros((B, 2, T), np.int32)}
-  for b, (best, worst, tied) in enumerate(zip(*choose(scores_BxK))):
+  for b, (best, worst, tied) in enumerate(zip(*choose(scores_BxC, samples))):
     if tied:
       continue
     prompt = [int(t) for t in prompts[b]]
     for c, k in enumerate((best, worst)):
-      response = [int(t) for t in samples_BxKxN[b, k, :lengths_BxK[b, k]]]
+      response = [int(t) for t in samples_BxCxN[b, k, :lengths_BxC[b, k]]]
       row = data_encode.build_row([], prompt, response, pad_id, T, T)
       for key, x in zip(("tokens", "targets", "loss_mask"), row):
         batch[key][b, c] = x

@@ -110,7 +110,7 @@ class PairStore:
     self._ids = Ragged(paths.join(path, "ids.npy"))
     lengths_Px3 = np.diff(self.offsets).reshape(-1, 3)
     # Row lengths: prompt + response minus the one id only ever a target.
-    self._prompt = lengths_Px3[:, 0]
+    self._prompt, self._chosen = lengths_Px3[:, 0], lengths_Px3[:, 1]
     self._rows_Px2 = lengths_Px3[:, :1] + lengths_Px3[:, 1:] - 1
     self._first = np.maximum(self._prompt - 1, 0)  # each row's first scored position
     self.last_read = np.zeros(0, np.int64)  # the pairs the last `take` read
@@ -142,6 +142,10 @@ class PairStore:
   def prompt_lengths(self) -> np.ndarray:
     """Ids of each pair's prompt, int64 `[pairs]`."""
     return self._prompt
+
+  def chosen_lengths(self) -> np.ndarray:
+    """Ids of each pair's chosen response (its ending included), int64 `[pairs]`."""
+    return self._chosen
 
   def scored(self) -> np.ndarray:
     """Scored positions of each pair (both rows), int64 `[pairs]`."""

@@ -6,7 +6,10 @@ to the longest prompt of the data and completed `K = --online_samples` times eac
 placed (split under FSDP and TP: XLA gathers each weight where it is used) with the
 `B K` rows split over the data-parallel devices. The ids come to every host; the primary
 process decodes them, scores them with `--reward_fn` and broadcasts the scores; every
-host then builds the same pair batch (`data.sampled_pairs`). The sampling key of step N is
+host then builds the same pair batch (`data.sampled_pairs`). With `--online_data_chosen`
+each prompt's chosen response from the data is scored beside its samples, a candidate
+for the chosen side only: where every sample misses, the pair is the data's answer
+against the policy's worst sample (as SPIN pairs them, Chen et al. 2024). The sampling key of step N is
 `fold_in(key(seed), N)`, so a resumed run samples exactly what a straight one does.
 """
 
@@ -40,7 +43,8 @@ class OnlineSampler:
 
   def __init__(self, cfg, steps, train_set, tok, eos_ids: tuple):
     self.cfg, self.steps, self.train_set, self.tok = cfg, steps, train_set, tok
-    self.K, self.spec = cfg.online_samples, cfg.reward_fn
+    self.K, self.spec, self.data_chosen = cfg.online_samples, cfg.reward_fn, (
+        cfg.online_data_chosen)
     self.reward = reward_lib.load(cfg.reward_fn)
     self.prompt_len = longest_prompt(train_set)
     self.sampling = generate_lib.Sampling(
@@ -71,6 +75,17 @@ class OnlineSampler:
     tokens, lengths = mesh_lib.to_host(tokens), mesh_lib.to_host(lengths)
     return (tokens.reshape(len(prompts), repeat, -1), lengths.reshape(len(prompts), repeat))
 
+  def _with_data_chosen(self, runs, samples, lengths):
+    """The samples `[n, K, N]` and lengths `[n, K]` with each prompt's chosen response
+    from the data appended as candidate K (it fits: `training.plan.data_sizes`)."""
+    n, _, N = samples.shape
+    chosen_nx1xN = np.full((n, 1, N), self.tok.pad_id, samples.dtype)
+    for b, (_, chosen, _) in enumerate(runs):
+      chosen_nx1xN[b, 0, :len(chosen)] = chosen
+    lengths_nx1 = np.array([[len(c)] for _, c, _ in runs], lengths.dtype)
+    return (np.concatenate([samples, chosen_nx1xN], 1),
+            np.concatenate([lengths, lengths_nx1], 1))
+
   def _scores(self, prompts: list, samples, lengths, at: str) -> np.ndarray:
     """The reward of every sample `[n, K]`, computed by the primary process and
     broadcast (the others pass zeros that the broadcast replaces)."""
@@ -87,25 +102,33 @@ class OnlineSampler:
   def __call__(self, step: int, params, idx) -> tuple[dict, dict]:
     """`(pair batch, metrics)` of step `step` on the prompts of the pairs `idx` under
     the policy `params` (logical arrays, `StepFunctions.policy_params`). Metrics:
-    `online/reward_mean`, `online/reward_max`, `online/tie_rate`, `online/sample_length`
-    (mean sampled ids) and `online/sample_share`: this step's sampling time over itself
-    plus the time from the previous step's sampling to the end of its update (1 at a
-    run's first step)."""
+    `online/reward_mean`, `online/reward_max` (of the samples), `online/tie_rate` (the
+    share of prompts with nothing to prefer), `online/sample_length` (mean sampled ids),
+    `online/sample_share`: this step's sampling time over itself plus the time from the
+    previous step's sampling to the end of its update (1 at a run's first step), and with
+    `--online_data_chosen` `online/data_chosen`, the share of prompts whose chosen
+    response is the data's."""
     jax.block_until_ready(params)  # the previous step's update: its time, not sampling's
     began = time.perf_counter()
-    prompts = [p for p, _, _ in self.train_set.runs(idx)]
+    runs = self.train_set.runs(idx)
+    prompts = [p for p, _, _ in runs]
     samples, lengths = self._generate(params, prompts, self.K,
                                       jax.random.fold_in(self.key, step), self.sampling)
-    scores = self._scores(prompts, samples, lengths, f"step {step}")
-    batch = pairs_lib.build(prompts, samples, lengths, scores, self.tok.pad_id,
-                            self.cfg.max_length)
+    candidates, candidate_lengths = (self._with_data_chosen(runs, samples, lengths)
+                                     if self.data_chosen else (samples, lengths))
+    scores = self._scores(prompts, candidates, candidate_lengths, f"step {step}")
+    batch = pairs_lib.build(prompts, candidates, candidate_lengths, scores,
+                            self.tok.pad_id, self.cfg.max_length, samples=self.K)
     end = time.perf_counter()
     seconds, train = end - began, began - (self.last_end or began)
     self.last_end = end
-    metrics = {"online/reward_mean": scores.mean(), "online/reward_max": scores.max(),
-               "online/tie_rate": pairs_lib.choose(scores)[2].mean(),
-               "online/sample_length": lengths.mean(),
+    chosen, _, tied = pairs_lib.choose(scores, self.K)
+    own = scores[:, :self.K]
+    metrics = {"online/reward_mean": own.mean(), "online/reward_max": own.max(),
+               "online/tie_rate": tied.mean(), "online/sample_length": lengths.mean(),
                "online/sample_share": seconds / (seconds + train)}
+    if self.data_chosen:
+      metrics["online/data_chosen"] = ((chosen == self.K) & ~tied).mean()
     return batch, metrics
 
   def evaluate(self, params, eval_set) -> dict:

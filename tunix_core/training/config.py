@@ -196,13 +196,20 @@ class TrainConfig:
   online_samples: int = _flag(0, "Online DPO: each step, sample K completions of every "
                               "prompt of the batch from the current policy, score them with "
                               "--reward_fn and train on the best (chosen) and the worst "
-                              "(rejected); the data's responses are unused. 0: offline.",
+                              "(rejected); the data's responses are unused (but see "
+                              "--online_data_chosen). 0: offline.",
                               group="online")
   reward_fn: str = _flag("", "MODULE:FUNCTION, a callable (prompts, completions) -> list of "
                          "floats (e.g. tunix_core.online.rewards:quickstart); needed by "
                          "--online_samples; with --eval_every, eval rows also carry the "
                          "reward and exact match of greedy answers to the eval prompts.",
                          group="online")
+  online_data_chosen: bool = _flag(False, "Online DPO: each prompt's chosen response in "
+                                   "--train_data joins its K samples as a candidate for the "
+                                   "chosen side only (scored by --reward_fn too; a sample "
+                                   "scored as high wins), so a prompt whose samples all miss "
+                                   "pairs the data's answer with the policy's worst sample; "
+                                   "each must fit --online_max_new_tokens.", group="online")
   online_temperature: float = _flag(1.0, "Sampling temperature of --online_samples.",
                                     group="online")
   online_top_p: float = _flag(1.0, "Nucleus (top-p) sampling of --online_samples.",

@@ -8,7 +8,8 @@ from tunix_core.training.config import TrainConfig
 
 # The headings of the flag groups (`metadata["group"]`), in the docs' order.
 GROUPS = {"run": "Run and output", "data": "Data", "model": "Model", "lora": "LoRA",
-          "optimizer": "Optimizer", "loss": "Loss", "parallel": "Parallelism and kernels",
+          "optimizer": "Optimizer", "loss": "Loss", "online": "Online DPO",
+          "parallel": "Parallelism and kernels",
           "aot": "Ahead-of-time compilation", "observe": "Watching a run"}
 
 

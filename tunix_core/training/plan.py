@@ -101,7 +101,8 @@ def data_sizes(cfg: TrainConfig, splits) -> packing.Sizes:
   `PreferenceDataset`s; the training data first), the same on every host. Online
   (`--online_samples`), the training pairs are sampled: sized as the longest prompt
   with two samples of `--online_max_new_tokens` ids (a `ConfigError` if that row
-  exceeds `--max_length`)."""
+  exceeds `--max_length`, or if `--online_data_chosen` meets a chosen response longer
+  than a sample may be)."""
   sizes = [d.sizes(cfg.prefix_sharing) for d in splits]
   if cfg.online_samples:
     longest, new = int(splits[0].prompt_lengths().max()), cfg.online_max_new_tokens
@@ -109,6 +110,10 @@ def data_sizes(cfg: TrainConfig, splits) -> packing.Sizes:
       raise ConfigError(f"--online_max_new_tokens={new} with the longest prompt of "
                         f"--train_data ({longest} ids) exceeds --max_length="
                         f"{cfg.max_length}")
+    chosen = int(splits[0].chosen_lengths().max())
+    if cfg.online_data_chosen and chosen > new:
+      raise ConfigError(f"--online_data_chosen: the longest chosen response of "
+                        f"--train_data ({chosen} ids) exceeds --online_max_new_tokens={new}")
     sizes[0] = sampled_pairs.worst_sizes(longest, new, cfg.batch_size, cfg.prefix_sharing,
                                         cfg.max_length)
   return packing.Sizes.join(sizes)

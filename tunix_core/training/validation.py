@@ -143,6 +143,7 @@ def check(cfg, num_devices: int) -> None:
   need(k == 0 or k >= 2, f"--online_samples={k}: online DPO needs K >= 2 samples per "
        "prompt (0: offline)")
   need(not k or cfg.reward_fn, "--online_samples needs --reward_fn (MODULE:FUNCTION)")
+  need(k or not cfg.online_data_chosen, "--online_data_chosen needs --online_samples")
   need(not k or cfg.reference != "precomputed", "--reference=precomputed cannot serve "
        "--online_samples: the pairs are sampled as the run goes; use --reference=step")
   need(cfg.online_temperature > 0, "--online_temperature must be positive (K greedy "
