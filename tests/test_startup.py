@@ -1,6 +1,7 @@
 """Start-up: the persistent compilation cache (`run.compile_cache`), the train step's
-executable kept whole (`training.executables`) and the rule that decides which
-multi-process job a trainer joins (`run.distributed`)."""
+executable kept whole (`training.executables`), the rule that decides which
+multi-process job a trainer joins (`run.distributed`) and libtpu's host buffer sized to
+the run (`run.host_buffer`)."""
 
 import os
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 import runs
 from tunix_core.run import compile_cache
 from tunix_core.run import distributed
+from tunix_core.run import host_buffer
 from tunix_core.training import executables
 from tunix_core.training.config import ConfigError
 
@@ -137,6 +139,22 @@ def test_a_restart_loads_the_whole_step_without_tracing_it(tmp_path, lines):
     f.write("the train step does not fit the devices' memory (...)")
   with pytest.raises(executables.Refused, match="does not fit .*remembered in .*refused-"):
     executables.compile_step(other, where, lines.append)
+
+
+def test_a_small_run_opening_a_tpu_pins_a_small_host_buffer_and_nothing_else_does():
+  tiny, big = runs.config("/unused"), runs.config("/unused", model="125m")
+  # The tiny preset: 2 layers of d 128 (q 4 x 32, k and v 2 x 32, MLP 384) and a 259 x
+  # 128 embedding and head, 16 bytes a weight.
+  assert host_buffer.state_bytes(tiny) == 16 * (2 * (128 * 256 + 128 * 128 + 3 * 128 * 384)
+                                                + 2 * 259 * 128)
+  env = {"JAX_PLATFORMS": "tpu"}
+  assert "256 MiB for a model state of" in host_buffer.size_for(tiny, env)
+  assert env["TPU_PREMAPPED_BUFFER_SIZE"] == str(256 << 20)
+  for cfg, env in ((big, {"JAX_PLATFORMS": "tpu"}),  # 110M params: copies would crawl
+                   (tiny, {"JAX_PLATFORMS": "tpu", "TPU_PREMAPPED_BUFFER_SIZE": "1"}),
+                   (tiny, {"JAX_PLATFORMS": "cpu"})):
+    before = dict(env)
+    assert host_buffer.size_for(cfg, env) is None and env == before
 
 
 @pytest.mark.parametrize("env, tpu, metadata, want", [

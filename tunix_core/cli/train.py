@@ -24,6 +24,7 @@ from absl import flags
 
 from tunix_core.run import distributed
 from tunix_core.run import exit_status
+from tunix_core.run import host_buffer
 from tunix_core.run import logs
 from tunix_core.storage import paths
 from tunix_core.training import config as config_lib
@@ -103,6 +104,9 @@ def _run(cfg, terminal) -> None:
   job = distributed.plan(f.coordinator_address, f.num_processes, f.process_id)
   distributed.join(job, f.coordinator_timeout, say, terminal)
   if not cfg.compile_only:  # (an ahead-of-time compile opens no chip)
+    sized = host_buffer.size_for(cfg)
+    if sized:
+      say(sized)
     distributed.start_backend()
   # pylint: disable=g-import-not-at-top - beside the backend's start (module docstring)
   from tunix_core.aot import compile as aot
