@@ -1,7 +1,7 @@
 """Resuming: find the newest usable checkpoint step, check it and restore it on this mesh.
 
 A step is usable when its metadata reads back, it was written by the same model and
-run settings (`config.RESUME_FIELDS`), its arrays restore, and (with
+run settings (`RESUME_FIELDS`), its arrays restore, and (with
 `--verify_checkpoint`, the default) their fingerprints, recomputed on device, equal the
 saved ones. Under `--resume=auto` an unusable step is moved aside and the next older one
 is tried; under `--resume=required` it is an error. A step whose data position was saved
@@ -25,6 +25,11 @@ from tunix_core.parallel import zero
 from tunix_core.training import config as config_lib
 
 
+# What a resume must keep of the run's settings (the model's own fields apart): data
+# order, optimizer state.
+RESUME_FIELDS = ("max_length", "max_prompt_length", "seed", "batch_size", "optimizer",
+                 "train_data", "chat_template", "lora_rank", "lora_alpha", "lora_targets",
+                 "lora_rslora", "lora_init", "init_from")
 # How the step computes the same model, chosen per run and per device set (`--remat=auto`
 # on fewer devices may rematerialise more): a resume need not match them.
 EXECUTION_FIELDS = ("remat", "attention_impl")
@@ -128,7 +133,7 @@ def _load(steps, ckpt: Checkpointer, step: int, cfg, log, source: dict,
                               [f.name for f in dataclasses.fields(mcfg)
                                if f.name not in EXECUTION_FIELDS])
               or config_mismatch(meta["config"], dataclasses.asdict(cfg),
-                                 config_lib.RESUME_FIELDS)
+                                 RESUME_FIELDS)
               or source_mismatch(meta.get("source", {}), source, legacy_fingerprint))
   if mismatch:
     raise config_lib.ConfigError(f"cannot resume from step {step}: {mismatch}")

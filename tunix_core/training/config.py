@@ -16,11 +16,6 @@ from tunix_core.training import validation
 CHOICES = validation.CHOICES  # each choice flag's values (the trainer's enums)
 ConfigError = validation.ConfigError
 
-# What a resume must keep (the model's own fields apart): data order, optimizer state.
-RESUME_FIELDS = ("max_length", "max_prompt_length", "seed", "batch_size", "optimizer",
-                 "train_data", "chat_template", "lora_rank", "lora_alpha", "lora_targets",
-                 "lora_rslora", "lora_init", "init_from")
-
 
 def _flag(default, help_text: str, **metadata):
   """A config field that is also a trainer flag: its default and `--help` text."""
@@ -196,20 +191,17 @@ class TrainConfig:
   online_samples: int = _flag(0, "Online DPO: each step, sample K completions of every "
                               "prompt of the batch from the current policy, score them with "
                               "--reward_fn and train on the best (chosen) and the worst "
-                              "(rejected); the data's responses are unused (but see "
-                              "--online_data_chosen). 0: offline.",
-                              group="online")
+                              "(rejected); the data's responses are unused but with "
+                              "--online_data_chosen. 0: offline.", group="online")
   reward_fn: str = _flag("", "MODULE:FUNCTION, a callable (prompts, completions) -> list of "
                          "floats (e.g. tunix_core.online.rewards:quickstart); needed by "
                          "--online_samples; with --eval_every, eval rows also carry the "
                          "reward and exact match of greedy answers to the eval prompts.",
                          group="online")
-  online_data_chosen: bool = _flag(False, "Online DPO: each prompt's chosen response in "
-                                   "--train_data joins its K samples as a candidate for the "
-                                   "chosen side only (scored by --reward_fn too; a sample "
-                                   "scored as high wins), so a prompt whose samples all miss "
-                                   "pairs the data's answer with the policy's worst sample; "
-                                   "each must fit --online_max_new_tokens.", group="online")
+  online_data_chosen: bool = _flag(False, "Online DPO: the data's chosen response joins each "
+                                   "prompt's samples, scored too, as a candidate for chosen "
+                                   "only (a sample as good wins); it must fit "
+                                   "--online_max_new_tokens.", group="online")
   online_temperature: float = _flag(1.0, "Sampling temperature of --online_samples.",
                                     group="online")
   online_top_p: float = _flag(1.0, "Nucleus (top-p) sampling of --online_samples.",
