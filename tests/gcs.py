@@ -90,10 +90,11 @@ class Proxy:
   """An HTTP proxy in front of `server` that answers 403 Forbidden to every upload of an
   object whose name starts with `deny` (None: forwards everything): a bucket where some
   objects cannot be written; that answers no request while `silent` is set (a server
-  that hangs); that dies at `kill` (a server killed: open connections dropped unanswered,
-  new ones refused, while every object the server took stays whole, as Cloud Storage
-  keeps it; the emulator's own files, killed mid-write, would not); and counts in `uploaded` the bytes of object data sent through it (media
-  and multipart uploads). Point clients at `url` (`env(proxy.url)`)."""
+  that hangs); that dies at `kill` (a server killed: new connections refused, requests
+  dropped unanswered, one forwarded across the kill too, while every object the server
+  took stays whole, as Cloud Storage keeps it; the emulator's own files, SIGKILLed
+  mid-write, would not); and counts in `uploaded` the bytes of object data sent through
+  it (media and multipart uploads). Point clients at `url` (`env(proxy.url)`)."""
 
   def __init__(self, server: Server):
     self.deny = None
@@ -137,6 +138,9 @@ class Proxy:
         conn.request(self.command, self.path, body=body, headers=headers)
         response = conn.getresponse()
         data = response.read()
+        if proxy._dead.is_set():  # pylint: disable=protected-access
+          self.close_connection = True
+          return
         self.send_response(response.status)
         for k, v in response.getheaders():
           if k.lower() not in ("transfer-encoding", "content-length", "connection"):

@@ -141,20 +141,28 @@ def test_a_restart_loads_the_whole_step_without_tracing_it(tmp_path, lines):
     executables.compile_step(other, where, lines.append)
 
 
-def test_a_small_run_opening_a_tpu_pins_a_small_host_buffer_and_nothing_else_does():
+def test_a_small_run_opening_a_tpu_pins_a_small_host_buffer_and_nothing_else_does(
+    monkeypatch):
   tiny, big = runs.config("/unused"), runs.config("/unused", model="125m")
   # The tiny preset: 2 layers of d 128 (q 4 x 32, k and v 2 x 32, MLP 384) and a 259 x
-  # 128 embedding and head, 16 bytes a weight.
-  assert host_buffer.state_bytes(tiny) == 16 * (2 * (128 * 256 + 128 * 128 + 3 * 128 * 384)
-                                                + 2 * 259 * 128)
+  # 128 embedding and head, 16 bytes a weight; a batch of 8 pairs of 2 rows of 40 ids in
+  # four int32 arrays (runs.config: --max_length=40).
+  assert host_buffer.moved_bytes(tiny) == 16 * (2 * (128 * 256 + 128 * 128 + 3 * 128 * 384)
+                                                + 2 * 259 * 128) + 4 * 4 * 8 * 2 * 40
   env = {"JAX_PLATFORMS": "tpu"}
-  assert "256 MiB for a model state of" in host_buffer.size_for(tiny, env)
+  assert "256 MiB for a model state and batch of" in host_buffer.size_for(tiny, env)
   assert env["TPU_PREMAPPED_BUFFER_SIZE"] == str(256 << 20)
-  for cfg, env in ((big, {"JAX_PLATFORMS": "tpu"}),  # 110M params: copies would crawl
-                   (tiny, {"JAX_PLATFORMS": "tpu", "TPU_PREMAPPED_BUFFER_SIZE": "1"}),
-                   (tiny, {"JAX_PLATFORMS": "cpu"})):
+  monkeypatch.setattr(distributed, "has_tpu_chips", lambda: True)
+  assert host_buffer.size_for(tiny, {}) is not None  # no JAX_PLATFORMS: the chips decide
+  for cfg, env, chips in (
+      (big, {"JAX_PLATFORMS": "tpu"}, True),  # 110M params: copies would crawl
+      (runs.config("/unused", batch_size=65536), {}, True),  # and its batches
+      (tiny, {"JAX_PLATFORMS": "tpu", "TPU_PREMAPPED_BUFFER_SIZE": "1"}, True),
+      (tiny, {"JAX_PLATFORMS": "cpu"}, True),
+      (tiny, {}, False)):  # libtpu installed on a host without TPU chips
+    monkeypatch.setattr(distributed, "has_tpu_chips", lambda chips=chips: chips)
     before = dict(env)
-    assert host_buffer.size_for(cfg, env) is None and env == before
+    assert host_buffer.size_for(cfg, env) is None and env == before, (cfg.batch_size, env)
 
 
 @pytest.mark.parametrize("env, tpu, metadata, want", [

@@ -474,17 +474,20 @@ def test_storage_failures_end_in_one_line_and_keep_the_last_checkpoint():
 
     killed = "gs://pod/killed"
     proc = spawn(proxy.url, killed, "--steps=500")
-    _until(lambda: _committed(server, killed) == [2], proc)
+    _until(lambda: 2 in _committed(server, killed), proc)
     proxy.kill()
     # Whichever write meets the dead server first names itself: a checkpoint's (status
     # 4, naming the newest complete step) or metrics.jsonl's (status 1). It used to hang
     # now and then at exit, in Orbax's threads of the failed save (`cli.train._exit_now`).
     line = _one_error_line(proc, ERROR_SECONDS, [1, 4])
     assert "gs://pod/killed" in line and "failed" in line
-    assert _committed(server, killed) == [2]
-    resumed = spawn(server.url, killed, "--steps=3", "--resume=required")
+    # What was complete stays (a later step may have committed before the kill), and
+    # the newest resumes.
+    newest = max(_committed(server, killed))
+    assert newest >= 2
+    resumed = spawn(server.url, killed, f"--steps={newest + 1}", "--resume=required")
     out, err = resumed.communicate(timeout=300)
-    assert resumed.returncode == 0 and "resumed from step 2" in out, err[-3000:]
+    assert resumed.returncode == 0 and f"resumed from step {newest}" in out, err[-3000:]
   finally:
     proxy.stop()
     server.stop()

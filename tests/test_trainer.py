@@ -133,6 +133,7 @@ def test_every_config_field_is_a_flag_with_its_help_and_no_other_run_flag():
     (dict(max_prompt_length=40), "--max_prompt_length=40 must be positive and less than "
                                  "--max_length=40"),
     (dict(model="huge"), "--model='huge' is not a preset"),
+    (dict(online_data_chosen=True), "--online_data_chosen needs --online_samples"),
 ])
 def test_bad_config_is_rejected(tmp_path, override, message):
   with pytest.raises(config_lib.ConfigError, match=message.replace("[", r"\[")):

@@ -1,13 +1,14 @@
 """Preference pairs from scored samples: the best and the worst of each prompt's K.
 
 Candidates past the K samples (`--online_data_chosen`: the data's chosen response) may
-be chosen, never rejected: the rejected side is always the policy's own sample. The batch is the trainer's pair batch (`data.store.PairStore.take`'s layout: int32
+be chosen, never rejected: the rejected side is always the policy's own sample. The
+batch is the trainer's pair batch (`data.store.PairStore.take`'s layout: int32
 `[B, 2, T]` tokens, targets, loss and attention masks), built from the sampled ids as
-they are (never re-tokenized). A prompt whose K scores all tie has nothing to prefer:
-its pair stays padding, scored nowhere, so it adds nothing to the loss or its gradient
-(a batch-coupled loss term, `aot`, still sorts its zero log-ratio with the others); a
-batch where every prompt ties scores no token and the step updates nothing
-(`training.step`).
+they are (never re-tokenized). A prompt with nothing to prefer (its best candidate
+scored no higher than its worst sample) keeps its pair as padding, scored nowhere, so
+it adds nothing to the loss or its gradient (a batch-coupled loss term, `aot`, still
+sorts its zero log-ratio with the others); a batch where no prompt has anything to
+prefer scores no token and the step updates nothing (`training.step`).
 """
 
 import numpy as np

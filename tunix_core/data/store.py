@@ -144,7 +144,8 @@ class PairStore:
     return self._prompt
 
   def chosen_lengths(self) -> np.ndarray:
-    """Ids of each pair's chosen response (its ending included), int64 `[pairs]`."""
+    """Ids of each pair's chosen response as stored (its ending included unless the
+    row was cut at `--max_length`), int64 `[pairs]`."""
     return self._chosen
 
   def scored(self) -> np.ndarray:

@@ -9,8 +9,9 @@ process decodes them, scores them with `--reward_fn` and broadcasts the scores; 
 host then builds the same pair batch (`data.sampled_pairs`). With `--online_data_chosen`
 each prompt's chosen response from the data is scored beside its samples, a candidate
 for the chosen side only: where every sample misses, the pair is the data's answer
-against the policy's worst sample (as SPIN pairs them, Chen et al. 2024). The sampling key of step N is
-`fold_in(key(seed), N)`, so a resumed run samples exactly what a straight one does.
+against the policy's worst sample (as SPIN pairs them, Chen et al. 2024). The sampling
+key of step N is `fold_in(key(seed), N)`, so a resumed run samples exactly what a
+straight one does.
 """
 
 import time
@@ -87,8 +88,9 @@ class OnlineSampler:
             np.concatenate([lengths, lengths_nx1], 1))
 
   def _scores(self, prompts: list, samples, lengths, at: str) -> np.ndarray:
-    """The reward of every sample `[n, K]`, computed by the primary process and
-    broadcast (the others pass zeros that the broadcast replaces)."""
+    """The reward of every candidate `[n, C]` (`lengths`' shape: the K samples, and
+    the data's chosen response after them with `--online_data_chosen`), computed by the
+    primary process and broadcast (the others pass zeros that the broadcast replaces)."""
     n, k = lengths.shape
     scores = np.zeros(n * k)
     if jax.process_index() == 0:
