@@ -44,8 +44,7 @@ class OnlineSampler:
 
   def __init__(self, cfg, steps, train_set, tok, eos_ids: tuple):
     self.cfg, self.steps, self.train_set, self.tok = cfg, steps, train_set, tok
-    self.K, self.spec, self.data_chosen = cfg.online_samples, cfg.reward_fn, (
-        cfg.online_data_chosen)
+    self.K, self.spec = cfg.online_samples, cfg.reward_fn
     self.reward = reward_lib.load(cfg.reward_fn)
     self.prompt_len = longest_prompt(train_set)
     self.sampling = generate_lib.Sampling(
@@ -117,7 +116,7 @@ class OnlineSampler:
     samples, lengths = self._generate(params, prompts, self.K,
                                       jax.random.fold_in(self.key, step), self.sampling)
     candidates, candidate_lengths = (self._with_data_chosen(runs, samples, lengths)
-                                     if self.data_chosen else (samples, lengths))
+                                     if self.cfg.online_data_chosen else (samples, lengths))
     scores = self._scores(prompts, candidates, candidate_lengths, f"step {step}")
     batch = pairs_lib.build(prompts, candidates, candidate_lengths, scores,
                             self.tok.pad_id, self.cfg.max_length, samples=self.K)
@@ -129,8 +128,8 @@ class OnlineSampler:
     metrics = {"online/reward_mean": own.mean(), "online/reward_max": own.max(),
                "online/tie_rate": tied.mean(), "online/sample_length": lengths.mean(),
                "online/sample_share": seconds / (seconds + train)}
-    if self.data_chosen:
-      metrics["online/data_chosen"] = ((chosen == self.K) & ~tied).mean()
+    if self.cfg.online_data_chosen:  # candidate K, after the samples that win its ties
+      metrics["online/data_chosen"] = (chosen == self.K).mean()
     return batch, metrics
 
   def evaluate(self, params, eval_set) -> dict:

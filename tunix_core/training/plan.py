@@ -110,8 +110,8 @@ def data_sizes(cfg: TrainConfig, splits) -> packing.Sizes:
       raise ConfigError(f"--online_max_new_tokens={new} with the longest prompt of "
                         f"--train_data ({longest} ids) exceeds --max_length="
                         f"{cfg.max_length}")
-    chosen = int(splits[0].chosen_lengths().max())
-    if cfg.online_data_chosen and chosen > new:
+    chosen = int(splits[0].chosen_lengths().max()) if cfg.online_data_chosen else 0
+    if chosen > new:
       raise ConfigError(f"--online_data_chosen: the longest chosen response of "
                         f"--train_data ({chosen} ids) exceeds --online_max_new_tokens={new}")
     sizes[0] = sampled_pairs.worst_sizes(longest, new, cfg.batch_size, cfg.prefix_sharing,
