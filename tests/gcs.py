@@ -138,6 +138,7 @@ class Proxy:
         conn.request(self.command, self.path, body=body, headers=headers)
         response = conn.getresponse()
         data = response.read()
+        conn.close()
         if proxy._dead.is_set():  # pylint: disable=protected-access
           self.close_connection = True
           return
@@ -148,7 +149,6 @@ class Proxy:
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
-        conn.close()
 
       do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _forward
 
