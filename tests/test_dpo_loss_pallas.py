@@ -45,6 +45,18 @@ def test_long_sequence_uses_several_grid_steps_and_jit():
                               rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
+def test_rows_past_vmem_go_in_blocks_with_the_same_means():
+  # 1,500 rows of 128 positions pass the smallest default scoped VMEM: the kernels run
+  # on blocks of rows (`DPOLossBlockSizes.get_default`), the means weighted by rows.
+  bs = tunix_kernels.DPOLossBlockSizes.get_default(1500, 128)
+  assert bs.block_b is not None and 1500 % bs.block_b
+  logps, masks = _batch(1500, 128)
+  chex.assert_trees_all_close(_loss_and_grads("interpret", logps, masks, beta=0.2),
+                              _loss_and_grads("xla", logps, masks, beta=0.2),
+                              rtol=1e-5, atol=1e-6)
+
+
 def test_per_sequence_reference_free_and_ln2():
   x = jnp.array([-3.0, -1.0]); y = jnp.array([-2.0, -4.0])
   l, m = tunix_kernels.dpo_loss(x, y, x, y, impl="interpret")

@@ -20,6 +20,7 @@ from tunix_kernels.logprobs import blocks as logprobs_blocks
 from tunix_kernels.logprobs import pallas as logprobs_pallas
 from tunix_kernels import tpu
 from tunix_kernels import aot_tpu
+from tunix_kernels import attention as attention_lib
 
 # The benchmark script's compile, by path: the repository is not on sys.path (conftest.py).
 _BENCH = importlib.util.spec_from_file_location("logprobs_tpu", os.path.join(
@@ -119,3 +120,31 @@ def test_dpo_loss_kernels_compile_up_to_64_pairs_of_8192_tokens(chip):
     m = jax.ShapeDtypeStruct((b, t), jnp.int32)
     compiled = aot_tpu.compile_for(chip, loss, x, x, x, x, m, m)
     assert "dpo_loss_fwd" in compiled.as_text()
+
+
+# (chip, rows, query heads, key/value heads, head dim): the tile sweep's corners
+# (`test_tiles.py`), compiled with the tiles the op picks. Qwen2.5-0.5B's 7-head groups
+# at head dim 64 overflowed VMEM at 8,192 tokens while the model counted 64 lanes.
+ATTENTION_SAMPLE = [("v5e", 8192, 14, 2, 64), ("v6e", 5000, 16, 2, 128),
+                    ("v4", 2800, 8, 4, 256), ("v5p", 12345, 4, 4, 64)]
+
+
+@pytest.mark.parametrize("chip,t,h,kv,k", ATTENTION_SAMPLE, ids=str)
+def test_attention_default_tiles_compile_forward_and_backward(chip, t, h, kv, k):
+  def f(q, k_, v, positions):
+    vis = attention_lib.Visibility(positions, jnp.ones_like(positions))
+    out = lambda q, k_, v: attention_lib.attention(
+        q, k_, v, vis, scale=k ** -0.5, impl="pallas").astype(jnp.float32).sum()
+    return jax.grad(out, argnums=(0, 1, 2))(q, k_, v)
+
+  shape = lambda heads: jax.ShapeDtypeStruct((1, t, heads, k), BF16)
+  aot_tpu.compile_for(chip, f, shape(h), shape(kv), shape(kv),
+                      jax.ShapeDtypeStruct((1, t), jnp.int32))
+
+
+def test_logprob_default_tiles_compile_at_hidden_sizes_off_the_lanes():
+  # SmolLM2-135M's and -360M's heads (D = 576, 960: [block_n, D] tiles padded to 640
+  # and 1,024 lanes) at ragged token counts.
+  for chip, n, d, v in (("v5e", 5000, 576, 49152), ("v6e", 12345, 960, 49152)):
+    got = compile_case(chip, n, d, v, BF16, "auto")
+    assert got["ok"], (chip, n, d, got["error"])

@@ -100,8 +100,9 @@ class BlockSizes:
     """VMEM the largest of the forward, dq and dk/dv kernels needs (the fused backward
     adds a row's dq: `fused_backward_bytes`): double-buffered tiles of q, k, v
     (and dO, dq, dk, dv), the row vectors (padded to whole vregs), float32 accumulators
-    and statistics, and about six float32 `[bq, bk]` temporaries."""
-    s, K = jnp.dtype(dtype).itemsize, head_dim
+    and statistics, and about six float32 `[bq, bk]` temporaries. A tile's minor
+    dimension occupies whole 128-lane vregs: a head dim of 64 takes as much VMEM as 128."""
+    s, K = jnp.dtype(dtype).itemsize, lane_padded(head_dim)
     bq, bk = self.block_q, self.block_k
     q_rows = bq * K * s                       # a q, dO, out or dq tile
     k_rows = bk * K * s                       # a k, v, dk or dv tile
@@ -117,10 +118,10 @@ class BlockSizes:
     """VMEM of the fused backward kernel on rows of `seq_len` with `groups` query heads
     per key/value head: the kernels' tiles (`vmem_bytes`) and the whole row's dq of
     every head of a group, its float32 accumulator and its output block
-    (double-buffered)."""
+    (double-buffered), the head dim padded to whole lanes (`lane_padded`)."""
     rows, s = common.round_up(seq_len, self.block_q), jnp.dtype(dtype).itemsize
-    return (self.vmem_bytes(head_dim, dtype)
-            + groups * (rows * head_dim * 4 + 2 * seq_len * head_dim * s))
+    K = lane_padded(head_dim)
+    return self.vmem_bytes(head_dim, dtype) + groups * (rows * K * 4 + 2 * rows * K * s)
 
   def backward_plan(self, head_dim, dtype, seq_len, chip, groups=1
                     ) -> tuple[bool, int | None]:
@@ -154,6 +155,11 @@ class BlockSizes:
     tpu.check_vmem(self.vmem_bytes(head_dim, dtype), self.vmem_limit_bytes, chip,
                    str(self), f"head_dim={head_dim} {jnp.dtype(dtype).name}",
                    "use smaller blocks or BlockSizes.get_default(head_dim, dtype, chip)")
+
+
+def lane_padded(head_dim: int) -> int:
+  """The lanes a tile's minor dimension of `head_dim` occupies in VMEM: whole vregs of 128."""
+  return common.round_up(head_dim, LANES)
 
 
 def tuned_tiles(chip_name: str, head_dim: int, dtype, seq_len: int | None

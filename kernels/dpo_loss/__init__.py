@@ -152,22 +152,28 @@ def _pallas_loss(args, chosen_mask, rejected_mask, spec, interpret):
     args = tuple(x[:, None] for x in args)
     chosen_mask = rejected_mask = jnp.ones(args[0].shape, jnp.float32)
   B, T = args[0].shape
-  # Short sequences take one block of T rounded up to the lanes, not a padded default.
-  block_t = min(dpo_loss_pallas.BlockSizes.get_default().block_t, -(-T // LANES) * LANES)
-  bs = dpo_loss_pallas.BlockSizes(block_t=block_t)
-  pad = ((0, -B % 8), (0, -T % block_t))
+  bs = dpo_loss_pallas.BlockSizes.get_default(B, T)
+  rows = bs.block_b or B
+  if B > rows:  # rows are independent: one call per block of rows fits VMEM
+    parts = [_pallas_loss(tuple(x[i:i + rows] for x in args), chosen_mask[i:i + rows],
+                          rejected_mask[i:i + rows], spec, interpret)
+             for i in range(0, B, rows)]
+    sizes = [min(rows, B - i) for i in range(0, B, rows)]
+    mean = lambda values: sum(v * n for v, n in zip(values, sizes)) / B
+    return mean([p[0] for p in parts]), {k: mean([p[1][k] for p in parts]) for k in parts[0][1]}
+  pad = ((0, -B % 8), (0, -T % bs.block_t))
   padded = [jnp.pad(x.astype(jnp.float32), pad) for x in (*args, chosen_mask, rejected_mask)]
 
-  def rows(loss_type, params):
+  def per_rows(loss_type, params):
     return dpo_loss_pallas.dpo_rows(*padded, float(spec.beta), loss_type,
                                     float(spec.label_smoothing), B, bs, params)
 
   total, table = 0.0, None
   for loss_type, weight in zip(spec.loss_types, spec.loss_weights):
     if interpret:
-      per_row, table = common.call_interpret(functools.partial(rows, loss_type))
+      per_row, table = common.call_interpret(functools.partial(per_rows, loss_type))
     else:
-      per_row, table = rows(loss_type, False)
+      per_row, table = per_rows(loss_type, False)
     total = total + weight * per_row[:B].sum() / B
   t = jax.lax.stop_gradient(table[:B])
   return total, dpo_losses.metrics_of(

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from tunix_kernels import tpu
 from tunix_kernels.dpo_loss import losses as dpo_losses
 from tunix_kernels.common import cotangent_for
 from tunix_kernels.common import out_struct
@@ -36,20 +37,49 @@ LOSS, CHOSEN_REWARD, REJECTED_REWARD, POLICY_CHOSEN, POLICY_REJECTED, D_CHOSEN, 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """`block_t` sequence positions per grid step, a positive multiple of 128 (lanes),
-  checked on construction (`tunix_kernels.DPOLossBlockSizes`); rows are not split."""
+  """Tiles of the loss kernels, checked on construction (`tunix_kernels.DPOLossBlockSizes`).
+
+  Attributes:
+    block_t: sequence positions per grid step, a positive multiple of 128 (lanes).
+    block_b: rows per kernel call, a positive multiple of 8, or None for all of them
+      (rows are independent: `tunix_kernels.dpo_loss` calls the kernels once per block).
+  """
 
   block_t: int
+  block_b: int | None = None
 
   def __post_init__(self):
     if not isinstance(self.block_t, int) or self.block_t <= 0 or self.block_t % LANES:
       raise ValueError(f"BlockSizes.block_t={self.block_t!r} must be a positive multiple of "
                        f"{LANES}")
+    if self.block_b is not None and (not isinstance(self.block_b, int) or self.block_b <= 0
+                                     or self.block_b % 8):
+      raise ValueError(f"BlockSizes.block_b={self.block_b!r} must be a positive multiple of "
+                       "8 or None")
 
   @classmethod
-  def get_default(cls) -> "BlockSizes":
-    """512 positions per step; `tunix_kernels.dpo_loss` shrinks it to T rounded up to 128."""
-    return cls(block_t=512)
+  def get_default(cls, num_rows=None, seq_len=None) -> "BlockSizes":
+    """512 positions per step (fewer for rows shorter than that: `seq_len` rounded up to
+    128), over every row when they fit the smallest generation's default scoped VMEM
+    (`vmem_bytes`), else over blocks of as many rows as fit; 128 positions first, where
+    512 would leave fewer than 8 rows a block."""
+    cap = -(-seq_len // LANES) * LANES if seq_len else None
+    budget = tpu.MIN_SCOPED_VMEM_BYTES * tpu.VMEM_HEADROOM
+    for block_t in (512, 256, LANES):
+      block_t = min(block_t, cap or block_t)
+      per_row = cls(block_t).vmem_bytes(1)
+      rows = int(budget // per_row) // 8 * 8
+      if rows >= 8 or block_t == LANES:
+        rows = max(rows, 8)
+        return cls(block_t, None if num_rows is None or num_rows <= rows else rows)
+    raise AssertionError("unreachable")
+
+  def vmem_bytes(self, num_rows) -> int:
+    """VMEM of the larger kernel on `num_rows` rows (padded to 8; at most `block_b`): the
+    forward's six double-buffered float32 `[B, block_t]` inputs and about six such
+    temporaries, its double-buffered `[B, 128]` table and six `[B, 128]` sums."""
+    rows = -(-min(num_rows, self.block_b or num_rows) // 8) * 8
+    return 4 * rows * (18 * self.block_t + 8 * LANES)
 
 
 def _row_loss(pc, pr, rc, rr, len_c, len_r, beta, loss_type, eps):

@@ -213,14 +213,21 @@ def d_chunk(d):
   return next((p for p in (512, 256, 128) if d % p == 0), d)
 
 
+def _lanes(d):
+  """The lanes a minor dimension of `d` occupies in VMEM: whole vregs of 128 (D = 576
+  takes 640)."""
+  return common.round_up(d, LANES)
+
+
 def _stats(bn):
   return bn * LANES * 4  # one lane-replicated (or lane-padded) f32 or int32 row tile
 
 
 def _fwd_vmem(bn, bv, d, s, bd=None):
   """Forward: double-buffered hidden and weight tiles, row statistics in and out and in
-  scratch, the logit accumulator and the float32 temporaries of the softmax."""
-  bd = d if bd is None else bd
+  scratch, the logit accumulator and the float32 temporaries of the softmax. D is
+  counted in whole 128-lane vregs (`_lanes`), as a `[bn, D]` tile occupies VMEM."""
+  bd = _lanes(d) if bd is None else bd
   tiles = 2 * (bn * bd + bd * bv) * s
   return tiles + 9 * _stats(bn) + bn * bv * 4 + 4 * bn * bv * 4
 
@@ -229,14 +236,17 @@ def _fused_vmem(bn, bv, d, s):
   """Fused backward: double-buffered hidden `[bn, D]` and weight `[D, bv]` tiles, the
   float32 d_weight accumulator and its staging copy, two float32 d_hidden slots, the
   row statistics, the logit tile's float32 temporaries and one chunk of each gradient
-  matmul."""
+  matmul (D in whole lanes)."""
+  chunk, d = d_chunk(d), _lanes(d)
   tiles = 2 * (bn * d + d * bv) * s
   return (tiles + d * bv * (4 + s) + 2 * bn * d * 4 + 2 * _stats(bn) + 6 * bn * bv * 4
-          + bn * bv * s + d_chunk(d) * (bv + bn) * (4 + s))
+          + bn * bv * s + chunk * (bv + bn) * (4 + s))
 
 
 def _split_vmem(bn, bv, bd, d, s):
-  """The split kernels (forward, d_hidden, d_weight) over hidden blocks of `bd`."""
+  """The split kernels (forward, d_hidden, d_weight) over hidden blocks of `bd` (D in
+  whole lanes)."""
+  d = _lanes(d)
   tiles = 2 * (bn * bd + bd * bv) * s
   logits, temps = bn * bv * 4, 4 * bn * bv * 4
   common = tiles + 6 * _stats(bn) + logits + bn * bv * s + temps
