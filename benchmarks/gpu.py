@@ -121,6 +121,7 @@ def ours_plan(a, config: dict, pairs, devices):
   from tunix_core.data import encode  # pylint: disable=g-import-not-at-top
   from tunix_core.data import packing  # pylint: disable=g-import-not-at-top
   from tunix_core.training import config as config_lib  # pylint: disable=g-import-not-at-top
+  from tunix_core.training import fit  # pylint: disable=g-import-not-at-top
   from tunix_core.training import plan as plan_lib  # pylint: disable=g-import-not-at-top
 
   T, P = a.tokens, a.tokens // 2
@@ -139,9 +140,12 @@ def ours_plan(a, config: dict, pairs, devices):
                                hf_model_dir=model_dir, batch_size=a.pairs, max_length=T,
                                max_prompt_length=P, steps=a.warmup + a.steps,
                                reference=a.reference, remat=a.remat)
-  plan = plan_lib.make_plan(dataclasses.replace(cfg, compile_only=True), devices,
-                            packing.pair_sizes(host, cfg.prefix_sharing))
-  return plan, host
+  cfg = dataclasses.replace(cfg, compile_only=True)
+  sizes = packing.pair_sizes(host, cfg.prefix_sharing)
+  plan = plan_lib.make_plan(cfg, devices, sizes)
+  # As the trainer: what --remat / --grad_accum_steps=auto take (`training.fit`).
+  fitted = lambda steps, say: fit.fit_steps(cfg, plan, steps, devices, sizes, say)
+  return plan, host, fitted
 
 
 def aot_ours(a, config: dict, pairs) -> dict:
@@ -149,7 +153,7 @@ def aot_ours(a, config: dict, pairs) -> dict:
   what the compiler says it needs, to set beside the allocator's peak on that chip."""
   from tunix_core.aot import compile as aot  # pylint: disable=g-import-not-at-top
   chip, devices = aot.target_devices(f"{a.aot}-1")
-  plan, _ = ours_plan(a, config, pairs, devices[:1])
+  plan, _, _ = ours_plan(a, config, pairs, devices[:1])
   stats = aot.compile_stats(plan, chip, devices[:1])
   if stats["error"]:
     raise RuntimeError(stats["error"])
@@ -192,7 +196,6 @@ def run_ours(a, config: dict, pairs) -> dict:
   from tunix_core.run import compile_cache  # pylint: disable=g-import-not-at-top
   from tunix_core.run import loop as train_lib  # pylint: disable=g-import-not-at-top
   from tunix_core.training import executables  # pylint: disable=g-import-not-at-top
-  from tunix_core.training import remat  # pylint: disable=g-import-not-at-top
   from tunix_core.training import step as step_lib  # pylint: disable=g-import-not-at-top
 
   timeline.append(("imported", process_age()))
@@ -206,13 +209,13 @@ def run_ours(a, config: dict, pairs) -> dict:
   t_plan = time.perf_counter()
   imported = process_age()
   timeline.append(("chip open", imported))
-  plan, host = ours_plan(a, config, pairs, devices)
+  plan, host, fitted = ours_plan(a, config, pairs, devices)
   steps = step_lib.make_steps(plan, devices)
   timeline.append(("planned", process_age()))
   say = lambda line: print(line, file=sys.stderr)
-  warmup = compile_cache.Warmup(  # as the trainer: `--remat=auto` chosen on the thread
-      lambda chosen: executables.compile_step(chosen[1], executables.store_dir(devices), say),
-      choose=lambda: remat.resolve_steps(plan, devices, remat.capacity(devices), say, steps))
+  warmup = compile_cache.Warmup(  # as the trainer: what is auto chosen on the thread
+      lambda chosen: executables.compile_step(chosen, executables.store_dir(devices), say),
+      choose=lambda: fitted(steps, say))
   state = steps.init_state(jax.random.PRNGKey(0))
   timeline.append(("params initialised", process_age()))
   frozen = (train_lib.frozen_copy(state["params"], plan.ref_dtype)
@@ -221,7 +224,8 @@ def run_ours(a, config: dict, pairs) -> dict:
   t_init = time.perf_counter()
   timeline.append(("reference copied", process_age()))
   compiled = warmup.describe("step 1")
-  plan, steps = warmup.choice()
+  steps = warmup.choice()
+  plan = steps.plan
   t0 = time.perf_counter()
   timeline.append(("step compiled", process_age()))
   print(f"planned and initialised in {t_init - t_plan:.1f} s: {plan.describe()}\n{compiled}",

@@ -134,8 +134,8 @@ if has step; then
     [[ "${STEP_RUNS:-cold restart}" == cold* ]] && rm -rf "$cache"
     for run in ${STEP_RUNS:-cold restart}; do
       part step "${STEP_LIMIT:-300}" python3 benchmarks/gpu.py ours --model "$model" \
-          --tokens "$tokens" ${flags:-} --pairs 8 --steps 6 --warmup 2 --cache_dir "$cache" \
-          --out "$OUT/step.jsonl"
+          --tokens "$tokens" --pairs 8 --steps 6 --warmup 2 --cache_dir "$cache" \
+          --out "$OUT/step.jsonl" ${flags:-}  # last: a case's own --pairs wins
     done
   done
   python3 benchmarks/gpu.py table "$OUT/step.jsonl" > "$OUT/step_table.md" 2>> "$OUT/step.txt"
@@ -148,8 +148,9 @@ if has tunix; then  # Tunix's DPO step on the step part's cases, rows in the sam
   for case in "${cases[@]}"; do
     read -r model tokens flags <<< "$case"
     part tunix "${TUNIX_LIMIT:-300}" python3 benchmarks/peer_tunix.py --model "$model" \
-        --tokens "$tokens" ${flags:-} --pairs 8 --steps 6 --warmup 2 \
-        --cache_dir "/tmp/compile-cache/tunix-$model-$tokens${flags// /}" --out "$OUT/step.jsonl"
+        --tokens "$tokens" --pairs 8 --steps 6 --warmup 2 \
+        --cache_dir "/tmp/compile-cache/tunix-$model-$tokens${flags// /}" --out "$OUT/step.jsonl" \
+        ${flags:-}
   done
   python3 benchmarks/gpu.py table "$OUT/step.jsonl" > "$OUT/step_table.md" 2>> "$OUT/tunix.txt"
   cat "$OUT/step_table.md"

@@ -141,7 +141,7 @@ def main() -> int:
   config = gpu.MODELS[a.model]
   pairs = gpu.synthetic_pairs(a.pairs, a.tokens, config["vocab_size"])
   devices = jax.devices()[:1]
-  plan, host = gpu.ours_plan(a, config, pairs, devices)
+  plan, host, _ = gpu.ours_plan(a, config, pairs, devices)
   steps = step_lib.make_steps(plan, devices)
   hlo = steps.train_step.lower(*steps.abstract_inputs()).compile().as_text()
   ops = hlo_ops(hlo)

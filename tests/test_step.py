@@ -15,8 +15,9 @@ from tunix_core.run import compile_cache
 from tunix_core.run import loop as train
 from tunix_core.training import config as config_lib
 from tunix_core.training import executables
+from tunix_core.training.config import ConfigError
 from tunix_core.training import plan as plan_lib
-from tunix_core.training import remat
+from tunix_core.training import fit
 from tunix_core.training import step as step_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -187,26 +188,31 @@ def test_eval_counts_every_pair_of_a_set_that_is_not_a_multiple_of_the_batch(tmp
 
 @pytest.mark.slow
 def test_remat_auto_takes_the_cheapest_policy_that_fits(tmp_path):
-  """`--remat=auto` (`training.remat`): none without a memory bound; with one, the first
+  """`--remat=auto` (`training.fit`): none without a memory bound; with one, the first
   of none, dots, attention, full whose compiled step fits, by the compiler's own memory
   figures."""
-  cfg = runs.config(tmp_path, batch_size=64)
+  cfg = runs.config(tmp_path, batch_size=64, grad_accum_steps=1)
   devices = jax.devices()[:1]
-  plan = plan_lib.make_plan(cfg, devices, plan_lib.data_sizes(cfg, [runs.dataset(40, 20)]))
-  assert cfg.remat == "auto" and remat.resolve(plan, devices, None).model.remat == "none"
-  with_policy = lambda p: dataclasses.replace(plan, model=dataclasses.replace(plan.model,
-                                                                              remat=p))
-  need = {p: remat.need(with_policy(p), devices) for p in remat.CANDIDATES}
+  sizes = plan_lib.data_sizes(cfg, [runs.dataset(40, 20)])
+  plan = plan_lib.make_plan(cfg, devices, sizes)
+  steps = step_lib.make_steps(plan, devices)
+  choose = lambda gib, log=lambda *_: None: fit.fit_steps(
+      dataclasses.replace(cfg, device_memory_gib=gib), plan, steps, devices, sizes, log)
+  assert cfg.remat == "auto" and choose(0).plan.model.remat == "none"
+  need = {p: fit.compiled_bytes(executables.compile_step(step_lib.make_steps(
+      plan_lib.make_plan(cfg, devices, sizes, fit=(p, 1)), devices), None), devices)
+          for p in fit.POLICIES}
   # Activations dominate this step; `attention` drops the MLP's from what `dots` keeps.
   assert need["none"] > need["dots"] > need["attention"] > need["full"]
   lines = []
-  for limit, want in ((need["none"] - 1, "dots"), (need["dots"] - 1, "attention"),
-                      (need["full"] - 1, "full")):
-    assert remat.resolve(plan, devices, limit, lines.append).model.remat == want
-  assert lines[-1].startswith("--remat=auto: no policy fits")
+  for over, want in (("none", "dots"), ("dots", "attention")):
+    gib = (need[over] - 1) / fit.MARGIN / 2**30
+    assert choose(gib, lines.append).plan.model.remat == want
+  with pytest.raises(ConfigError, match="fits no remat policy"):
+    choose((need["full"] - 1) / fit.MARGIN / 2**30)
   # The run takes the chosen candidate's functions: its first step compiles nothing more.
-  chosen, steps = remat.resolve_steps(plan, devices, need["none"] - 1)
-  assert chosen.model.remat == "dots" and steps.plan == chosen
+  chosen = choose((need["none"] - 1) / fit.MARGIN / 2**30, lines.append)
+  assert chosen.plan.model.remat == "dots", (lines, need)
   with compile_cache.FirstCompile() as first:  # as `run.compile_cache.Warmup` compiles it
-    executables.compile_step(steps, None)
+    executables.compile_step(chosen, None)
   assert first.compiles == 0

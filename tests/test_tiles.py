@@ -74,3 +74,5 @@ def test_loss_tiles_fit_vmem_at_every_shape():
     bs = loss_pallas.BlockSizes.get_default(rows, seq_len)
     assert bs.block_t <= -(-seq_len // 128) * 128
     assert bs.vmem_bytes(rows) <= tpu.MIN_SCOPED_VMEM_BYTES * tpu.VMEM_HEADROOM, (rows, bs)
+    assert bs.block_b is None or bs.block_b >= 256, (rows, seq_len, bs)  # as many as fit
+    assert rows > 64 or bs.block_b is None, (rows, seq_len, bs)

@@ -60,6 +60,12 @@ class LossSpec:
   cpo_alpha: float = 1.0
 
   @property
+  def batch_coupled(self) -> bool:
+    """True when a term couples the batch's rows (`BATCH_TYPES`): its mean over a batch
+    is not the mean of its micro-batches' means."""
+    return any(t in BATCH_TYPES for t in self.loss_types)
+
+  @property
   def reference_free(self) -> bool:
     """True when no term reads the reference."""
     return all(t in REFERENCE_FREE_TYPES for t in self.loss_types)

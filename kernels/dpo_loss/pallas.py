@@ -67,7 +67,7 @@ class BlockSizes:
     budget = tpu.MIN_SCOPED_VMEM_BYTES * tpu.VMEM_HEADROOM
     for block_t in (512, 256, LANES):
       block_t = min(block_t, cap or block_t)
-      per_row = cls(block_t).vmem_bytes(1)
+      per_row = cls(block_t).vmem_bytes(8) / 8
       rows = int(budget // per_row) // 8 * 8
       if rows >= 8 or block_t == LANES:
         rows = max(rows, 8)

@@ -32,7 +32,9 @@ from tunix_core.data import packing
 from tunix_core.run import source
 from tunix_core.training import flops
 from tunix_core.training import plan as plan_lib
-from tunix_core.training import remat
+from tunix_core.training import executables
+from tunix_core.training import fit
+from tunix_core.training import memory
 from tunix_core.training import step as step_lib
 from tunix_core.training.config import ConfigError
 
@@ -86,14 +88,14 @@ def compile_stats(plan: plan_lib.StepPlan, chip, devices) -> dict:
   device sends per step, by the mesh axes they cross); `"overlap"`, for a TPU target,
   `overlap.exposed` of its schedule (None for local devices); `"model_flops"`, the plan's
   model FLOPs per device; `"error"` is the compiler's refusal or None, and with a refusal
-  `"memory"` says whether it was over memory.
+  `"refusal"` is its `executables.Refused` when it was over memory (else None).
 
   Why not `total`: on TPU `temp_size_in_bytes` can exceed the temporaries the buffer
   assignment allocates (for the 7B FSDP step of the README: 7.25 GiB, against one
   preallocated block of 5.40 GiB), so the sum overstates what the chip must hold.
   """
   steps, lowered = lower(plan, devices)
-  out = {"chip": chip, "devices": devices, "error": None,
+  out = {"chip": chip, "devices": devices, "error": None, "refusal": None,
          "num_params": sum(x.size for x in jax.tree.leaves(steps.param_shapes))}
   with tempfile.TemporaryDirectory() as dump_dir:
     try:
@@ -105,9 +107,9 @@ def compile_stats(plan: plan_lib.StepPlan, chip, devices) -> dict:
       if unknown:
         raise ConfigError(f"--tpu_flags: the TPU compiler has no option "
                           f"{unknown.group(1)!r}") from None
-      lines = [l for l in message.splitlines() if "exceeds" in l or "RESOURCE_EXHAUSTED" in l]
-      out["error"] = (lines or message.splitlines() or [""])[0].strip()[:500]
-      out["memory"] = bool(lines)  # a refusal over memory, not another precondition
+      refusal = executables.memory_refusal(e, memory.shard_bytes(steps.abstract_inputs()))
+      out["error"] = str(refusal) if refusal else (message.splitlines() or [""])[0][:500]
+      out["refusal"] = refusal  # over memory, not another precondition
       return out
     hbm = _allocated_in_hbm(dump_dir) if chip is not None else None
   stats = aot_tpu.compiled_stats(compiled)
@@ -122,8 +124,15 @@ def compile_stats(plan: plan_lib.StepPlan, chip, devices) -> dict:
 
 
 def plan_for(cfg, devices, log=lambda *_: None) -> plan_lib.StepPlan:
-  """The plan `run.loop.train` would build for `cfg` on `devices`: from the data when
-  `--train_data` is given, else the flags' worst case."""
+  """The plan `run.loop.train` would build for `cfg` on `devices` (before `training.fit`
+  chooses what is auto): from the data when `--train_data` is given, else the flags'
+  worst case."""
+  return plan_lib.make_plan(cfg, devices, sizes_for(cfg, devices, log))
+
+
+def sizes_for(cfg, devices, log=lambda *_: None) -> packing.Sizes | None:
+  """The data's `packing.Sizes` when `--train_data` is given, else None (the worst case
+  of the flags)."""
   cfg.validate(len(devices))
   sizes = None
   if cfg.train_data:
@@ -133,7 +142,7 @@ def plan_for(cfg, devices, log=lambda *_: None) -> plan_lib.StepPlan:
       data_cfg = cfg if cfg.data_cache_dir else dataclasses.replace(cfg, data_cache_dir=tmp)
       splits = [d for d in source.load_data(data_cfg, log) if d is not None]
       sizes = plan_lib.data_sizes(cfg, splits)
-  return plan_lib.make_plan(cfg, devices, sizes)
+  return sizes
 
 
 def compile_only(cfg, target: str, log=print) -> int:
@@ -143,23 +152,36 @@ def compile_only(cfg, target: str, log=print) -> int:
   (`compile_stats`' "need") exceeds HBM."""
   chip, devices = target_devices(target)
   where = f"{target} ({len(devices)} x {devices[0].device_kind})"
-  compiled = {}  # each candidate of --remat=auto compiles once, its figures kept
+  compiled = {}  # each candidate compiles once, its figures kept
+  sizes = sizes_for(cfg, devices, log)
 
-  def measure(candidate, devices):
-    compiled[candidate.model.remat] = stats = compile_stats(candidate, chip, devices)
-    return None if stats["error"] else stats["need"]
+  def measure(candidate):
+    compiled[candidate] = stats = compile_stats(candidate, chip, devices)
+    if stats["error"] and stats["refusal"] is None:
+      raise ConfigError(f"the compiler refused the step: {stats['error']}")
+    return stats["refusal"] or stats["need"]
 
-  # (the plan line names the policy --remat=auto chose)
-  plan = remat.resolve(plan_for(cfg, devices, log), devices,
-                       chip.hbm_bytes if chip else remat.capacity(devices), measure=measure)
+  limit = fit.capacity(devices, cfg.device_memory_gib) if chip is None else (
+      int(cfg.device_memory_gib * GiB) or chip.hbm_bytes)
+  plan, chose = plan_lib.make_plan(cfg, devices, sizes), []
+  try:  # (the plan line names what --remat / --grad_accum_steps=auto chose)
+    plan, failed = fit.choose(
+        plan, lambda *c: plan_lib.make_plan(cfg, devices, sizes, fit=c), limit, measure,
+        log=chose.append,
+        estimate=lambda p: memory.estimate(step_lib.make_steps(p, devices))), None
+  except ConfigError as e:
+    failed = str(e)
   num_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(
       lambda: model_lib.init_params(jax.random.PRNGKey(0), plan.model))))
   log(f"compile only: {cfg.hf_model_dir or cfg.model} ({num_params:,} params, "
       f"{plan.layout}) for {where}")
   log(plan.describe())
-  stats = compiled.get(plan.model.remat) or compile_stats(plan, chip, devices)
+  if failed:
+    log(failed)
+    return 1
+  stats = compiled.get(plan) or compile_stats(plan, chip, devices)
   if stats["error"] is not None:
-    said = "does not fit" if stats["memory"] else "the compiler refused the step"
+    said = "does not fit" if stats["refusal"] else "the compiler refused the step"
     log(f"{said}: {stats['error']}")
     return 1
   need = stats["need"]
@@ -173,9 +195,12 @@ def compile_only(cfg, target: str, log=print) -> int:
   basis = next((name for name, n in figures.items() if n == need),
                "the arguments and outputs held through the step")
   others = [f"{name} {_gib(n)}" for name, n in figures.items() if n and name != basis]
-  fits = chip is None or need <= chip.hbm_bytes
-  log(f"total {_gib(need)} per device" + (f" of {_gib(chip.hbm_bytes)} HBM" if chip else "")
+  fits = limit is None or need <= limit
+  log(f"total {_gib(need)} per device" + (f" of {_gib(limit)}" if limit else "")
+      + (" HBM" if chip else "")
       + f": {'fits' if fits else 'does not fit'} ({'; '.join([basis] + others)})")
+  for line in chose:  # what --remat / --grad_accum_steps=auto took, and what it measured
+    log(line)
   log(f"per device: {stats['model_flops']:.4g} model flops per step (the plan's matmuls); "
       f"the compiler's cost analysis, which counts each loop body once: "
       f"{stats['flops']:.4g} flops, {stats['bytes_accessed']:.4g} bytes accessed")
@@ -196,6 +221,5 @@ def compile_only(cfg, target: str, log=print) -> int:
   else:
     log(f"communication per device: {_gib(sent)} sent ({axes or 'none'})")
   if not fits:
-    log(f"does not fit: {_gib(need)} per device exceeds the {_gib(chip.hbm_bytes)} of a "
-        f"{chip.name} chip")
+    log(f"does not fit: {_gib(need)} per device exceeds the {_gib(limit)} it may hold")
   return 0 if fits else 1

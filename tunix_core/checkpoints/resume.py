@@ -193,3 +193,22 @@ def resume(steps, ckpt: Checkpointer, cfg, log, source: dict | None = None,
     raise CheckpointError(f"--resume=required but {ckpt.directory} holds no complete "
                           "checkpoint")
   return None, None
+
+
+def saved_micro_batches(ckpt: Checkpointer, cfg, log):
+  """`cfg` with `--grad_accum_steps=auto` replaced by the count its newest checkpoint
+  was trained with, so a resume splits each batch as before (the gradient sums run in
+  the same order: the resume is exact); `cfg` itself otherwise, and where that step's
+  metadata does not read (`resume` then deals with it)."""
+  if cfg.grad_accum_steps != "auto" or cfg.resume == "never" or not ckpt.steps():
+    return cfg
+  step = ckpt.steps()[-1]
+  try:
+    saved = ckpt.read_meta(step)["config"]["grad_accum_steps"]
+  except Exception:  # noqa: BLE001 - a damaged step is `resume`'s to report
+    return cfg
+  if not str(saved).isdigit():
+    return cfg
+  log(f"--grad_accum_steps=auto: {saved} micro-batch(es), as checkpoint step {step} "
+      "was trained")
+  return dataclasses.replace(cfg, grad_accum_steps=int(saved))

@@ -8,6 +8,7 @@ metrics, so the host never stalls the device; checkpoints are saved asynchronous
 last step always.
 """
 
+import dataclasses
 import functools
 import typing
 
@@ -35,7 +36,7 @@ from tunix_core.training import executables
 from tunix_core.training import flops
 from tunix_core.training import health as health_lib
 from tunix_core.training import plan as plan_lib
-from tunix_core.training import remat
+from tunix_core.training import fit as fit_lib
 from tunix_core.training import step as step_lib
 from tunix_core.training.config import ConfigError
 from tunix_core.training.config import TrainConfig
@@ -120,18 +121,20 @@ def _train(cfg, devices, log, beat, hooks):
   except paths.StorageError as e:
     raise ConfigError(f"--output_dir={cfg.output_dir!r} cannot be created: {e}") from None
   train_set, eval_set = source_lib.load_data(cfg, log, beat=startup)
-  plan = plan_lib.make_plan(cfg, devices, plan_lib.data_sizes(
-      cfg, [d for d in (train_set, eval_set) if d is not None]))
-  steps = step_lib.make_steps(plan, devices)
-  # The step compiles (or loads from the compilation cache) on a thread while the state
-  # is made; under --remat=auto that thread makes the choice by compiling its candidates,
-  # which the state does not wait for: its shapes and placement are every policy's.
-  warmup = compile_cache.Warmup(
-      lambda chosen: executables.compile_step(chosen[1], executables.store_dir(devices), log),
-      choose=lambda: remat.resolve_steps(plan, devices, remat.capacity(devices), log, steps))
   key = jax.random.PRNGKey(cfg.seed)
   ckpt = checkpoint.Checkpointer(paths.join(cfg.output_dir, "checkpoints"), keep=cfg.keep,
                                  keep_period=cfg.keep_period or None)
+  cfg = resume.saved_micro_batches(ckpt, cfg, log)  # a resume splits batches as before
+  sizes = plan_lib.data_sizes(cfg, [d for d in (train_set, eval_set) if d is not None])
+  plan = plan_lib.make_plan(cfg, devices, sizes)
+  steps = step_lib.make_steps(plan, devices)
+  # The step compiles (or loads from the compilation cache) on a thread while the state
+  # is made; under --remat=auto or --grad_accum_steps=auto that thread first chooses
+  # (`training.fit`, compiling the candidate it takes), which the state does not wait
+  # for: its shapes and placement are every candidate's.
+  warmup = compile_cache.Warmup(
+      lambda chosen: executables.compile_step(chosen, executables.store_dir(devices), log),
+      choose=lambda: fit_lib.fit_steps(cfg, plan, steps, devices, sizes, log, startup))
   startup("start-up: the newest checkpoint and the weights")
   source = source_lib.source(cfg)
   state, meta = resume.resume(steps, ckpt, cfg, log, source=source, legacy_fingerprint=(
@@ -153,7 +156,8 @@ def _train(cfg, devices, log, beat, hooks):
     ref_params = (source_lib.initial_params(cfg, steps, ref_dtype, host_log, startup)
                   or steps.init_params(key))
     ref_params = jax.tree.map(lambda x: x.astype(ref_dtype), ref_params)
-  plan, steps = warmup.choice()
+  steps = warmup.choice()
+  plan = steps.plan
   mcfg = plan.model
   count = lambda shapes: sum(x.size for x in jax.tree.leaves(shapes))
   num_params = count(steps.base_layout.param_shapes)
@@ -210,7 +214,8 @@ def _train(cfg, devices, log, beat, hooks):
       writer.sync()  # the rows up to this step are stored before it can commit
     digest = checkpoint.save_state(
         ckpt, step, dict(state, params=steps.logical_params(state["params"])),
-        data_state=it.get_state(), num_shards=steps.num_devices, rng_key=key, config=cfg,
+        data_state=it.get_state(), num_shards=steps.num_devices, rng_key=key,
+        config=dataclasses.replace(cfg, grad_accum_steps=plan.micro_batches),
         model_config=mcfg, nonfinite=health, source=source,
         layout=steps.layout.name, model_parallel=steps.model_parallel)
     log(f"checkpoint step {step}: saving asynchronously (content digest {digest})")

@@ -127,13 +127,11 @@ class TrainConfig:
                          "dtype if narrower than --param_dtype, as bfloat16 on TPU and "
                          "GPU; else --param_dtype).", group="model")
   compute_dtype: str = _flag("auto", "Activation/matmul dtype (auto: bfloat16 on TPU and "
-                             "GPU, float32 on CPU); params keep --param_dtype.",
-                             group="model")
+                             "GPU, float32 on CPU); params keep theirs.", group="model")
   remat: str = _flag("auto", "Rematerialisation of each layer in the backward: auto (the "
-                     "first of none, dots, attention (the MLP recomputed), full whose step "
-                     "fits a TPU chip; else none), offload (matmul outputs to pinned host "
-                     "memory and back), full_prefetch (full, with --fsdp's backward "
-                     "transfers under its compute, for one more layer in HBM).", group="model")
+                     "cheapest of none, dots, attention, full that fits: --grad_accum_steps), "
+                     "offload (matmul outputs to host memory and back), full_prefetch (full, "
+                     "--fsdp's transfers under its compute).", group="model")
   export_hf_dir: str = _flag("", "After the last step, write the policy here as a Hugging "
                              "Face directory (with --hf_model_dir's config and tokenizer "
                              "files); empty: no export.", group="model")
@@ -223,8 +221,11 @@ class TrainConfig:
                           "collective crosses the slow data-centre network. 0: the slices "
                           "the devices are in (1 on CPU/GPU); on CPU devices N > 1 "
                           "simulates N slices of consecutive devices.", group="parallel")
-  grad_accum_steps: int = _flag(1, "Micro-batches per step; gradients are synced once per "
-                                "step (under --fsdp: per micro-batch).", group="parallel")
+  grad_accum_steps: str = _flag("auto", "Micro-batches per step (gradients synced once; --fsdp: "
+                                "per micro-batch): N, or auto: the fewest that fit "
+                                "(docs/training.md#fitting-the-step).", group="parallel")
+  device_memory_gib: float = _flag(0.0, "Memory per device the auto --remat and "
+                                   "--grad_accum_steps fit (0: a TPU's own).", group="parallel")
   bucket_mb: float = _flag(25.0, "Gradient bucket size in MiB for the bucketed "
                            "reduce-scatter / all-gather.", group="parallel")
   sync_impl: str = _flag("auto", "auto: all_to_all on TPU over 9 to 64 data chips a "
@@ -298,7 +299,7 @@ class TrainConfig:
   def model_config(self, platform: str = "cpu") -> model_lib.ModelConfig:
     """The preset's config, or with `--hf_model_dir` the checkpoint's (`hf.HFError` if it
     cannot be represented exactly), computing as `--compute_dtype` resolves on
-    `platform`; `--remat=auto` is none until `training.remat` resolves it."""
+    `platform`; `--remat=auto` is none until `training.fit` resolves it."""
     overrides = dict(param_dtype=self.param_dtype, attention_impl=self.attention_impl,
                      compute_dtype=self.resolved_compute_dtype(platform),
                      remat="none" if self.remat == "auto" else self.remat)

@@ -21,9 +21,10 @@ before any tracing, `step-{key}-cache`, made of:
 
 A restart deserializes the step onto its devices (2.1-2.3 s on one v5e chip) and never
 traces it; the hit touches the entry (`paths.touch`: the recency the bound reads). A step the
-compiler refuses for memory is remembered (`refused-{key}-cache`, named in its line):
-`--remat=auto` does not compile that candidate again on a restart, and a run whose every
-policy is refused ends at once. Where the store is used (`store_dir`): the compilation
+compiler refuses for memory (`memory_refusal`: HBM or a kernel's VMEM, nothing else) is
+remembered (`refused-{key}-cache`, named in its line): `training.fit` does not compile
+that candidate again on a restart. Any other failure of a compile is raised as it is and
+compiled again on the next start. Where the store is used (`store_dir`): the compilation
 cache is on, the devices are TPUs and the job is one process (a multi-host executable is
 not serialized here). An entry that does not load is one line, compiled again and
 rewritten. Entries are pickles: the cache directory must be as trusted as the code
@@ -33,9 +34,11 @@ rewritten. Entries are pickles: the cache directory must be as trusted as the co
 import functools
 import hashlib
 import importlib.metadata
+import json
 import os
 import pickle
 import platform
+import re
 import sys
 import threading
 import weakref
@@ -45,6 +48,7 @@ from jax.experimental import serialize_executable
 
 import tunix_kernels
 from tunix_core.storage import paths
+from tunix_core.training import memory
 from tunix_core.training import validation
 
 _FILES = (".py", ".json")  # a package's sources and its tuned tables
@@ -108,16 +112,61 @@ def step_key(steps) -> str:
 
 
 class Refused(validation.ConfigError):
-  """The compiler refused the step for memory (now or, kept in the store, before)."""
+  """The compiler refused the step for memory (now or, kept in the store, before):
+  `kind` "hbm" (the step's buffers; `needed`: the bytes per device the compiler
+  counted, where it said) or "vmem" (a Pallas kernel's tiles)."""
+
+  def __init__(self, message: str, kind: str = "hbm", needed: int | None = None):
+    super().__init__(message)
+    self.kind, self.needed = kind, needed
 
 
-def _refused(e: Exception) -> Refused | None:
-  """`e`, an error of XLA's compile, as a `Refused` when it is the refusal for memory."""
-  if not any(word in str(e) for word in ("RESOURCE_EXHAUSTED", "Ran out of memory",
-                                         "exceeds")):
+# What the TPU compiler says when it refuses a program for memory, and nothing else: a
+# host's RESOURCE_EXHAUSTED while compiling, or a compiler bug, is not a verdict on the
+# program and is not remembered.
+_HBM = re.compile(r"Ran out of memory (?:on|in memory space) hbm", re.IGNORECASE)
+_VMEM = re.compile(r"CompileTimeScopedVmemOom|exceeded scoped vmem limit", re.IGNORECASE)
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+KERNELS = ("attention_fwd", "attention_bwd", "attention_dq", "attention_dkv",
+           "fused_logprobs_fwd", "fused_logprobs_bwd", "fused_logprobs_dhidden",
+           "fused_logprobs_dweight", "dpo_loss_fwd", "dpo_loss_bwd")
+
+
+def _bytes(number: str, unit: str) -> int:
+  return int(float(number) * _UNITS[unit.upper()[:1]])
+
+
+def memory_refusal(e: BaseException, held: int = 0) -> Refused | None:
+  """`e`, an error of XLA's compile, as a `Refused` when the compiler refused the
+  program for memory: HBM (naming the bytes against the capacity; `held`: what the
+  step's arguments hold beside the temporaries the compiler counts) or a Pallas kernel's
+  VMEM (naming the kernel and its scoped allocation); None for any other failure. The
+  one place this is decided (`compile_step`, `aot.compile`)."""
+  text = str(e)
+  if _VMEM.search(text):
+    kernel = next((k for k in KERNELS if k in text), "a Pallas kernel")
+    size = re.search(r"[Ss]coped allocation with size ([\d.]+)([KMG]?)\S* and limit "
+                     r"([\d.]+)([KMG]?)", text)
+    what = (f"{_bytes(*size.groups()[:2]) / 2**20:.1f} MiB of scoped VMEM against a limit "
+            f"of {_bytes(*size.groups()[2:]) / 2**20:.1f} MiB" if size else _first_line(e))
+    return Refused(f"the kernel {kernel} does not fit VMEM: its tiles need {what}; its "
+                   "tile choice should never allow this (please report it); "
+                   "--attention_impl=xla or --logprob_impl=xla avoid the kernel", "vmem")
+  if not _HBM.search(text):
     return None
-  return Refused(f"the train step does not fit the devices' memory ({_first_line(e)}); "
-                 "a smaller --batch_size, --remat or another layout may")
+  temps = re.search(r"HLO temporaries \(([\d.]+)([KMGT]?)\)\D+([\d.]+)([KMGT]?)", text)
+  used = re.search(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm", text)
+  if temps:
+    needed, limit = held + _bytes(*temps.groups()[:2]), _bytes(*temps.groups()[2:])
+  elif used:
+    needed, limit = _bytes(*used.groups()[:2]), _bytes(*used.groups()[2:])
+  else:
+    needed = limit = None
+  figure = (f"{needed / 2**30:.3g} GiB per device against {limit / 2**30:.3g} GiB of HBM "
+            if needed else "")
+  return Refused(f"the train step does not fit HBM: {figure}(the compiler: "
+                 f"{_first_line(e)}); more --grad_accum_steps, --remat=full, --fsdp or a "
+                 "smaller --batch_size may", "hbm", needed)
 
 
 def _first_line(e: BaseException) -> str:
@@ -159,18 +208,19 @@ _compiled = weakref.WeakKeyDictionary()  # StepFunctions -> its train step's exe
 _lock = threading.Lock()
 
 
-def _compile(lowered):
+def _compile(lowered, held):
   """`lowered.compile()`, XLA's refusal for memory raised as `Refused`."""
   try:
     return lowered.compile()
   except Exception as e:  # noqa: BLE001 - only a refusal is translated
-    raise _refused(e) or e
+    raise memory_refusal(e, held) or e
 
 
 def _compile_step(steps, where, log):
   lower = lambda: steps.train_step.lower(*steps.abstract_inputs())
+  held = memory.shard_bytes(steps.abstract_inputs())
   if where is None:
-    return _compile(lower())
+    return _compile(lower(), held)
   key = step_key(steps)
   entry, refused = (paths.join(where, f"{kind}-{key}-cache") for kind in ("step", "refused"))
   if paths.exists(entry):
@@ -185,12 +235,15 @@ def _compile_step(steps, where, log):
       log(f"compilation cache: step executable {key[:16]}... does not load "
           f"({type(e).__name__}: {_first_line(e)}); compiling again")
   elif paths.exists(refused):
-    raise Refused(f"{paths.read_text(refused)} (remembered in {refused}: delete it to "
-                  "compile again)")
+    kept = _verdict(paths.read_text(refused))
+    if kept is not None:  # else not a verdict this version wrote: compiled again
+      raise Refused(f"{kept['message']} (remembered in {refused}: delete it to compile "
+                    "again)", kept["kind"], kept["needed"])
   try:
-    compiled = _compile(lower())
+    compiled = _compile(lower(), held)
   except Refused as refusal:
-    _write(refused, str(refusal).encode(), log)
+    _write(refused, json.dumps(dict(message=str(refusal), kind=refusal.kind,
+                                    needed=refusal.needed)).encode(), log)
     raise
   try:
     payload = pickle.dumps(serialize_executable.serialize(compiled))
@@ -199,6 +252,15 @@ def _compile_step(steps, where, log):
     return compiled
   _write(entry, payload, log)
   return compiled
+
+
+def _verdict(text: str) -> dict | None:
+  """A remembered refusal (`{"message", "kind", "needed"}`), or None if `text` is not one."""
+  try:
+    kept = json.loads(text)
+    return kept if {"message", "kind", "needed"} <= set(kept) else None
+  except (ValueError, TypeError):
+    return None
 
 
 STORE_HIT = "/tunix/compilation_cache/step_executable_hits"  # a `jax.monitoring` event

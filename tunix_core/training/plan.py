@@ -26,6 +26,7 @@ from tunix_core.model import lora as lora_lib
 from tunix_core.parallel import mesh as mesh_lib
 from tunix_core.training import optim
 from tunix_core.training import tpu_flags
+from tunix_core.training import validation
 from tunix_core.training.config import ConfigError, TrainConfig
 
 
@@ -47,7 +48,7 @@ class StepPlan:
   max_prompt_length: int            # prompt ids a planned row holds (`flops`)
   loss: dpo_losses.LossSpec         # the loss terms and their parameters
   optimizer: optim.OptimizerConfig
-  micro_batches: int = 1            # --grad_accum_steps
+  micro_batches: int = 1            # --grad_accum_steps (auto: 1 until `fit` chooses)
   # "step" (the frozen reference's forward in every step), "precomputed" (its log-probs
   # ride with the batch) or "none" (reference-free, also when every loss type is).
   reference: str = "step"
@@ -59,7 +60,8 @@ class StepPlan:
   bucket_bytes: int = 25 << 20      # gradient buckets of the sync
   grad_sync_dtype: str = "float32"  # gradients on the wire
   max_grad_norm: float | None = 1.0  # None: no clipping
-  remat_auto: bool = False          # `training.remat` picks `model.remat`
+  remat_auto: bool = False          # `training.fit` picks `model.remat`
+  micro_batches_auto: bool = False  # `training.fit` picks `micro_batches`
   num_slices: int = 1               # the "slice" axis (1: none); "data" is
                                     # data_shards / num_slices devices
   lora: lora_lib.LoraConfig | None = None  # adapters train, the base is frozen
@@ -93,7 +95,7 @@ def pairs_per_group(cfg: TrainConfig, num_devices: int) -> int:
   """Pairs one device computes at once (one micro-batch): the one place this is worked
   out."""
   data_shards = num_devices // cfg.model_parallel
-  return cfg.batch_size // (data_shards * cfg.grad_accum_steps)
+  return cfg.batch_size // (data_shards * validation.micro_batches(cfg))
 
 
 def data_sizes(cfg: TrainConfig, splits) -> packing.Sizes:
@@ -133,13 +135,22 @@ def worst_case_sizes(cfg: TrainConfig) -> packing.Sizes:
 
 
 def make_plan(cfg: TrainConfig, devices, sizes: packing.Sizes | None = None,
-              model_config: model_lib.ModelConfig | None = None) -> StepPlan:
+              model_config: model_lib.ModelConfig | None = None, *,
+              fit: tuple[str, int] | None = None) -> StepPlan:
   """The plan of `cfg`'s step on `devices` for data of these `sizes` (None: the worst
-  case of the flags); `model_config` overrides the flags' model. Raises
-  `config.ConfigError` for settings that cannot work on these devices."""
+  case of the flags); `model_config` overrides the flags' model; `fit`: the `(remat,
+  micro_batches)` `training.fit` chose for `--remat=auto` / `--grad_accum_steps=auto`
+  (the plan still says they were auto). Raises `config.ConfigError` for settings that
+  cannot work on these devices."""
   cfg.validate(len(devices))
+  auto = dict(remat_auto=cfg.remat == "auto",
+              micro_batches_auto=cfg.grad_accum_steps == "auto")
+  if fit is not None:
+    cfg = dataclasses.replace(cfg, remat=fit[0], grad_accum_steps=fit[1])
   platform = devices[0].platform
   mcfg = model_config or cfg.model_config(platform)
+  if fit is not None:
+    mcfg = dataclasses.replace(mcfg, remat=fit[0])
   if mcfg.attention_impl == "auto":  # the Pallas kernels on TPU, for every row layout
     mcfg = dataclasses.replace(mcfg, attention_impl="pallas" if platform == "tpu" else "xla")
   sizes = worst_case_sizes(cfg) if sizes is None else sizes
@@ -166,11 +177,11 @@ def make_plan(cfg: TrainConfig, devices, sizes: packing.Sizes | None = None,
       model=mcfg, rows=rows, data_shards=len(devices) // cfg.model_parallel,
       model_parallel=cfg.model_parallel, batch_size=cfg.batch_size,
       max_length=cfg.max_length, max_prompt_length=cfg.max_prompt_length, loss=loss,
-      optimizer=cfg.optimizer_config(), micro_batches=cfg.grad_accum_steps,
+      optimizer=cfg.optimizer_config(), micro_batches=validation.micro_batches(cfg),
       reference="none" if loss.reference_free else cfg.reference,
       ref_dtype=cfg.ref_param_dtype(platform), ref_adapters=bool(lora and cfg.lora_init),
       logprob_impl=cfg.logprob_impl, loss_impl=cfg.loss_impl, fsdp=cfg.fsdp,
       bucket_bytes=int(cfg.bucket_mb * 2**20), grad_sync_dtype=cfg.grad_sync_dtype,
-      max_grad_norm=cfg.max_grad_norm or None, remat_auto=cfg.remat == "auto",
+      max_grad_norm=cfg.max_grad_norm or None, **auto,
       num_slices=slices, lora=lora, compiler_options=tuple(sorted(options.items())),
       sync_impl=sync_impl)

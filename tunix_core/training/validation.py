@@ -48,6 +48,11 @@ class ConfigError(ValueError):
   """A setting that cannot work; the message names the flag."""
 
 
+def micro_batches(cfg) -> int:
+  """`--grad_accum_steps` as a count: auto is 1 until `training.fit` chooses."""
+  return 1 if cfg.grad_accum_steps == "auto" else int(cfg.grad_accum_steps)
+
+
 def check(cfg, num_devices: int) -> None:
   """Raises ConfigError for the first setting of `cfg` (a `TrainConfig`) that cannot
   work on `num_devices` devices (a choice flag outside its `CHOICES` first)."""
@@ -71,9 +76,12 @@ def check(cfg, num_devices: int) -> None:
        f"--batch_size={cfg.batch_size} is not divisible by the {what}")
   need(cfg.num_slices >= 0 and (cfg.num_slices == 0 or shards % cfg.num_slices == 0),
        f"--num_slices={cfg.num_slices} does not divide the {what}")
-  need(cfg.grad_accum_steps > 0, f"--grad_accum_steps must be positive, got "
-       f"{cfg.grad_accum_steps}")
-  need(cfg.batch_size % (shards * cfg.grad_accum_steps) == 0,
+  accum = cfg.grad_accum_steps
+  need(accum == "auto" or str(accum).isdigit() and int(accum) > 0,
+       f"--grad_accum_steps must be auto or a positive integer, got {accum!r}")
+  need(cfg.device_memory_gib >= 0, f"--device_memory_gib must be >= 0, got "
+       f"{cfg.device_memory_gib}")
+  need(cfg.batch_size % (shards * micro_batches(cfg)) == 0,
        f"--batch_size={cfg.batch_size} does not split into {cfg.grad_accum_steps} "
        f"micro-batches on each of the {what}")
   need(cfg.bucket_mb > 0, f"--bucket_mb must be positive, got {cfg.bucket_mb}")
