@@ -4,12 +4,17 @@ refusal for memory says (`training.executables.memory_refusal`)."""
 import dataclasses
 import json
 import os
+import re
 import types
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 import runs
+import tunix_kernels
+from tunix_kernels import aot_tpu
+from tunix_kernels.logprobs import pallas as logprobs_pallas
 from tunix_core.training import executables
 from tunix_core.training import fit
 from tunix_core.training import memory
@@ -180,3 +185,25 @@ def test_auto_micro_batches_on_cpu_equal_the_explicit_count(tmp_path):
                                      devices), cfg, num_steps=3)
   for g, w in zip(got, want):
     assert g["loss"] == pytest.approx(w["loss"], abs=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not aot_tpu.has_libtpu(), reason="needs libtpu (.[tpu] extra)")
+def test_the_compilers_own_vmem_refusal_names_the_kernel():
+  # Tiles past the 16 MiB default, called past the op's own check (which refuses them),
+  # compiled ahead of time for v5e: what Mosaic says, read by `memory_refusal`.
+  bs = tunix_kernels.LogprobsBlockSizes(512, 1024)
+
+  def f(h, w, t):
+    loss = lambda h, w: logprobs_pallas.logprobs_pallas(h, w, t, bs, None, False).sum()
+    return jax.grad(loss, argnums=(0, 1))(h, w)
+
+  shapes = (jax.ShapeDtypeStruct((8192, 2048), jnp.float32),
+            jax.ShapeDtypeStruct((2048, 128256), jnp.float32),
+            jax.ShapeDtypeStruct((8192,), jnp.int32))
+  with pytest.raises(Exception) as info:
+    aot_tpu.compile_for("v5e", f, *shapes)
+  refusal = executables.memory_refusal(info.value)
+  assert refusal is not None and refusal.kind == "vmem", str(info.value)[:500]
+  assert re.search(r"the kernel fused_logprobs_\w+ does not fit VMEM: its tiles need "
+                   r"[\d.]+ MiB of scoped VMEM against a limit of 16.0 MiB", str(refusal))

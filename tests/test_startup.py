@@ -3,6 +3,7 @@ executable kept whole (`training.executables`), the rule that decides which
 multi-process job a trainer joins (`run.distributed`) and libtpu's host buffer sized to
 the run (`run.host_buffer`)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -136,9 +137,11 @@ def test_a_restart_loads_the_whole_step_without_tracing_it(tmp_path, lines):
   assert executables.step_key(other) != executables.step_key(first)
   # The compiler's refusal for memory is kept: a restart does not compile it again.
   with open(os.path.join(where, f"refused-{executables.step_key(other)}-cache"), "w") as f:
-    f.write("the train step does not fit the devices' memory (...)")
-  with pytest.raises(executables.Refused, match="does not fit .*remembered in .*refused-"):
+    f.write(json.dumps({"message": "the train step does not fit HBM: 20 GiB per device "
+                        "against 15.8 GiB of HBM (...)", "kind": "hbm", "needed": 20 << 30}))
+  with pytest.raises(executables.Refused, match="does not fit .*remembered in .*refused-") as e:
     executables.compile_step(other, where, lines.append)
+  assert e.value.kind == "hbm" and e.value.needed == 20 << 30
 
 
 def test_a_small_run_opening_a_tpu_pins_a_small_host_buffer_and_nothing_else_does(

@@ -178,6 +178,9 @@ def compile_only(cfg, target: str, log=print) -> int:
   log(plan.describe())
   if failed:
     log(failed)
+    refused = [s["error"] for s in compiled.values() if s["error"]]
+    if refused:  # the compiler's own words on the last candidate it refused
+      log(f"does not fit: {refused[-1]}")
     return 1
   stats = compiled.get(plan) or compile_stats(plan, chip, devices)
   if stats["error"] is not None:

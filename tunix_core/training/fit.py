@@ -36,22 +36,19 @@ from tunix_core.storage import paths
 from tunix_core.training import executables
 from tunix_core.training import memory
 from tunix_core.training import plan as plan_lib
+from tunix_core.training import remat
 from tunix_core.training import step as step_lib
 from tunix_core.training.validation import ConfigError
 
-POLICIES = ("none", "dots", "attention", "full")  # cheapest first
+POLICIES = remat.CANDIDATES  # cheapest first
 MARGIN = 0.95
 GiB = 1 << 30
 
 
 def capacity(devices, override_gib: float = 0.0) -> int | None:
-  """Bytes one device may hold: `override_gib` when set, else a TPU's `bytes_limit`,
-  else None (no bound known)."""
-  if override_gib:
-    return int(override_gib * GiB)
-  if devices[0].platform != "tpu":
-    return None
-  return (devices[0].memory_stats() or {}).get("bytes_limit")
+  """Bytes one device may hold: `override_gib` when set, else `remat.capacity` (a TPU's
+  `bytes_limit`; None elsewhere)."""
+  return int(override_gib * GiB) if override_gib else remat.capacity(devices)
 
 
 def candidates(plan: plan_lib.StepPlan) -> list[tuple[str, int]]:
