@@ -157,8 +157,8 @@ def compile_only(cfg, target: str, log=print) -> int:
 
   def measure(candidate):
     compiled[candidate] = stats = compile_stats(candidate, chip, devices)
-    if stats["error"] and stats["refusal"] is None:
-      raise ConfigError(f"the compiler refused the step: {stats['error']}")
+    if stats["error"] and stats["refusal"] is None:  # not over memory: reported as it is
+      raise fit.DoesNotFit(f"the compiler refused the step: {stats['error']}")
     return stats["refusal"] or stats["need"]
 
   limit = fit.capacity(devices, cfg.device_memory_gib) if chip is None else (
@@ -169,7 +169,7 @@ def compile_only(cfg, target: str, log=print) -> int:
         plan, lambda *c: plan_lib.make_plan(cfg, devices, sizes, fit=c), limit, measure,
         log=chose.append,
         estimate=lambda p: memory.estimate(step_lib.make_steps(p, devices))), None
-  except ConfigError as e:
+  except fit.DoesNotFit as e:
     failed = str(e)
   num_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(
       lambda: model_lib.init_params(jax.random.PRNGKey(0), plan.model))))

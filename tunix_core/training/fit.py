@@ -45,6 +45,10 @@ MARGIN = 0.95
 GiB = 1 << 30
 
 
+class DoesNotFit(ConfigError):
+  """No candidate's step fits the device (`choose`'s one line)."""
+
+
 def capacity(devices, override_gib: float = 0.0) -> int | None:
   """Bytes one device may hold: `override_gib` when set, else `remat.capacity` (a TPU's
   `bytes_limit`; None elsewhere)."""
@@ -85,7 +89,7 @@ def choose(plan: plan_lib.StepPlan, make, limit: int | None, measure, *, log=pri
   `executables.Refused` of the compiler's refusal for memory (each call is one compile:
   `beat` names it to the watchdog first); `estimate(made)`: the modelled bytes (default
   `memory.estimate`, of step functions).
-  `record`: the decision's file (`decision_path`). Raises `ConfigError` when no
+  `record`: the decision's file (`decision_path`). Raises `DoesNotFit` when no
   candidate fits."""
   estimate = estimate or memory.estimate
   order = candidates(plan)
@@ -118,7 +122,7 @@ def choose(plan: plan_lib.StepPlan, make, limit: int | None, measure, *, log=pri
     smallest = min(smallest or (seen, policy, k), (seen, policy, k))
     scale[policy] = max(scale.get(policy, 1.0), seen / guess)
   seen, policy, k = smallest
-  raise ConfigError(
+  raise DoesNotFit(
       f"the train step fits no remat policy and micro-batch count: the smallest, remat "
       f"{policy} with {k} micro-batch(es) ({plan.pairs_per_device // k} pair(s) per "
       f"device), needs {_gib(seen)} against {_gib(budget)} per device ({MARGIN:.0%} of "
@@ -127,9 +131,11 @@ def choose(plan: plan_lib.StepPlan, make, limit: int | None, measure, *, log=pri
 
 
 def _read(record):
-  if record is None or not paths.exists(record):
+  if record is None:
     return None
   try:
+    if not paths.exists(record):
+      return None
     got = json.loads(paths.read_text(record))
     return got["remat"], int(got["micro_batches"])
   except (ValueError, KeyError, TypeError, OSError):
