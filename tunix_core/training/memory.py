@@ -62,10 +62,9 @@ def _per_token(widths: dict, mcfg: model_lib.ModelConfig, model_parallel: int) -
           + (widths["Q"] * q + widths["KV"] * kv + widths["F"] * mcfg.mlp_dim) / model_parallel)
 
 
-def tokens_per_micro_batch(plan) -> int:
-  """Tokens one device computes at once: its micro-batch of model rows."""
-  groups = plan.pairs_per_device // plan.micro_batches // plan.rows.pairs
-  return groups * plan.rows.rows * plan.rows.length
+def groups_per_micro_batch(plan) -> int:
+  """Row groups (`data.packing.Spec`) one device computes at once: its micro-batch."""
+  return max(plan.pairs_per_device // plan.micro_batches // plan.rows.pairs, 1)
 
 
 def estimate(steps) -> int:
@@ -84,11 +83,11 @@ def estimate(steps) -> int:
   if plan.micro_batches > 1:  # the accumulator of this device's synced shard
     grads += 4 * trained_per_device / plan.data_shards
   size = np.dtype(model_lib.DTYPES[mcfg.compute_dtype]).itemsize
-  tokens = tokens_per_micro_batch(plan)
+  groups = groups_per_micro_batch(plan)
+  tokens = groups * plan.rows.rows * plan.rows.length
   saved = _per_token(SAVED.get(mcfg.remat, SAVED["none"]), mcfg, plan.model_parallel)
   working = _per_token(WORKING, mcfg, plan.model_parallel)
   # The LM head's float32 hidden states and their gradient at the scored slots.
-  head = 3 * 4 * mcfg.d_model * plan.rows.head * tokens // max(plan.rows.rows *
-                                                                plan.rows.length, 1)
+  head = 3 * 4 * mcfg.d_model * plan.rows.head * groups
   activations = size * tokens * (mcfg.num_layers * saved + working) + head
   return int(held + grads + activations)
