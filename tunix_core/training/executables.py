@@ -208,19 +208,19 @@ _compiled = weakref.WeakKeyDictionary()  # StepFunctions -> its train step's exe
 _lock = threading.Lock()
 
 
-def _compile(lowered, held):
-  """`lowered.compile()`, XLA's refusal for memory raised as `Refused`."""
+def _compile(steps, lowered):
+  """`lowered.compile()`, XLA's refusal for memory raised as `Refused` (with what
+  `steps`' arguments hold beside the temporaries it counts)."""
   try:
     return lowered.compile()
   except Exception as e:  # noqa: BLE001 - only a refusal is translated
-    raise memory_refusal(e, held) or e
+    raise memory_refusal(e, memory.shard_bytes(steps.abstract_inputs())) or e
 
 
 def _compile_step(steps, where, log):
   lower = lambda: steps.train_step.lower(*steps.abstract_inputs())
-  held = memory.shard_bytes(steps.abstract_inputs())
   if where is None:
-    return _compile(lower(), held)
+    return _compile(steps, lower())
   key = step_key(steps)
   entry, refused = (paths.join(where, f"{kind}-{key}-cache") for kind in ("step", "refused"))
   if paths.exists(entry):
@@ -240,7 +240,7 @@ def _compile_step(steps, where, log):
       raise Refused(f"{kept['message']} (remembered in {refused}: delete it to compile "
                     "again)", kept["kind"], kept["needed"])
   try:
-    compiled = _compile(lower(), held)
+    compiled = _compile(steps, lower())
   except Refused as refusal:
     _write(refused, json.dumps(dict(message=str(refusal), kind=refusal.kind,
                                     needed=refusal.needed)).encode(), log)
