@@ -23,6 +23,7 @@ from tunix_core.parallel import layout as layout_lib
 from tunix_core.parallel import lora as lora_layout
 from tunix_core.parallel import zero
 from tunix_core.training import config as config_lib
+from tunix_core.training import optim
 
 
 # What a resume must keep of the run's settings (the model's own fields apart): data
@@ -74,12 +75,22 @@ def same_layout(steps, meta: dict) -> bool:
           and meta.get("layout", "zero1") == steps.layout.name)
 
 
+def lacks_error_term(steps, meta: dict) -> bool:
+  """Whether this run compensates its params' rounding (`optim.compensated`) but the
+  checkpoint of `meta` was written before the optimizer state carried the error term
+  (its config has no `optimizer_dtype`): its state is the inner optimizer's alone."""
+  init = jax.eval_shape(steps.tx.init, {"x": jax.ShapeDtypeStruct((1,), jnp.bfloat16)})
+  return (isinstance(init, optim.CompensatedState) and init.error is not None
+          and "optimizer_dtype" not in meta["config"])
+
+
 def restore_state(steps, ckpt: Checkpointer, step: int, meta: dict) -> dict:
   """The train state at `step` (whose metadata is `meta`), placed on the mesh of `steps`
   (a `step.StepFunctions`) in its layout. Params are saved as logical arrays and restored
   into `steps.logical_shardings()` (split under FSDP) before they are cut; the optimizer
   state is re-cut when it was saved for another device count or layout (FSDP or not,
-  --model_parallel)."""
+  --model_parallel). A state without the error term (`lacks_error_term`) gets one of
+  zeros."""
   old = _saved_layout(steps, meta)
   divides = old.num_shards % steps.mesh.size == 0
   opt_abstract = zero.abstract_opt_state(old, steps.tx,
@@ -87,8 +98,14 @@ def restore_state(steps, ckpt: Checkpointer, step: int, meta: dict) -> dict:
   params_abstract = jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
       steps.param_shapes, steps.logical_shardings())
-  restored = ckpt.restore(step, {"params": params_abstract, "opt_state": opt_abstract})
+  legacy = lacks_error_term(steps, meta)
+  restored = ckpt.restore(step, {"params": params_abstract, "opt_state": (
+      opt_abstract.inner if legacy else opt_abstract)})
   opt_state = restored["opt_state"]
+  if legacy:
+    zeros = lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding)
+    opt_state = optim.CompensatedState(opt_state, jax.tree.map(zeros, opt_abstract.error),
+                                       zeros(opt_abstract.count))
   if not same_layout(steps, meta):
     opt_state = jax.jit(lambda s: zero.relayout_opt_state(s, old, steps.layout.cut),
                         out_shardings=steps.rows)(opt_state)
@@ -104,7 +121,7 @@ def verify(steps, state: dict, meta: dict, params_only: bool = False
   arrays they were saved as; the optimizer state only when it was restored in the
   layout it was saved in (and not `params_only`)."""
   tree = {"params": steps.logical_params(state["params"])}
-  if same_layout(steps, meta) and not params_only:
+  if same_layout(steps, meta) and not params_only and not lacks_error_term(steps, meta):
     tree["opt_state"] = state["opt_state"]
   got = fingerprints(tree)
   want = meta["fingerprints"]
@@ -148,6 +165,9 @@ def _load(steps, ckpt: Checkpointer, step: int, cfg, log, source: dict,
     state = restore_state(steps, ckpt, step, meta)
   except Exception as e:  # noqa: BLE001
     raise _unreadable(e) from None
+  if lacks_error_term(steps, meta):
+    log(f"checkpoint step {step} predates the bfloat16 params' error term: it resumes "
+        "at zero (the rounding of steps before it stays lost)")
   if cfg.verify_checkpoint:
     n, bad = verify(steps, state, meta)
     if bad:

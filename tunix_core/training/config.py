@@ -36,10 +36,9 @@ class TrainConfig:
                           "responses); must divide by the data-parallel devices.", group="run")
   seed: int = _flag(0, "Seed for params init and data shuffling.", group="run")
   log_every: int = _flag(10, "Log a metrics row every N steps (and the last).", group="run")
-  sample_every: int = _flag(0, "Before the first step, every N steps and after the last, "
-                            "write greedy completions of --sample_prompts (else the first "
-                            "eval prompts) to samples.jsonl, TensorBoard and W&B; 0: never.",
-                            group="run")
+  sample_every: int = _flag(0, "Before step 1, every N steps and after the last, write "
+                            "greedy completions of --sample_prompts (else the first eval "
+                            "prompts) to samples.jsonl, TensorBoard, W&B; 0: never.", group="run")
   sample_prompts: str = _flag("", "A text file of prompts for --sample_every, one per line "
                               "(default: the first 4 prompts of --eval_data).", group="run")
   sample_max_new_tokens: int = _flag(32, "Tokens each --sample_every completion may add.",
@@ -50,10 +49,10 @@ class TrainConfig:
                           "step is always saved (0: only the last step, and on "
                           "SIGTERM/SIGINT).", group="run")
   step_timeout: float = _flag(1800.0, "Watchdog (exit status 5, stacks in trainer.log): "
-                              "seconds a storage call, a step, an eval batch, a save or a "
-                              "unit of start-up (a chunk tokenized, a tensor read, a "
-                              "reference batch) may take; 4x for start-up, compiles and the "
-                              "export; 0: off.", group="run")
+                              "seconds a storage call, step, eval batch, save or unit of "
+                              "start-up (a chunk tokenized, a tensor read, a reference "
+                              "batch) may take; 4x for start-up, compiles, export; 0: off.",
+                              group="run")
   keep: int = _flag(3, "Most recent checkpoints to keep.", group="run")
   keep_period: int = _flag(0, "Also keep every checkpoint whose step is a multiple of N, "
                            "permanently (0: none).", group="run")
@@ -61,14 +60,12 @@ class TrainConfig:
                       "else start fresh; never: start fresh, and refuse a directory that "
                       "has checkpoints; required: fail without a usable checkpoint.",
                       group="run")
-  verify_checkpoint: bool = _flag(True, "On resume, recompute every restored array's "
-                                  "fingerprint and compare with the saved one; a step that "
-                                  "fails is moved aside and the previous one is used "
-                                  "(auto).", group="run")
+  verify_checkpoint: bool = _flag(True, "On resume, check every restored array's "
+                                  "fingerprint; a step that fails is moved aside and the "
+                                  "previous one used (auto).", group="run")
   allow_data_change: bool = _flag(False, "Resume although --train_data's token store (its "
-                                  "content, tokenizer and limits) differs from the "
-                                  "checkpoint's: the order restarts at the saved epoch's "
-                                  "start with the new data. Off: such a resume is refused.",
+                                  "content, tokenizer, limits) differs from the checkpoint's: "
+                                  "the saved epoch restarts over the new data. Off: refused.",
                                   group="run")
   compilation_cache_dir: str = _flag("auto", "Persistent compilation cache, local or gs:// "
                                      "(auto: $JAX_COMPILATION_CACHE_DIR, else {output_dir}/"
@@ -121,8 +118,9 @@ class TrainConfig:
                          "run's data position, optimizer state and step count are not "
                          "carried over. Needs the same --model or --hf_model_dir.",
                          group="model")
-  param_dtype: str = _flag("float32", "Dtype of the trained params and the optimizer's "
-                           "view of them.", group="model")
+  param_dtype: str = _flag("float32", "Dtype of the trained params; bfloat16 trains as "
+                           "float32 does: the optimizer carries what each update's rounding "
+                           "drops (docs/training.md#bfloat16-params).", group="model")
   ref_dtype: str = _flag("auto", "Dtype of the frozen reference params (auto: the compute "
                          "dtype if narrower than --param_dtype, as bfloat16 on TPU and "
                          "GPU; else --param_dtype).", group="model")
@@ -156,6 +154,9 @@ class TrainConfig:
   warmup_steps: int = _flag(0, "Linear warmup steps from 0.", group="optimizer")
   weight_decay: float = _flag(0.0, "AdamW decoupled weight decay (norm scales excluded).",
                               group="optimizer")
+  optimizer_dtype: str = _flag("auto", "Dtype of the optimizer's moments (auto: "
+                               "--param_dtype); updates are computed in float32.",
+                               group="optimizer")
   max_grad_norm: float = _flag(1.0, "Clip gradients to this global norm; 0 disables "
                                "clipping.", group="optimizer")
   beta: float = _flag(0.1, "DPO temperature (KL penalty strength).", group="loss")
@@ -187,10 +188,9 @@ class TrainConfig:
                          "disk) or none (reference-free: its log-probs are taken as "
                          "zero).", group="loss")
   online_samples: int = _flag(0, "Online DPO: each step, sample K completions of every "
-                              "prompt of the batch from the current policy, score them with "
-                              "--reward_fn and train on the best (chosen) and the worst "
-                              "(rejected); the data's responses are unused but with "
-                              "--online_data_chosen. 0: offline.", group="online")
+                              "prompt, score them with --reward_fn, train on the best and "
+                              "worst (the data's responses unused but with "
+                              "--online_data_chosen). 0: offline.", group="online")
   reward_fn: str = _flag("", "MODULE:FUNCTION, a callable (prompts, completions) -> list of "
                          "floats (e.g. tunix_core.online.rewards:quickstart); needed by "
                          "--online_samples; with --eval_every, eval rows also carry the "
@@ -276,8 +276,8 @@ class TrainConfig:
         if f.name not in ("loss_types", "loss_weights")})
 
   def optimizer_config(self) -> optim.OptimizerConfig:
-    return optim.OptimizerConfig(self.optimizer, self.learning_rate, self.warmup_steps,
-                                 self.weight_decay)
+    return optim.OptimizerConfig(**{f.name: getattr(self, f.name)
+                                    for f in dataclasses.fields(optim.OptimizerConfig)})
 
   def lora_config(self) -> lora_lib.LoraConfig | None:
     """The run's adapters (None: full fine-tuning): from `--lora_init`'s adapter config
