@@ -65,6 +65,21 @@ MODELS = {
                          hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2,
                          rope_theta=1000000.0),
+    "qwen2.5-1.5b": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"],
+                         hidden_act="silu", tie_word_embeddings=True, rms_norm_eps=1e-6,
+                         bos_token_id=151643, eos_token_id=151643,
+                         max_position_embeddings=32768, use_sliding_window=False,
+                         sliding_window=32768, max_window_layers=28, vocab_size=151936,
+                         hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2,
+                         rope_theta=1000000.0),
+    "llama3-8b": dict(_LLAMA, tie_word_embeddings=False, vocab_size=128256, hidden_size=4096,
+                      intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, rope_theta=500000.0),
+    "llama3-70b": dict(_LLAMA, tie_word_embeddings=False, vocab_size=128256,
+                       hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                       num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+                       rope_theta=500000.0),
     "llama3.2-1b": dict(_LLAMA, vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                         head_dim=64, rope_theta=500000.0),
@@ -139,7 +154,9 @@ def ours_plan(a, config: dict, pairs, devices):
   cfg = config_lib.TrainConfig(output_dir=tempfile.mkdtemp(), train_data="",
                                hf_model_dir=model_dir, batch_size=a.pairs, max_length=T,
                                max_prompt_length=P, steps=a.warmup + a.steps,
-                               reference=a.reference, remat=a.remat)
+                               reference=a.reference, remat=a.remat,
+                               param_dtype=a.param_dtype, optimizer_dtype=a.optimizer_dtype,
+                               lora_rank=a.lora_rank, quantize_base=a.quantize_base)
   cfg = dataclasses.replace(cfg, compile_only=True)
   sizes = packing.pair_sizes(host, cfg.prefix_sharing)
   plan = plan_lib.make_plan(cfg, devices, sizes)
@@ -218,8 +235,12 @@ def run_ours(a, config: dict, pairs) -> dict:
       choose=lambda: fitted(steps, say))
   state = steps.init_state(jax.random.PRNGKey(0))
   timeline.append(("params initialised", process_age()))
-  frozen = (train_lib.frozen_copy(state["params"], plan.ref_dtype)
-            if plan.reference == "step" else None)  # as the trainer
+  if plan.lora is not None:  # the frozen base (QLoRA: quantized layer by layer)
+    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+    frozen = {"base": steps.init_base(jax.random.PRNGKey(1), jnp.dtype(plan.ref_dtype))}
+  else:
+    frozen = (train_lib.frozen_copy(state["params"], plan.ref_dtype)
+              if plan.reference == "step" else None)  # as the trainer
   jax.block_until_ready((state, frozen))
   t_init = time.perf_counter()
   timeline.append(("reference copied", process_age()))
@@ -363,6 +384,10 @@ def main() -> int:
   p.add_argument("--warmup", type=int, default=2, help="steps before timing")
   p.add_argument("--reference", default="step", help="ours: --reference")
   p.add_argument("--remat", default="none", help="ours: --remat (none: the default)")
+  p.add_argument("--param_dtype", default="float32", help="ours: --param_dtype")
+  p.add_argument("--optimizer_dtype", default="auto", help="ours: --optimizer_dtype")
+  p.add_argument("--lora_rank", type=int, default=0, help="ours: --lora_rank")
+  p.add_argument("--quantize_base", default="", help="ours: --quantize_base (QLoRA)")
   p.add_argument("--liger", action="store_true", help="trl: use_liger_kernel=True")
   p.add_argument("--aot", help="ours: compile for one chip of this TPU generation (v5e, "
                  "...) ahead of time instead of running, for the compiler's memory figures")

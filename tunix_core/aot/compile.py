@@ -79,7 +79,8 @@ def compile_stats(plan: plan_lib.StepPlan, chip, devices) -> dict:
   """Compiles `plan`'s train step for `devices` (of `chip`, None for local devices).
   Returns `{"chip",
   "devices", "num_params", "error"}` plus, when it compiled, `tunix_kernels.aot_tpu.compiled_stats`
-  per device, `"total"` (arguments + outputs not in donated arguments + temporaries as
+  per device, `"parts"` (bytes per device of the params, the optimizer state and the
+  reference or frozen base), `"total"` (arguments + outputs not in donated arguments + temporaries as
   analysed), `"hbm"` (for a TPU target: the bytes the compiler's buffer assignment
   allocates in HBM, read from an XLA dump into a temporary directory; None where the
   dump lacks it) and `"need"`, what the fit is judged on: `hbm`, else the compiler's
@@ -95,8 +96,12 @@ def compile_stats(plan: plan_lib.StepPlan, chip, devices) -> dict:
   preallocated block of 5.40 GiB), so the sum overstates what the chip must hold.
   """
   steps, lowered = lower(plan, devices)
+  state, frozen, _ = steps.abstract_inputs()
   out = {"chip": chip, "devices": devices, "error": None, "refusal": None,
-         "num_params": sum(x.size for x in jax.tree.leaves(steps.param_shapes))}
+         "num_params": sum(x.size for x in jax.tree.leaves(steps.param_shapes)),
+         "parts": {"params": memory.shard_bytes(state["params"]),
+                   "optimizer state": memory.shard_bytes(state["opt_state"]),
+                   ("frozen base" if plan.lora else "reference"): memory.shard_bytes(frozen)}}
   with tempfile.TemporaryDirectory() as dump_dir:
     try:
       with jax.set_mesh(steps.mesh):
@@ -202,6 +207,9 @@ def compile_only(cfg, target: str, log=print) -> int:
   log(f"total {_gib(need)} per device" + (f" of {_gib(limit)}" if limit else "")
       + (" HBM" if chip else "")
       + f": {'fits' if fits else 'does not fit'} ({'; '.join([basis] + others)})")
+  held = sum(stats["parts"].values())
+  log("per device: " + ", ".join(f"{name} {_gib(n)}" for name, n in stats["parts"].items())
+      + f", activations and the rest {_gib(max(need - held, 0))}")
   for line in chose:  # what --remat / --grad_accum_steps=auto took, and what it measured
     log(line)
   log(f"per device: {stats['model_flops']:.4g} model flops per step (the plan's matmuls); "

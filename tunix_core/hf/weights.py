@@ -123,7 +123,7 @@ def expected_tensors(cfg: model_lib.ModelConfig, shapes: dict | None = None) -> 
 
 
 def load_params(model_dir: str, cfg: model_lib.ModelConfig, *, dtype=None,
-                shardings=None, beat=None) -> dict:
+                shardings=None, beat=None, transform=None) -> dict:
   """The params pytree of `cfg` from an HF directory's safetensors.
 
   Args:
@@ -134,6 +134,8 @@ def load_params(model_dir: str, cfg: model_lib.ModelConfig, *, dtype=None,
       each leaf is then placed with `jax.make_array_from_callback`, each device's
       block read from the files alone (sliced before it is read).
     beat: if given, called with each leaf's name before it is read (a watchdog's beat).
+    transform: if given, `transform(leaf path, array)` replaces each leaf as soon as it
+      is read, before the next one is (QLoRA quantizes the base so, `model.quant`).
 
   Tensors are read from the memory-mapped files one stacked leaf (or, with `shardings`,
   one device's block of it) at a time, so the host holds at most that beyond the files'
@@ -189,6 +191,8 @@ def load_params(model_dir: str, cfg: model_lib.ModelConfig, *, dtype=None,
         # Read by the file's rows, then moved between devices to `sharding`.
         node[leaf[-1]] = array if by_rows is None else jax.jit(
             lambda x: x, out_shardings=sharding)(array)
+      if transform is not None:
+        node[leaf[-1]] = transform(leaf, node[leaf[-1]])
   return params
 
 

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from tunix_kernels import attention as attention_lib
 from tunix_core.model import config as model_config
 from tunix_core.model import layer_stack
+from tunix_core.model import quant
 from tunix_core.model.rope import apply_rope
 from tunix_core.model.rope import layer_settings
 from tunix_core.model.rope import rope_frequencies  # noqa: F401 (this module's API)
@@ -52,11 +53,13 @@ def _layer_leaves(cfg: ModelConfig) -> dict:
   return leaves
 
 
-def init_params(key: jax.Array, cfg: ModelConfig) -> dict:
+def init_params(key: jax.Array, cfg: ModelConfig, quantize: str = "") -> dict:
   """Random params: normal(0, 1/sqrt(fan_in)) matrices, zero biases, norm scales that
   multiply by one (1, or 0 under Gemma's `norm_offset=1`).
 
-  Layer weights carry a leading `[L]` axis so the forward can scan over layers.
+  Layer weights carry a leading `[L]` axis so the forward can scan over layers. With
+  `quantize` (`quant.KINDS`) the layers' projections are drawn and quantized one layer at
+  a time (other random values than without), so their float form never exists whole.
   """
   dtype = DTYPES[cfg.param_dtype]
   L, D = cfg.num_layers, cfg.d_model
@@ -73,8 +76,14 @@ def init_params(key: jax.Array, cfg: ModelConfig) -> dict:
       return jnp.zeros((L,) + shape, dtype)
     return dense((L,) + shape, shape[0])
 
+  def quantized(shape):
+    draw = lambda k: jax.random.normal(k, shape, jnp.float32) / jnp.sqrt(shape[0])
+    return jax.lax.map(lambda k: quant.quantize(draw(k), quantize),
+                       jax.random.split(next(keys), L))
+
   params = {"embed": dense((cfg.vocab_size, D), 1.0),
-            "layers": {name: leaf(*spec) for name, spec in leaves.items()},
+            "layers": {name: quantized(spec[0]) if quantize and name in quant.PROJECTIONS
+                       else leaf(*spec) for name, spec in leaves.items()},
             "final_norm": jnp.full((D,), 1.0 - cfg.norm_offset, dtype)}
   if not cfg.tie_embeddings:
     params["lm_head"] = dense((D, cfg.vocab_size), D)
@@ -264,7 +273,7 @@ def decoder(params: dict, x_BxTxD: jax.Array, mask_BxT: jax.Array | None, cfg: M
 
   def body(x_BxTxD, layer, setting, rows):
     positions_BxT, mask_BxT, segments_BxT, branches_BxT = rows
-    layer = jax.tree.map(lambda w: w.astype(compute), layer)
+    layer = quant.materialize(layer, compute)  # a quantized base dequantizes here
     attend = lambda h: (self_attention(h, layer, setting, positions_BxT, mask_BxT, lcfg,
                                        segments_BxT=segments_BxT, branches_BxT=branches_BxT,
                                        band=band), None)

@@ -24,6 +24,7 @@ from tunix_core.model.decoder import attention_scale
 from tunix_core.model.decoder import block
 from tunix_core.model.decoder import default_positions
 from tunix_core.model.decoder import embed
+from tunix_core.model import quant
 from tunix_core.model.rope import layer_settings
 from tunix_core.model.decoder import lm_head
 from tunix_core.model.decoder import project
@@ -96,7 +97,7 @@ def extend(params, tokens_BxT, mask_BxT, positions_BxT, cache: Cache, start,
 
   def layer_fn(x_BxTxD, xs):
     layer, setting, k_BxSxVxK, v_BxSxVxK = xs
-    layer = jax.tree.map(lambda w: w.astype(compute), layer)
+    layer = quant.materialize(layer, compute)
     window = setting["window"]
     visible = base_BxTxS & ((window == 0) | (gap_BxTxS < window))
 

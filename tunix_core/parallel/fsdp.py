@@ -104,7 +104,9 @@ class FsdpLayout:
     rest = {k: v for k, v in param_shapes.items() if k != "layers"}
 
     def plans(tree, limit):
-      as_compute = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, compute_dtype), tree)
+      # Integer leaves (a quantized base's codes) travel as they are, dequantized after.
+      as_compute = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+          x.shape, compute_dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype), tree)
       return (collectives.BucketPlan.create(tree, num_shards, limit),
               collectives.BucketPlan.create(as_compute, num_shards, limit))
 

@@ -22,9 +22,11 @@ rows of `cut`'s pieces.
 """
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from tunix_core import model as model_lib
+from tunix_core.model import quant
 from tunix_core.parallel import collectives
 from tunix_core.parallel import fsdp as fsdp_lib
 from tunix_core.parallel import tensor_parallel as tp_lib
@@ -38,10 +40,10 @@ def _convert(fn, tree: dict, shardings: dict) -> dict:
 
 
 def _abstract(shapes: dict, dtype, lead: tuple = ()) -> dict:
-  """ShapeDtypeStructs of `shapes` with `lead` dimensions in front (leaves in `dtype`,
-  default their own)."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(lead + x.shape, dtype or x.dtype),
-                      shapes)
+  """ShapeDtypeStructs of `shapes` with `lead` dimensions in front (floating leaves in
+  `dtype`, default their own; a quantized base's codes keep theirs)."""
+  cast = lambda x: dtype if dtype and jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(lead + x.shape, cast(x)), shapes)
 
 
 class Whole:
@@ -253,14 +255,17 @@ def build(param_shapes: dict, local_shapes: dict, specs: dict, tx, *, data_shard
 
 
 def make(mcfg: model_lib.ModelConfig, tx, *, data_shards: int, model_parallel: int = 1,
-         **kw) -> Layout:
+         quantize: str = "", **kw) -> Layout:
   """The layout of `mcfg`'s params on `data_shards` x `model_parallel` devices, updating
-  with the optax transformation `tx` (`kw`: `build`'s settings, e.g. `fsdp=True`)."""
+  with the optax transformation `tx` (`kw`: `build`'s settings, e.g. `fsdp=True`);
+  `quantize`: the params' projections are `model.quant`'s (a frozen QLoRA base)."""
   k = model_parallel
   shapes = lambda cfg: jax.eval_shape(lambda: model_lib.init_params(jax.random.PRNGKey(0),
-                                                                    cfg))
+                                                                    cfg, quantize))
   param_shapes = shapes(mcfg)
   local_shapes = shapes(tp_lib.local_config(mcfg, k)) if k > 1 else param_shapes
-  return build(param_shapes, local_shapes, model_lib.param_specs(mcfg, MODEL), tx,
+  specs = model_lib.param_specs(mcfg, MODEL)
+  return build(param_shapes, local_shapes,
+               quant.quantized_specs(specs, quantize) if quantize else specs, tx,
                data_shards=data_shards, model_parallel=k,
                compute_dtype=model_lib.DTYPES[mcfg.compute_dtype], **kw)

@@ -29,8 +29,11 @@ class LoRA:
   """Adapters in the `adapters` layout (the train state: params, optimizer state,
   update) over a frozen base in the `base` layout (the compute: gather, forward)."""
 
-  def __init__(self, adapters: layout_lib.Layout, base: layout_lib.Layout):
-    self.adapters, self.base = adapters, base
+  def __init__(self, adapters: layout_lib.Layout, base: layout_lib.Layout,
+               read: layout_lib.Layout | None = None):
+    # `read`: the unquantized base's layout, where a quantized base's float weights are
+    # read (each leaf quantized as soon as it is read); the base's own otherwise.
+    self.adapters, self.base, self.read = adapters, base, read or base
     for name in ("name", "num_shards", "model_axis", "replica_axis", "param_shapes", "cut",
                  "param_specs", "row_spec"):
       setattr(self, name, getattr(adapters, name))
@@ -89,16 +92,19 @@ class LoRA:
 
 
 def make(mcfg: ModelConfig, lcfg: lora_lib.LoraConfig, tx, *, data_shards: int,
-         model_parallel: int = 1, fsdp: bool = False, **kw) -> LoRA:
+         model_parallel: int = 1, fsdp: bool = False, quantize: str = "", **kw) -> LoRA:
   """The LoRA layout of `lcfg`'s adapters on `mcfg`'s base, on `data_shards` x
   `model_parallel` devices, updating the adapters with the optax transformation `tx`
-  (`fsdp`: the base's layout; `kw`: `parallel.layout.build`'s settings)."""
-  base = layout_lib.make(mcfg, tx, data_shards=data_shards, model_parallel=model_parallel,
-                         fsdp=fsdp, **kw)
+  (`fsdp`: the base's layout; `quantize`: QLoRA's base, `model.quant`; `kw`:
+  `parallel.layout.build`'s settings)."""
+  base_of = lambda kind: layout_lib.make(mcfg, tx, data_shards=data_shards,
+                                        model_parallel=model_parallel, fsdp=fsdp,
+                                        quantize=kind, **kw)
+  base = base_of(quantize)
   k, dtype = model_parallel, model_lib.DTYPES[mcfg.param_dtype]
   shapes = lambda cfg: jax.eval_shape(lambda: lora_lib.init_adapters(
       jax.random.PRNGKey(0), cfg, lcfg, dtype))
   local = shapes(tp_lib.local_config(mcfg, k)) if k > 1 else shapes(mcfg)
   adapters = layout_lib.build(shapes(mcfg), local, lora_lib.param_specs(lcfg, layout_lib.MODEL),
                               tx, data_shards=data_shards, model_parallel=k, **kw)
-  return LoRA(adapters, base)
+  return LoRA(adapters, base, base_of("") if quantize else None)

@@ -16,6 +16,7 @@ from jax.experimental import multihost_utils
 
 from tunix_core import data as data_lib
 from tunix_core import model as model_lib
+from tunix_core.model import quant
 from tunix_core.checkpoints import init_from
 from tunix_core.parallel import mesh as mesh_lib
 from tunix_core.storage import digest as content_digest
@@ -115,17 +116,22 @@ def initial_params(cfg, steps, dtype=None, log=None, beat=None) -> dict | None:
   the files before they are cut into the run's layout. From object storage, `log` gets
   how many of the files' bytes this process fetched (a host reads its devices' rows);
   `beat` names each tensor as it is read."""
+  quantize = _quantizer(steps)
   if cfg.init_from:
-    return steps.place_base(init_from.load_params(
-        cfg.init_from, steps.mcfg, steps.base_logical_shardings(),
-        dtype or model_lib.DTYPES[steps.mcfg.param_dtype]))
+    params = init_from.load_params(cfg.init_from, steps.mcfg, steps.base_read_shardings(),
+                                   dtype or model_lib.DTYPES[steps.mcfg.param_dtype])
+    if quantize:
+      params = dict(params, layers={k: quantize(("layers", k), v)
+                                    for k, v in params["layers"].items()})
+    return steps.place_base(params)
   if not cfg.hf_model_dir:
     return None
   from tunix_core import hf  # pylint: disable=g-import-not-at-top
   from tunix_core.hf import ranged  # pylint: disable=g-import-not-at-top
   before = ranged.RangedFile.fetched
   params = hf.load_params(cfg.hf_model_dir, steps.mcfg, dtype=dtype,
-                          shardings=steps.base_logical_shardings(), beat=beat)
+                          shardings=steps.base_read_shardings(), beat=beat,
+                          transform=quantize)
   if log is not None and paths.is_remote(cfg.hf_model_dir):
     total = sum(paths.getsize(paths.join(cfg.hf_model_dir, f))
                 for f in paths.listdir(cfg.hf_model_dir) if f.endswith(".safetensors"))
@@ -133,6 +139,22 @@ def initial_params(cfg, steps, dtype=None, log=None, beat=None) -> dict | None:
     log(f"weights: this process fetched {fetched:,} of the checkpoint's {total:,} bytes "
         f"({fetched / max(total, 1):.0%})")
   return steps.place_base(params)
+
+
+def _quantizer(steps):
+  """QLoRA (`--quantize_base`): `quantize(path, array)`, the leaf at `path` (its keys)
+  quantized into the base's logical shardings where it is a layer projection, else as
+  it is; None without."""
+  kind = steps.plan.quantize_base
+  if not kind:
+    return None
+  shardings = steps.base_logical_shardings()["layers"]
+
+  def quantize(path, x):
+    if tuple(path[:1]) != ("layers",) or path[-1] not in quant.PROJECTIONS:
+      return x
+    return jax.jit(lambda w: quant.quantize(w, kind), out_shardings=shardings[path[-1]])(x)
+  return quantize
 
 
 def lora_start(cfg, steps, key, dtype, log=None, beat=None) -> tuple[dict, dict | None]:
@@ -178,6 +200,8 @@ def export(cfg, steps, params: dict, frozen, log) -> None:
     if cfg.export_merged:
       from tunix_core.model import lora  # pylint: disable=g-import-not-at-top
       base = steps.base_layout.logical(frozen["base"], steps.base_logical_shardings())
+      # A quantized base merges as the model it computes with: dequantized.
+      base = quant.dequantize_params(base, model_lib.DTYPES[dtype])
       save(lora.merge(base, logical, lcfg), out_dir=paths.join(cfg.export_hf_dir, "merged"))
   if writer:
     paths.write_text(paths.join(cfg.export_hf_dir, "tunix_export.json"),

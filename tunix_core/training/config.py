@@ -57,9 +57,8 @@ class TrainConfig:
   keep_period: int = _flag(0, "Also keep every checkpoint whose step is a multiple of N, "
                            "permanently (0: none).", group="run")
   resume: str = _flag("auto", "auto: resume from the latest complete checkpoint if any, "
-                      "else start fresh; never: start fresh, and refuse a directory that "
-                      "has checkpoints; required: fail without a usable checkpoint.",
-                      group="run")
+                      "else start fresh; never: start fresh, refusing a directory with "
+                      "checkpoints; required: fail without one.", group="run")
   verify_checkpoint: bool = _flag(True, "On resume, check every restored array's "
                                   "fingerprint; a step that fails is moved aside and the "
                                   "previous one used (auto).", group="run")
@@ -148,6 +147,9 @@ class TrainConfig:
                          "replace --lora_*.", group="lora")
   export_merged: bool = _flag(False, "LoRA with --export_hf_dir: also write the merged "
                               "model to {export_hf_dir}/merged.", group="lora")
+  quantize_base: str = _flag("", "QLoRA: keep the frozen base's layer projections as int8 "
+                             "(per channel), int4 or nf4 (per 64 rows); empty: unquantized "
+                             "(docs/training.md#qlora).", group="lora")
   optimizer: str = _flag("adamw", "adamw, rmsprop (the DPO paper's) or sgd.",
                          group="optimizer")
   learning_rate: float = _flag(1e-6, "Peak learning rate (TRL's default).", group="optimizer")
@@ -249,19 +251,17 @@ class TrainConfig:
                          "TPU, else xla), xla, pallas, interpret or naive (the oracle).",
                          group="parallel")
   compile_only: bool = _flag(False, "Compile the train step these flags would run (from "
-                             "--train_data, else full rows of the flags) for "
-                             "--target_topology, print its plan, per-device memory and "
-                             "cost analysis, allocating nothing; exit 0 if it fits, 1 if "
-                             "not.", group="aot")
+                             "--train_data, else full rows) for --target_topology, print "
+                             "its plan, per-device memory and cost analysis, allocating "
+                             "nothing; exit 0 if it fits, 1 if not.", group="aot")
   target_topology: str = _flag("local", "Devices --compile_only compiles for: local (this "
                                "host's), or any Cloud TPU slice name (v5e-8, v5e-256, "
                                "v6e-64, v5p-128, v4-8; 2xv5e-256 for two slices; needs "
                                "libtpu, works on any host).", group="aot")
   tpu_flags: str = _flag(tpu_flags.AUTO, "XLA TPU compiler options of every step compiled for "
-                         "TPU (runs and --compile_only): --name=value separated by spaces, "
-                         "or auto: MaxText's async collective fusion and overlap set, weight "
-                         "gathers fused (v5e) or on the SparseCores (v5p, v6e) and pipelined "
-                         "into the previous layer (docs/tpu.md).", group="aot")
+                         "TPU: --name=value separated by spaces, or auto: MaxText's async "
+                         "collective fusion and overlap set, weight gathers fused (v5e) or "
+                         "on the SparseCores (v5p, v6e), pipelined (docs/tpu.md).", group="aot")
 
   def validate(self, num_devices: int) -> None:
     """Raises ConfigError with one line naming the offending setting."""

@@ -1,10 +1,11 @@
 """Non-finite steps: which values a step checks, how the train state records them, and
-what the loop does about them (`--on_nonfinite`).
+what the loop does about them (`--on_nonfinite`); and the replicas' param checksum.
 
 A state's `"nonfinite"` is int32 `[3]`: the count of non-finite steps so far, the first
 such step, and a bit set of what was non-finite in it (bit i is `NONFINITE_KEYS[i]`).
 """
 
+import jax
 import jax.numpy as jnp
 
 # The values a step checks for NaN/Inf; bit i of `state["nonfinite"][2]` is key i.
@@ -45,3 +46,13 @@ def update(health_3, values: dict, step):
   fresh = count == 0
   bad = jnp.stack([count + 1, jnp.where(fresh, step, first), jnp.where(fresh, bits, first_bits)])
   return ok, jnp.where(ok, health_3, bad)
+
+
+def checksum(params):
+  """This device's params as one uint32 `[1]`: the wrapping sum of their bit patterns
+  (the replica check)."""
+  total = jnp.zeros((), jnp.uint32)
+  for x in jax.tree.leaves(params):
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    total = total + jnp.sum(bits, dtype=jnp.uint32)
+  return total[None]

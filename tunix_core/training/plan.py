@@ -65,6 +65,7 @@ class StepPlan:
   num_slices: int = 1               # the "slice" axis (1: none); "data" is
                                     # data_shards / num_slices devices
   lora: lora_lib.LoraConfig | None = None  # adapters train, the base is frozen
+  quantize_base: str = ""           # QLoRA: the frozen base's `model.quant` kind
   compiler_options: tuple = ()      # (name, value) of --tpu_flags on TPU, else none
   sync_impl: str = "xla"            # --sync_impl resolved (`collectives.SYNC_IMPLS`)
 
@@ -74,7 +75,9 @@ class StepPlan:
 
   @property
   def layout(self) -> str:
-    lora = (f"LoRA r={self.lora.rank} on {len(self.lora.targets)} projection(s), base "
+    lora = (f"{'Q' * bool(self.quantize_base)}LoRA r={self.lora.rank} on "
+            f"{len(self.lora.targets)} projection(s), "
+            f"{self.quantize_base + ' ' if self.quantize_base else ''}base "
             if self.lora else "")
     return lora + ("FSDP" if self.fsdp else "ZeRO-1") + (
         f" x TP {self.model_parallel}" if self.model_parallel > 1 else "") + (
@@ -183,5 +186,5 @@ def make_plan(cfg: TrainConfig, devices, sizes: packing.Sizes | None = None,
       logprob_impl=cfg.logprob_impl, loss_impl=cfg.loss_impl, fsdp=cfg.fsdp,
       bucket_bytes=int(cfg.bucket_mb * 2**20), grad_sync_dtype=cfg.grad_sync_dtype,
       max_grad_norm=cfg.max_grad_norm or None, **auto,
-      num_slices=slices, lora=lora, compiler_options=tuple(sorted(options.items())),
-      sync_impl=sync_impl)
+      num_slices=slices, lora=lora, quantize_base=cfg.quantize_base,
+      compiler_options=tuple(sorted(options.items())), sync_impl=sync_impl)

@@ -68,7 +68,8 @@ class StepFunctions:
     if plan.lora is None:
       self.layout = layout_lib.make(mcfg, self.tx, **layout_kw)
     else:  # the adapters train over a frozen base in the base's own layout
-      self.layout = lora_layout.make(mcfg, plan.lora, self.tx, **layout_kw)
+      self.layout = lora_layout.make(mcfg, plan.lora, self.tx, quantize=plan.quantize_base,
+                                     **layout_kw)
     self.base_layout = getattr(self.layout, "base", self.layout)
     self.param_shapes = self.layout.param_shapes  # logical
     self.replicated = NamedSharding(mesh, P())
@@ -102,7 +103,7 @@ class StepFunctions:
         # As a restore places it: the step's executable is then the same either way
         # (one mesh device would otherwise leave the rows unannotated: a cache miss).
         out_shardings=self.rows)
-    self._checksums = jit(smap(self._checksum, in_specs=(pspec,),
+    self._checksums = jit(smap(health_lib.checksum, in_specs=(pspec,),
                                out_specs=P(tuple(mesh.axis_names))))
 
   def _shardings(self, specs) -> dict:
@@ -121,16 +122,23 @@ class StepFunctions:
 
   def init_base(self, key: jax.Array, dtype=None) -> dict:
     """The model's params initialised from `key` in the base's layout (the run's own
-    without LoRA), leaves in `dtype` (default `--param_dtype`)."""
+    without LoRA), float leaves in `dtype` (default `--param_dtype`; QLoRA's projections
+    quantized, `model.quant`)."""
     def init(k):
-      params = model_lib.init_params(k, self.mcfg)
-      return self.base_layout.to_step(jax.tree.map(lambda x: x.astype(dtype or x.dtype),
-                                                    params))
+      params = model_lib.init_params(k, self.mcfg, self.plan.quantize_base)
+      return self.base_layout.to_step(jax.tree.map(
+          lambda x: x.astype(dtype) if dtype and jnp.issubdtype(x.dtype, jnp.floating)
+          else x, params))
     return jax.jit(init, out_shardings=self.base_sharding)(key)
 
   def base_logical_shardings(self) -> dict:
     """Where the model's logical params live outside the step, in the base's layout."""
     return self._shardings(self.base_layout.logical_specs())
+
+  def base_read_shardings(self) -> dict:
+    """Where the model's float weights are read (a quantized base's before each leaf is
+    quantized; `base_logical_shardings` otherwise)."""
+    return self._shardings(getattr(self.layout, "read", self.base_layout).logical_specs())
 
   def place_base(self, logical: dict) -> dict:
     """The model's logical params -> the base's layout and shardings."""
@@ -255,15 +263,6 @@ class StepFunctions:
     loss, metrics = self._objective(params, frozen, self._resolve_ref(frozen, batch), batch,
                                     drift=True)
     return jax.lax.pmean(dict(metrics, loss=loss), self.batch_axes)
-
-  @staticmethod
-  def _checksum(params):
-    """This device's params as one uint32: the wrapping sum of their bit patterns."""
-    total = jnp.zeros((), jnp.uint32)
-    for x in jax.tree.leaves(params):
-      bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-      total = total + jnp.sum(bits, dtype=jnp.uint32)
-    return total[None]
 
   def check_replicas(self, params) -> None:
     """Raises if any device's copy of params replicated over the layout's

@@ -8,6 +8,7 @@ import tunix_kernels
 from tunix_kernels import aot_tpu
 from tunix_kernels.dpo_loss import losses as dpo_losses
 from tunix_core import model as model_lib
+from tunix_core.model import quant
 from tunix_core.parallel import collectives
 from tunix_core.parallel import tensor_parallel
 from tunix_core.storage import paths
@@ -148,6 +149,8 @@ def check(cfg, num_devices: int) -> None:
       cfg.lora_config()
     except ValueError as e:  # hf.HFError is one too
       raise ConfigError(f"--lora_*: {e}") from None
+  if cfg.quantize_base:
+    check_quantize(cfg, need)
   k = cfg.online_samples
   need(k == 0 or k >= 2, f"--online_samples={k}: online DPO needs K >= 2 samples per "
        "prompt (0: offline)")
@@ -177,3 +180,20 @@ def check(cfg, num_devices: int) -> None:
     need(importlib.util.find_spec("wandb") is not None,
          f"--wandb_project={cfg.wandb_project!r} needs wandb: pip install 'tunix-core[wandb]'")
 
+
+
+def check_quantize(cfg, need) -> None:
+  """`--quantize_base`: a known kind, under LoRA, on a model whose projections it can
+  quantize, without tensor parallelism."""
+  kind = cfg.quantize_base
+  need(kind in quant.KINDS, f"--quantize_base={kind!r}: choose one of {quant.KINDS}")
+  need(cfg.lora_rank or cfg.lora_init, f"--quantize_base={kind} needs --lora_rank (QLoRA: "
+       "the quantized base is frozen, the adapters train)")
+  need(cfg.model_parallel == 1, f"--quantize_base={kind} does not run under "
+       "--model_parallel yet; use --fsdp")
+  m = cfg.model_config()
+  for name, rows in (("d_model", m.d_model), ("heads x head_dim", m.num_heads * m.head_dim),
+                     ("mlp_dim", m.mlp_dim)):
+    why = quant.check_shape((rows, 1), kind)
+    need(why is None, f"--quantize_base={kind} cannot quantize "
+         f"{cfg.hf_model_dir or cfg.model}: {why} ({name} is {rows})")
