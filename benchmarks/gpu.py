@@ -109,14 +109,18 @@ def real_tokens(pairs) -> int:
   return sum(2 * len(p) + len(c) + len(r) for p, c, r in pairs)
 
 
-def dpo_flops(config: dict, pairs) -> float:
-  """Model FLOPs of one DPO step on `pairs` as TRL computes them (module docstring)."""
+def dpo_flops(config: dict, pairs, reference: str = "step", lora: bool = False) -> float:
+  """Model FLOPs of one DPO step on `pairs` as TRL computes them (module docstring):
+  4 forwards' worth, one fewer without the reference's forward in the step
+  (`--reference=precomputed`) and one fewer under LoRA (a frozen base's backward
+  computes no weight gradients)."""
   from tunix_core.hf import config as hf_config  # pylint: disable=g-import-not-at-top
   from tunix_core.training import flops  # pylint: disable=g-import-not-at-top
   mcfg = hf_config.model_config(config)
   rows = [len(p) + len(r) for p, c, rr in pairs for r in (c, rr)]
   # A causal row of t positions scores (t + 1) / 2 keys per position on average.
-  return 4 * sum(flops.forward_flops(mcfg, t, (t + 1) / 2, t) for t in rows)
+  passes = 4 - (reference != "step") - bool(lora)
+  return passes * sum(flops.forward_flops(mcfg, t, (t + 1) / 2, t) for t in rows)
 
 
 def _append(path: str, row: dict) -> None:
@@ -156,7 +160,8 @@ def ours_plan(a, config: dict, pairs, devices):
                                max_prompt_length=P, steps=a.warmup + a.steps,
                                reference=a.reference, remat=a.remat,
                                param_dtype=a.param_dtype, optimizer_dtype=a.optimizer_dtype,
-                               lora_rank=a.lora_rank, quantize_base=a.quantize_base)
+                               param_rounding=a.param_rounding, lora_rank=a.lora_rank,
+                               quantize_base=a.quantize_base)
   cfg = dataclasses.replace(cfg, compile_only=True)
   sizes = packing.pair_sizes(host, cfg.prefix_sharing)
   plan = plan_lib.make_plan(cfg, devices, sizes)
@@ -253,10 +258,14 @@ def run_ours(a, config: dict, pairs) -> dict:
         file=sys.stderr, flush=True)
   train_step = executables.TrainStep(steps, warmup.compiled,
                                      lambda line: print(line, file=sys.stderr))
+  batch = lambda: steps.put_batch(host)
+  if plan.reference == "precomputed":  # the trainer's pass over the data, once, before
+    ref = steps.ref_logps(frozen if plan.lora else state["params"], steps.put_batch(host))
+    batch = lambda: dict(steps.put_batch(host), ref_logps=ref)
   ends = []
   for i in range(a.warmup + a.steps + 1):
     with compile_cache.FirstCompile() as first:
-      state, metrics = train_step(state, frozen, steps.put_batch(host))
+      state, metrics = train_step(state, frozen, batch())
     if i == 0:
       recompiled = first.compiles
     jax.block_until_ready(metrics)
@@ -364,7 +373,8 @@ def table(path: str) -> str:
       continue
     peak = next((p for name, p in flops.PEAK_FLOPS if name in r["device"]), None)
     work = dpo_flops(MODELS[r["model"]], synthetic_pairs(r["pairs"], r["tokens"],
-                                                          MODELS[r["model"]]["vocab_size"]))
+                                                          MODELS[r["model"]]["vocab_size"]),
+                     r.get("reference", "step"), r.get("lora_rank", 0))
     mfu = f"{work / r['step_s'] / peak:.1%}" if peak else "n/a"
     mem = f"{r['peak_bytes'] / 2**30:.2f}" if r.get("peak_bytes") else "n/a"
     lines.append(f"| {r['model']} | {r['tokens']} | {r['pairs']} | {r['side']} | "
@@ -386,6 +396,7 @@ def main() -> int:
   p.add_argument("--remat", default="none", help="ours: --remat (none: the default)")
   p.add_argument("--param_dtype", default="float32", help="ours: --param_dtype")
   p.add_argument("--optimizer_dtype", default="auto", help="ours: --optimizer_dtype")
+  p.add_argument("--param_rounding", default="kahan", help="ours: --param_rounding")
   p.add_argument("--lora_rank", type=int, default=0, help="ours: --lora_rank")
   p.add_argument("--quantize_base", default="", help="ours: --quantize_base (QLoRA)")
   p.add_argument("--liger", action="store_true", help="trl: use_liger_kernel=True")
@@ -400,10 +411,13 @@ def main() -> int:
     return 0
   config = MODELS[a.model]
   pairs = synthetic_pairs(a.pairs, a.tokens, config["vocab_size"])
-  flags = "".join(f" --{k}={v}" for k, v in (("reference", a.reference), ("remat", a.remat))
-                  if v != p.get_default(k))
+  ours = ("reference", "remat", "param_dtype", "optimizer_dtype", "param_rounding",
+          "lora_rank", "quantize_base")
+  flags = "".join(f" --{k}={getattr(a, k)}" for k in ours if getattr(a, k) != p.get_default(k))
   side = ("trl+liger" if a.liger else "trl") if a.side == "trl" else "ours" + flags
   case = dict(model=a.model, tokens=a.tokens, pairs=a.pairs, side=side)
+  if a.side == "ours":
+    case.update(reference=a.reference, lora_rank=a.lora_rank)
   try:
     run = run_trl if a.side == "trl" else aot_ours if a.aot else run_ours
     measured = run(a, config, pairs)

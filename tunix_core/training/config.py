@@ -89,8 +89,7 @@ class TrainConfig:
   max_length: int = _flag(64, "Tokens per response row (prompt + response).", group="data")
   max_prompt_length: int = _flag(32, "Prompt tokens kept (cut from the left); less than "
                                  "--max_length.", group="data")
-  skip_bad_lines: bool = _flag(False, "Skip malformed JSONL lines and report their count "
-                               "instead of failing.", group="data")
+  skip_bad_lines: bool = _flag(False, "Skip (and count) malformed JSONL lines.", group="data")
   data_cache_dir: str = _flag("", "Token stores and precomputed reference log-probs (local "
                               "or gs://, shareable between runs). Empty: "
                               "{output_dir}/data_cache.", group="data")
@@ -142,9 +141,8 @@ class TrainConfig:
                             "adapt, as PEFT names them.", group="lora")
   lora_rslora: bool = _flag(False, "Scale by alpha / sqrt(rank) (rsLoRA).", group="lora")
   lora_dropout: float = _flag(0.0, "Only 0: DPO runs without dropout (as TRL).", group="lora")
-  lora_init: str = _flag("", "A PEFT LoRA adapter directory to start from; the reference "
-                         "is then the base with it, frozen. Its rank, alpha and targets "
-                         "replace --lora_*.", group="lora")
+  lora_init: str = _flag("", "A PEFT LoRA adapter directory to start from, frozen as the "
+                         "reference's; its rank, alpha, targets replace --lora_*.", group="lora")
   export_merged: bool = _flag(False, "LoRA with --export_hf_dir: also write the merged "
                               "model to {export_hf_dir}/merged.", group="lora")
   quantize_base: str = _flag("", "QLoRA: keep the frozen base's layer projections as int8 "
@@ -159,6 +157,9 @@ class TrainConfig:
   optimizer_dtype: str = _flag("auto", "Dtype of the optimizer's moments (auto: "
                                "--param_dtype); updates are computed in float32.",
                                group="optimizer")
+  param_rounding: str = _flag("kahan", "bfloat16 params: kahan (an exact int16 error term "
+                              "per param, 2 bytes) or stochastic (none: unbiased rounding "
+                              "seeded by the step).", group="optimizer")
   max_grad_norm: float = _flag(1.0, "Clip gradients to this global norm; 0 disables "
                                "clipping.", group="optimizer")
   beta: float = _flag(0.1, "DPO temperature (KL penalty strength).", group="loss")
@@ -236,9 +237,8 @@ class TrainConfig:
                          "per bucket (docs/tpu.md#communication).", group="parallel")
   grad_sync_dtype: str = _flag("float32", "Gradients on the wire; bfloat16 halves the "
                                "bytes, summed in bfloat16 (xla) or float32.", group="parallel")
-  check_replicas_every: int = _flag(0, "Besides after step 1, check every N steps that all "
-                                    "replicas hold identical params (0: only after step "
-                                    "1).", group="parallel")
+  check_replicas_every: int = _flag(0, "Also check every N steps (besides after step 1) "
+                                    "that all replicas hold identical params.", group="parallel")
   logprob_impl: str = _flag("auto", "tunix_kernels.fused_logprobs impl: auto (pallas when "
                             "compiled for TPU, else xla), xla, pallas, interpret or naive "
                             "(the oracle).", group="parallel")

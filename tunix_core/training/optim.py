@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 
 OPTIMIZERS = ("adamw", "rmsprop", "sgd")
+ROUNDINGS = ("kahan", "stochastic")  # `--param_rounding` of bfloat16 params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +36,7 @@ class OptimizerConfig:
   weight_decay: float = 0.0
   param_dtype: str = "float32"      # the trained params' (`--param_dtype`)
   optimizer_dtype: str = "auto"     # the moments' (`--optimizer_dtype`; auto: param_dtype)
+  param_rounding: str = "kahan"     # bfloat16 params' (`--param_rounding`, `compensated`)
 
   @property
   def state_dtype(self) -> str:
@@ -95,24 +97,27 @@ def stochastic_round(x, dtype, seed):
 
 
 def compensated(inner: optax.GradientTransformation, state_dtype,
-                compensate: bool) -> optax.GradientTransformation:
+                rounding: str | None) -> optax.GradientTransformation:
   """`inner` run in float32 whatever the params' and its state's dtypes.
 
   Its state is kept in `state_dtype`, rounded stochastically (`stochastic_round`): an
   EMA step such as Adam's `(1 - b2) * (g**2 - nu)`, 1e-3 of `nu`, is below half a
   bfloat16 ulp, and rounding to nearest would drop every decrease (nu would only
-  ratchet up). With `compensate` (bfloat16 params), the update it returns takes each
-  param to the bfloat16 rounding of its float32 master weight (`join(param, error)`)
-  plus `inner`'s update, and the new error is what that rounding dropped (`split`);
-  without, it is `inner`'s float32 update. Elementwise, so it runs on ZeRO-1 / FSDP
-  pieces as on whole leaves.
+  ratchet up). With `rounding="kahan"` (bfloat16 params), the update it returns takes
+  each param to the bfloat16 rounding of its float32 master weight (`join(param,
+  error)`) plus `inner`'s update, and the new error is what that rounding dropped
+  (`split`); with "stochastic", to `param + update` rounded stochastically (no error
+  term: 2 bytes a param less, float32's trajectory in expectation); with None, it is
+  `inner`'s float32 update. Elementwise, so it runs on ZeRO-1 / FSDP pieces as on whole
+  leaves (stochastic rounding draws per piece: another device count rounds otherwise).
   """
   f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
 
   def init(params):
     state = inner.init(jax.tree.map(lambda x: x.astype(state_dtype), params))
     error = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.int16), params)
-    return CompensatedState(state, error if compensate else None, jnp.zeros((), jnp.int32))
+    return CompensatedState(state, error if rounding == "kahan" else None,
+                            jnp.zeros((), jnp.int32))
 
   def update(grads, state, params=None):
     # The moments in float32 too: `b2 * nu` of a bfloat16 `nu` would round in bfloat16.
@@ -126,8 +131,14 @@ def compensated(inner: optax.GradientTransformation, state_dtype,
         if jnp.issubdtype(old.dtype, jnp.floating) else new.astype(old.dtype)
         for i, (new, old) in enumerate(zip(leaves, jax.tree.leaves(state.inner)))])
     count = state.count + 1
-    if not compensate:
+    if rounding is None:
       return updates, CompensatedState(new_inner, None, count)
+    wide = lambda x: x.astype(jnp.float32)
+    if rounding == "stochastic":
+      seeds = iter(range(len(leaves), len(leaves) + len(jax.tree.leaves(params))))
+      deltas = jax.tree.map(lambda p, u: wide(stochastic_round(
+          wide(p) + u, p.dtype, seed + jnp.uint32(next(seeds)))) - wide(p), params, updates)
+      return deltas, CompensatedState(new_inner, None, count)
 
     new = jax.tree.map(lambda p, u, e: _Split(*split(join(p, e) + u)), params, updates,
                        state.error)
@@ -167,5 +178,6 @@ def make_optimizer(cfg: OptimizerConfig) -> tuple[optax.GradientTransformation,
   else:
     tx = optax.sgd(schedule)
   if cfg.param_dtype != "float32" or cfg.state_dtype != "float32":
-    tx = compensated(tx, jnp.dtype(cfg.state_dtype), compensate=cfg.param_dtype != "float32")
+    tx = compensated(tx, jnp.dtype(cfg.state_dtype),
+                     cfg.param_rounding if cfg.param_dtype != "float32" else None)
   return tx, schedule

@@ -29,6 +29,7 @@ CHOICES = {
     "model": tuple(model_lib.PRESETS),
     "param_dtype": tuple(model_lib.DTYPES),
     "optimizer_dtype": ("auto",) + tuple(model_lib.DTYPES),
+    "param_rounding": optim.ROUNDINGS,
     "ref_dtype": ("auto",) + tuple(model_lib.DTYPES),
     "export_dtype": ("auto",) + tuple(model_lib.DTYPES),
     "compute_dtype": ("auto",) + tuple(model_lib.DTYPES),
