@@ -39,16 +39,20 @@ def test_uncompensated_bfloat16_updates_are_lost_and_compensated_ones_kept():
   grads = lambda t: {"w": jnp.asarray(g, jnp.bfloat16)}
   lost, _ = _run(optax.sgd(lr), params, grads, steps)
   np.testing.assert_array_equal(np.asarray(lost["w"]), np.asarray(w0))  # every step lost
-  tx, _ = optim.make_optimizer(optim.OptimizerConfig(
-      optimizer="sgd", learning_rate=lr, param_dtype="bfloat16"))
-  kept, _ = _run(tx, params, grads, steps)
   want = np.asarray(w0, np.float64) - steps * lr * np.asarray(
       jnp.asarray(g, jnp.bfloat16), np.float64)
-  got = np.asarray(kept["w"], np.float64)
-  assert kept["w"].dtype == jnp.bfloat16
-  # One rounding to bfloat16 (half an ulp of values in [1, 2)) and nothing more.
-  np.testing.assert_array_less(np.abs(got - want), BF16_ULP_AT_1 / 2 + 1e-9)
-  assert np.abs(got - np.asarray(w0, np.float64)).min() > 0  # every weight moved
+  for rounding, ulps in (("kahan_nearest", 0.5), ("kahan", 1.0)):
+    tx, _ = optim.make_optimizer(optim.OptimizerConfig(
+        optimizer="sgd", learning_rate=lr, param_dtype="bfloat16", param_rounding=rounding))
+    kept, state = _run(tx, params, grads, steps)
+    got = np.asarray(kept["w"], np.float64)
+    assert kept["w"].dtype == jnp.bfloat16
+    # One rounding to bfloat16 (to nearest: half an ulp of values in [1, 2)), no more.
+    np.testing.assert_array_less(np.abs(got - want), ulps * BF16_ULP_AT_1 + 1e-9)
+    assert np.abs(got - np.asarray(w0, np.float64)).min() > 0  # every weight moved
+    # The master weight param + error is float32's (to float32 roundings of 300 steps).
+    master = np.asarray(optim.join(kept["w"], state.error["w"], rounding == "kahan"))
+    np.testing.assert_allclose(master, want, rtol=0, atol=300 * 2.0 ** -23 * 2)
 
 
 def test_stochastic_param_rounding_follows_float64_on_average():
@@ -77,8 +81,9 @@ def _adam_f64(w, grads, lr, steps, b1=0.9, b2=0.999, eps=1e-8):
   return w
 
 
-@pytest.mark.parametrize("optimizer_dtype,tol_ulps", [("float32", 0.5), ("bfloat16", 3)])
-def test_bfloat16_adamw_follows_float64_adam(optimizer_dtype, tol_ulps):
+@pytest.mark.parametrize("optimizer_dtype,rounding,tol_ulps",
+                         [("float32", "kahan_nearest", 0.5), ("bfloat16", "kahan", 3)])
+def test_bfloat16_adamw_follows_float64_adam(optimizer_dtype, rounding, tol_ulps):
   """AdamW at 1e-4 over 400 steps of noisy gradients on bfloat16 weights: the params end
   within half a bfloat16 ulp of float64 Adam's with float32 moments, within a few ulps
   with the moments in bfloat16 (their stochastic rounding is noise, not drift)."""
@@ -88,7 +93,8 @@ def test_bfloat16_adamw_follows_float64_adam(optimizer_dtype, tol_ulps):
   noise = rng.normal(size=(steps, n)) * 0.3 + rng.uniform(0.2, 1.0, n)
   g_bf16 = np.asarray(jnp.asarray(noise, jnp.bfloat16), np.float64)
   tx, _ = optim.make_optimizer(optim.OptimizerConfig(
-      learning_rate=lr, param_dtype="bfloat16", optimizer_dtype=optimizer_dtype))
+      learning_rate=lr, param_dtype="bfloat16", optimizer_dtype=optimizer_dtype,
+      param_rounding=rounding))
   got, state = _run(tx, {"w": jnp.asarray(w0)},
                     lambda t: {"w": jnp.asarray(g_bf16[t], jnp.bfloat16)}, steps)
   assert jax.tree.leaves(state.inner)[1].dtype == jnp.dtype(optimizer_dtype)  # mu
@@ -123,10 +129,13 @@ def test_stochastic_rounding_lets_a_bfloat16_moment_decay():
 
 @pytest.mark.slow
 def test_fsdp_on_8_equals_one_device_in_bfloat16(tmp_path):
-  """bfloat16 params and moments: FSDP over 8 devices and one device agree step by step
+  """bfloat16 params and moments (error term, params rounded to nearest): FSDP over 8
+  devices and one device agree step by step
   (the error term and the moments cut with the params; sums in another order round
   differently, hence a bfloat16-sized tolerance)."""
-  cfg = lambda out, **kw: runs.config(out, param_dtype="bfloat16", **kw)
+  # Rounded to nearest: the default's random draws follow each piece's own indices.
+  cfg = lambda out, **kw: runs.config(out, param_dtype="bfloat16",
+                                      param_rounding="kahan_nearest", **kw)
   one = runs.step_run(runs.steps(cfg(tmp_path / "one"), jax.devices()[:1]),
                       cfg(tmp_path / "one"))
   eight = runs.step_run(runs.steps(cfg(tmp_path / "8", fsdp=True), jax.devices()),

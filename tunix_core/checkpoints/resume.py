@@ -27,10 +27,11 @@ from tunix_core.training import optim
 
 
 # What a resume must keep of the run's settings (the model's own fields apart): data
-# order, optimizer state.
+# order, optimizer state (its dtypes and error term), the frozen base.
 RESUME_FIELDS = ("max_length", "max_prompt_length", "seed", "batch_size", "optimizer",
-                 "train_data", "chat_template", "lora_rank", "lora_alpha", "lora_targets",
-                 "lora_rslora", "lora_init", "init_from")
+                 "optimizer_dtype", "param_rounding", "quantize_base", "train_data",
+                 "chat_template", "lora_rank", "lora_alpha", "lora_targets", "lora_rslora",
+                 "lora_init", "init_from")
 # How the step computes the same model, chosen per run and per device set (`--remat=auto`
 # on fewer devices may rematerialise more): a resume need not match them.
 EXECUTION_FIELDS = ("remat", "attention_impl")
@@ -75,13 +76,12 @@ def same_layout(steps, meta: dict) -> bool:
           and meta.get("layout", "zero1") == steps.layout.name)
 
 
-def lacks_error_term(steps, meta: dict) -> bool:
-  """Whether this run compensates its params' rounding (`optim.compensated`) but the
-  checkpoint of `meta` was written before the optimizer state carried the error term
-  (its config has no `optimizer_dtype`): its state is the inner optimizer's alone."""
+def predates_compensation(steps, meta: dict) -> bool:
+  """Whether this run's optimizer is `optim.compensated` (bfloat16 params or moments)
+  but the checkpoint of `meta` was written before that wrapper existed (its config has
+  no `optimizer_dtype`): its state is the inner optimizer's alone."""
   init = jax.eval_shape(steps.tx.init, {"x": jax.ShapeDtypeStruct((1,), jnp.bfloat16)})
-  return (isinstance(init, optim.CompensatedState) and init.error is not None
-          and "optimizer_dtype" not in meta["config"])
+  return isinstance(init, optim.CompensatedState) and "optimizer_dtype" not in meta["config"]
 
 
 def restore_state(steps, ckpt: Checkpointer, step: int, meta: dict) -> dict:
@@ -89,8 +89,8 @@ def restore_state(steps, ckpt: Checkpointer, step: int, meta: dict) -> dict:
   (a `step.StepFunctions`) in its layout. Params are saved as logical arrays and restored
   into `steps.logical_shardings()` (split under FSDP) before they are cut; the optimizer
   state is re-cut when it was saved for another device count or layout (FSDP or not,
-  --model_parallel). A state without the error term (`lacks_error_term`) gets one of
-  zeros."""
+  --model_parallel). A state from before `optim.compensated` (`predates_compensation`)
+  is wrapped, its error term (if this run keeps one) zero."""
   old = _saved_layout(steps, meta)
   divides = old.num_shards % steps.mesh.size == 0
   opt_abstract = zero.abstract_opt_state(old, steps.tx,
@@ -98,7 +98,7 @@ def restore_state(steps, ckpt: Checkpointer, step: int, meta: dict) -> dict:
   params_abstract = jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
       steps.param_shapes, steps.logical_shardings())
-  legacy = lacks_error_term(steps, meta)
+  legacy = predates_compensation(steps, meta)
   restored = ckpt.restore(step, {"params": params_abstract, "opt_state": (
       opt_abstract.inner if legacy else opt_abstract)})
   opt_state = restored["opt_state"]
@@ -121,7 +121,7 @@ def verify(steps, state: dict, meta: dict, params_only: bool = False
   arrays they were saved as; the optimizer state only when it was restored in the
   layout it was saved in (and not `params_only`)."""
   tree = {"params": steps.logical_params(state["params"])}
-  if same_layout(steps, meta) and not params_only and not lacks_error_term(steps, meta):
+  if same_layout(steps, meta) and not params_only and not predates_compensation(steps, meta):
     tree["opt_state"] = state["opt_state"]
   got = fingerprints(tree)
   want = meta["fingerprints"]
@@ -165,7 +165,7 @@ def _load(steps, ckpt: Checkpointer, step: int, cfg, log, source: dict,
     state = restore_state(steps, ckpt, step, meta)
   except Exception as e:  # noqa: BLE001
     raise _unreadable(e) from None
-  if lacks_error_term(steps, meta):
+  if predates_compensation(steps, meta) and state["opt_state"].error is not None:
     log(f"checkpoint step {step} predates the bfloat16 params' error term: it resumes "
         "at zero (the rounding of steps before it stays lost)")
   if cfg.verify_checkpoint:

@@ -131,8 +131,9 @@ def softcap(x: jax.Array, cap: float) -> jax.Array:
 def project(x_NxI, layer, name: str, cfg: ModelConfig):
   """`x @ layer[name]`, plus `cfg.lora_scale * (x @ A) @ B` when the layer carries a LoRA
   adapter for it (`layer["lora"][name]`, `tunix_core.model.lora`): the one place
-  adapters enter the forward."""
-  y_NxO = x_NxI @ layer[name]
+  adapters and a quantized base's weights (`quant.matmul`) enter the forward."""
+  w = layer[name]
+  y_NxO = quant.matmul(x_NxI, w) if quant.is_quantized(w) else x_NxI @ w
   adapter = layer.get("lora", {}).get(name)
   if adapter is None:
     return y_NxO
@@ -273,7 +274,7 @@ def decoder(params: dict, x_BxTxD: jax.Array, mask_BxT: jax.Array | None, cfg: M
 
   def body(x_BxTxD, layer, setting, rows):
     positions_BxT, mask_BxT, segments_BxT, branches_BxT = rows
-    layer = quant.materialize(layer, compute)  # a quantized base dequantizes here
+    layer = quant.cast_floats(layer, compute)  # a quantized base's weights: in `project`
     attend = lambda h: (self_attention(h, layer, setting, positions_BxT, mask_BxT, lcfg,
                                        segments_BxT=segments_BxT, branches_BxT=branches_BxT,
                                        band=band), None)

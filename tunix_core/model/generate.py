@@ -97,7 +97,7 @@ def extend(params, tokens_BxT, mask_BxT, positions_BxT, cache: Cache, start,
 
   def layer_fn(x_BxTxD, xs):
     layer, setting, k_BxSxVxK, v_BxSxVxK = xs
-    layer = quant.materialize(layer, compute)
+    layer = quant.cast_floats(layer, compute)
     window = setting["window"]
     visible = base_BxTxS & ((window == 0) | (gap_BxTxS < window))
 

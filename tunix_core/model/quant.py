@@ -25,8 +25,8 @@ grid. The scales cost 1/4 byte a weight (int4: 0.75 bytes a weight in all).
 input row `j` in its low nibble and row `16 + j` in its high one, so any cut of the
 packed rows at group boundaries (FSDP's, a split of `in`) is a cut of the weight's rows.
 Leading axes (the layer stack `[L]`) pass through, so a layer sliced by the scan, or
-gathered by FSDP in this form, dequantizes as it is (`materialize`, inside the layer's
-step: the float weight exists one layer at a time).
+gathered by FSDP in this form, dequantizes as it is, in its matmul (`matmul`, which
+`model.decoder.project` calls: the float weight exists one matmul at a time).
 """
 
 import jax
@@ -48,6 +48,26 @@ _SCALES = ("scale", "zero")
 
 def is_quantized(x) -> bool:
   return isinstance(x, dict) and "scale" in x
+
+
+def keeps_dtype(path) -> bool:
+  """Whether the leaf at `path` (a `jax.tree_util` key path) is a quantized weight's
+  scale or zero point: float32 wherever the base is cast (to --ref_dtype, to the
+  compute dtype for FSDP's gather), as the codes keep theirs."""
+  return bool(path) and getattr(path[-1], "key", None) in _SCALES
+
+
+def cast_floats(tree, dtype):
+  """`tree` with its floating leaves in `dtype`, but quantized weights' codes, scales
+  and zero points as they are."""
+  keep = lambda path, x: keeps_dtype(path) or not jnp.issubdtype(x.dtype, jnp.floating)
+
+  def cast(x):  # arrays, or the ShapeDtypeStructs of abstract trees
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+    return x.astype(dtype)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: x if keep(path, x) else cast(x), tree)
 
 
 def kind_of(x) -> str:
@@ -126,11 +146,13 @@ def quantize_layers(params: dict, kind: str) -> dict:
   return {**params, "layers": layers}
 
 
-def materialize(tree, dtype):
-  """A layer (or any params subtree) for compute: quantized weights dequantized, every
-  other leaf cast to `dtype`."""
-  return jax.tree.map(lambda x: dequantize(x, dtype) if is_quantized(x) else x.astype(dtype),
-                      tree, is_leaf=is_quantized)
+@jax.checkpoint
+def matmul(x_NxI, q: dict):
+  """`x @ W` of a quantized `W`, dequantized to `x`'s dtype inside a checkpoint: the
+  backward keeps `x` and the codes and dequantizes again, so no float copy of any
+  layer's weights outlives its matmul (a remat policy that saves matmul inputs would
+  otherwise keep every layer's)."""
+  return x_NxI @ dequantize(q, x_NxI.dtype)
 
 
 def dequantize_params(params: dict, dtype=jnp.bfloat16) -> dict:

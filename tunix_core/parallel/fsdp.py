@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from tunix_core.model import quant
 from tunix_core.parallel import collectives
 
 # A bucket limit no layer reaches: every leaf of one layer travels in one bucket.
@@ -104,9 +105,9 @@ class FsdpLayout:
     rest = {k: v for k, v in param_shapes.items() if k != "layers"}
 
     def plans(tree, limit):
-      # Integer leaves (a quantized base's codes) travel as they are, dequantized after.
-      as_compute = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-          x.shape, compute_dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype), tree)
+      # A quantized base's codes and scales travel as they are, dequantized after.
+      as_compute = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                quant.cast_floats(tree, compute_dtype))
       return (collectives.BucketPlan.create(tree, num_shards, limit),
               collectives.BucketPlan.create(as_compute, num_shards, limit))
 

@@ -41,9 +41,9 @@ def _convert(fn, tree: dict, shardings: dict) -> dict:
 
 def _abstract(shapes: dict, dtype, lead: tuple = ()) -> dict:
   """ShapeDtypeStructs of `shapes` with `lead` dimensions in front (floating leaves in
-  `dtype`, default their own; a quantized base's codes keep theirs)."""
-  cast = lambda x: dtype if dtype and jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(lead + x.shape, cast(x)), shapes)
+  `dtype`, default their own; a quantized base's codes and scales keep theirs)."""
+  cast = quant.cast_floats(shapes, dtype) if dtype else shapes
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(lead + x.shape, x.dtype), cast)
 
 
 class Whole:

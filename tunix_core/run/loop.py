@@ -160,7 +160,7 @@ def _train(cfg, devices, log, beat, hooks):
   plan = steps.plan
   mcfg = plan.model
   count = lambda shapes: sum(x.size for x in jax.tree.leaves(shapes))
-  num_params = count(steps.base_layout.param_shapes)
+  num_params = count(getattr(steps.layout, "read", steps.base_layout).param_shapes)
   trained = (f"; LoRA: {count(steps.param_shapes):,} trained" if plan.lora else "")
   mesh = " x ".join(f"{n} {axis}" for axis, n in steps.mesh.shape.items())
   log(f"model: {cfg.hf_model_dir or cfg.model} ({num_params:,} params, "

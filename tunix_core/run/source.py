@@ -153,7 +153,9 @@ def _quantizer(steps):
   def quantize(path, x):
     if tuple(path[:1]) != ("layers",) or path[-1] not in quant.PROJECTIONS:
       return x
-    return jax.jit(lambda w: quant.quantize(w, kind), out_shardings=shardings[path[-1]])(x)
+    # One layer at a time: a float32 copy of the whole stacked leaf would not fit.
+    return jax.jit(lambda w: jax.lax.map(lambda layer: quant.quantize(layer, kind), w),
+                   out_shardings=shardings[path[-1]])(x)
   return quantize
 
 

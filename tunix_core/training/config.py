@@ -145,8 +145,8 @@ class TrainConfig:
                          "reference's; its rank, alpha, targets replace --lora_*.", group="lora")
   export_merged: bool = _flag(False, "LoRA with --export_hf_dir: also write the merged "
                               "model to {export_hf_dir}/merged.", group="lora")
-  quantize_base: str = _flag("", "QLoRA: keep the frozen base's layer projections as int8 "
-                             "(per channel), int4 or nf4 (per 64 rows); empty: unquantized "
+  quantize_base: str = _flag("", "QLoRA: keep the frozen base's layer projections as int8, "
+                             "int4 or nf4 (per 32 input rows); empty: unquantized "
                              "(docs/training.md#qlora).", group="lora")
   optimizer: str = _flag("adamw", "adamw, rmsprop (the DPO paper's) or sgd.",
                          group="optimizer")
@@ -157,9 +157,9 @@ class TrainConfig:
   optimizer_dtype: str = _flag("auto", "Dtype of the optimizer's moments (auto: "
                                "--param_dtype); updates are computed in float32.",
                                group="optimizer")
-  param_rounding: str = _flag("kahan", "bfloat16 params: kahan (an exact int16 error term "
-                              "per param, 2 bytes) or stochastic (none: unbiased rounding "
-                              "seeded by the step).", group="optimizer")
+  param_rounding: str = _flag("kahan", "bfloat16 params: kahan (param + an int16 error is a "
+                              "float32 master; the param its unbiased rounding), "
+                              "kahan_nearest or stochastic (no error term).", group="optimizer")
   max_grad_norm: float = _flag(1.0, "Clip gradients to this global norm; 0 disables "
                                "clipping.", group="optimizer")
   beta: float = _flag(0.1, "DPO temperature (KL penalty strength).", group="loss")

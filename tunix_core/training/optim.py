@@ -6,16 +6,18 @@ model, which a transformation applied to one device's shard could not see.
 Params narrower than float32 (`--param_dtype=bfloat16`) train through `compensated`: an
 AdamW step at DPO's learning rates (1e-6 of a weight of 1) is far below half a bfloat16
 ulp (2**-9 of it), so `param + update` rounds back to `param` and the step is lost. The
-optimizer keeps what each rounding drops: an int16 error term per param holds the 16 low
-bits of the float32 value the param was rounded from (`split`/`join`), so param + error
-is a float32 master weight, updated as float32 training updates it (Kahan's compensated
-summation, with an error term that is itself exact). It is deterministic (a resume is
-exact with nothing but the state) and costs 2 bytes a param; stochastic rounding would
-save those bytes but track float32 only in expectation, and a bfloat16 error term (8
-significant bits) loses up to a tenth of each step at these learning rates.
+optimizer keeps what each rounding drops in an int16 error term per param: param +
+error is a float32 master weight (`split`/`join`), updated as float32 training updates
+it. Rounded to nearest, a weight the forward sees stays put until its master moved half
+an ulp (the SmolLM2 recipe at 2e-6 barely trained so); by default (`--param_rounding=
+kahan`) the param is the master rounded up or down at random, unbiased, drawn afresh at
+every step from a hash of the step and the index, so the forward follows the master in
+expectation and a resume is exact with nothing but the state. 2 bytes a param; without
+them (`stochastic`) only the updates are rounded at random.
 """
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
@@ -23,7 +25,8 @@ import jax.numpy as jnp
 import optax
 
 OPTIMIZERS = ("adamw", "rmsprop", "sgd")
-ROUNDINGS = ("kahan", "stochastic")  # `--param_rounding` of bfloat16 params
+# `--param_rounding` of bfloat16 params (`compensated`).
+ROUNDINGS = ("kahan", "kahan_nearest", "stochastic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,30 +60,56 @@ class _Split(NamedTuple):
   error: jax.Array
 
 
-def split(master):
-  """float32 `master` -> `(param, error)`: bfloat16 `param` nearest to it (ties away
-  from zero) and int16 `error`, its 16 low bits relative to `param` (sign-magnitude
-  float bits are ordered within a sign, so the bits between two neighbouring bfloat16
-  values count float32 steps between them). `join` inverts it exactly."""
-  bits = jax.lax.bitcast_convert_type(master.astype(jnp.float32), jnp.uint32)
-  param_bits = (bits + jnp.uint32(0x8000)) & jnp.uint32(0xFFFF0000)
-  error = jax.lax.bitcast_convert_type(bits - param_bits, jnp.int32).astype(jnp.int16)
-  param = jax.lax.bitcast_convert_type(param_bits, jnp.float32).astype(jnp.bfloat16)
-  return param, error
-
-
-def join(param, error):
-  """The float32 master weight of bfloat16 `param` and its int16 `error` (`split`)."""
-  bits = jax.lax.bitcast_convert_type(param.astype(jnp.float32), jnp.uint32)
-  low = jax.lax.bitcast_convert_type(error.astype(jnp.int32), jnp.uint32)
-  return jax.lax.bitcast_convert_type(bits + low, jnp.float32)
-
-
 def _hash_u32(x):
   """A 32-bit integer mix (murmur3's finaliser) of uint32 `x`, elementwise."""
   for shift, mul in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
     x = (x ^ (x >> shift)) * jnp.uint32(mul)
   return x ^ (x >> 16)
+
+
+def _noise(shape, seed):
+  """32 random bits per element of `shape`, a hash of `seed` and the element's index."""
+  index = jnp.arange(math.prod(shape), dtype=jnp.uint32).reshape(shape)
+  return _hash_u32(index * jnp.uint32(0x9E3779B1) + seed)
+
+
+def split(master, seed=None):
+  """float32 `master` -> `(param, error)`: a bfloat16 `param` and an int16 `error` from
+  which `join` recovers `master` (sign-magnitude float bits are ordered within a sign,
+  so bit patterns count float32 steps).
+
+  Without `seed`: `param` is the nearest (ties away from zero) and `error` the 16 low
+  bits relative to it, exactly. With `seed` (uint32): `param` is rounded up or down at
+  random with the probabilities that make it unbiased (a hash of `seed` and the index),
+  and `error` holds that choice and the 15 upper of the 16 low bits; the lowest bit is
+  rounded away at random too, so the master keeps 23 bits, unbiased."""
+  bits = jax.lax.bitcast_convert_type(master.astype(jnp.float32), jnp.uint32)
+  if seed is None:
+    param_bits = (bits + jnp.uint32(0x8000)) & jnp.uint32(0xFFFF0000)
+    error = jax.lax.bitcast_convert_type(bits - param_bits, jnp.int32).astype(jnp.int16)
+  else:
+    noise = _noise(bits.shape, seed)
+    odd = bits & 1  # to an even neighbour: up or down by one step, at random
+    bits = bits - odd + ((odd & (noise >> 16)) << 1)
+    low = bits & jnp.uint32(0xFFFF)
+    up = (low + (noise & jnp.uint32(0xFFFF))) >> 16  # 1 with probability low / 2**16
+    param_bits = (bits & jnp.uint32(0xFFFF0000)) + (up << 16)
+    error = jax.lax.bitcast_convert_type(((up << 15) | (low >> 1)).astype(jnp.uint16),
+                                         jnp.int16)
+  param = jax.lax.bitcast_convert_type(param_bits, jnp.float32).astype(jnp.bfloat16)
+  return param, error
+
+
+def join(param, error, stochastic: bool = False):
+  """The float32 master weight of bfloat16 `param` and its int16 `error` (`split`;
+  `stochastic`: split with a seed)."""
+  bits = jax.lax.bitcast_convert_type(param.astype(jnp.float32), jnp.uint32)
+  if not stochastic:
+    low = jax.lax.bitcast_convert_type(error.astype(jnp.int32), jnp.uint32)
+    return jax.lax.bitcast_convert_type(bits + low, jnp.float32)
+  e = jax.lax.bitcast_convert_type(error, jnp.uint16).astype(jnp.uint32)
+  bits = bits - ((e >> 15) << 16) + ((e & jnp.uint32(0x7FFF)) << 1)
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def stochastic_round(x, dtype, seed):
@@ -90,8 +119,7 @@ def stochastic_round(x, dtype, seed):
   if jnp.dtype(dtype) == jnp.float32:
     return x
   bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-  index = jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape)
-  noise = _hash_u32(index * jnp.uint32(0x9E3779B1) + seed) & jnp.uint32(0xFFFF)
+  noise = _noise(x.shape, seed) & jnp.uint32(0xFFFF)
   kept = (bits + noise) & jnp.uint32(0xFFFF0000)  # the low 16 bits are bfloat16's cut
   return jax.lax.bitcast_convert_type(kept, jnp.float32).astype(dtype)
 
@@ -103,20 +131,23 @@ def compensated(inner: optax.GradientTransformation, state_dtype,
   Its state is kept in `state_dtype`, rounded stochastically (`stochastic_round`): an
   EMA step such as Adam's `(1 - b2) * (g**2 - nu)`, 1e-3 of `nu`, is below half a
   bfloat16 ulp, and rounding to nearest would drop every decrease (nu would only
-  ratchet up). With `rounding="kahan"` (bfloat16 params), the update it returns takes
-  each param to the bfloat16 rounding of its float32 master weight (`join(param,
-  error)`) plus `inner`'s update, and the new error is what that rounding dropped
-  (`split`); with "stochastic", to `param + update` rounded stochastically (no error
-  term: 2 bytes a param less, float32's trajectory in expectation); with None, it is
-  `inner`'s float32 update. Elementwise, so it runs on ZeRO-1 / FSDP pieces as on whole
-  leaves (stochastic rounding draws per piece: another device count rounds otherwise).
+  ratchet up). `rounding` (bfloat16 params) takes each param's float32 master weight,
+  `join(param, error)`, plus `inner`'s update, and `split`s it again: "kahan" presents
+  the param rounded stochastically from the master (its expectation is the master, so
+  the forward follows updates far below an ulp), "kahan_nearest" rounds to nearest
+  (exact, but a weight looks unchanged until its master moved half an ulp); the update
+  returned lands each param on its new value. "stochastic" keeps no error term (2 bytes
+  a param less) and rounds `param + update` stochastically: float32's trajectory in
+  expectation, with a random walk around it. None: `inner`'s float32 update. Elementwise,
+  so it runs on ZeRO-1 / FSDP pieces as on whole leaves (the random draws follow the
+  element's index in its piece: another device count rounds otherwise).
   """
   f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
 
   def init(params):
     state = inner.init(jax.tree.map(lambda x: x.astype(state_dtype), params))
     error = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.int16), params)
-    return CompensatedState(state, error if rounding == "kahan" else None,
+    return CompensatedState(state, error if rounding in ("kahan", "kahan_nearest") else None,
                             jnp.zeros((), jnp.int32))
 
   def update(grads, state, params=None):
@@ -140,8 +171,11 @@ def compensated(inner: optax.GradientTransformation, state_dtype,
           wide(p) + u, p.dtype, seed + jnp.uint32(next(seeds)))) - wide(p), params, updates)
       return deltas, CompensatedState(new_inner, None, count)
 
-    new = jax.tree.map(lambda p, u, e: _Split(*split(join(p, e) + u)), params, updates,
-                       state.error)
+    sr = rounding == "kahan"
+    seeds = iter(range(len(leaves), len(leaves) + len(jax.tree.leaves(params))))
+    new = jax.tree.map(lambda p, u, e: _Split(*split(
+        join(p, e, sr) + u, seed + jnp.uint32(next(seeds)) if sr else None)),
+        params, updates, state.error)
     is_pair = lambda x: isinstance(x, _Split)
     # The delta between two nearby bfloat16 values is exact in float32, so
     # `optax.apply_updates` (param + delta, rounded) lands on the new param itself.

@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tunix_core import model as model_lib
 from tunix_core.data import packing
 from tunix_core.model import lora as lora_lib
+from tunix_core.model import quant
 from tunix_core.parallel import collectives
 from tunix_core.parallel import layout as layout_lib
 from tunix_core.parallel import lora as lora_layout
@@ -126,9 +127,7 @@ class StepFunctions:
     quantized, `model.quant`)."""
     def init(k):
       params = model_lib.init_params(k, self.mcfg, self.plan.quantize_base)
-      return self.base_layout.to_step(jax.tree.map(
-          lambda x: x.astype(dtype) if dtype and jnp.issubdtype(x.dtype, jnp.floating)
-          else x, params))
+      return self.base_layout.to_step(quant.cast_floats(params, dtype) if dtype else params)
     return jax.jit(init, out_shardings=self.base_sharding)(key)
 
   def base_logical_shardings(self) -> dict:
