@@ -135,3 +135,43 @@ def test_reference_is_not_an_impl():
   with pytest.raises(ValueError, match=r"unknown dpo_loss impl 'reference'; choose one of "
                      r"\('auto', 'xla', 'naive', 'pallas', 'interpret'\)"):
     tunix_kernels.dpo_loss(x, x, x, x, impl="reference")
+
+
+ROW_TYPES = [t for t in tunix_kernels.LOSS_TYPES if t not in
+             ("aot", "aot_unpaired", "sft", "cpo", "orpo")]
+
+
+@pytest.mark.parametrize("impl", ["xla", "naive"])
+def test_pair_mask_gives_the_loss_gradient_and_metrics_of_the_counted_pairs_alone(impl):
+  """Padding pairs (online DPO's ties: no scored token) change nothing, for every loss
+  that is a mean of per-pair terms: value, gradient and metrics equal the subset's."""
+  rng = np.random.default_rng(3)
+  B, T = 6, 5
+  keep = np.array([1, 0, 1, 1, 0, 1], np.float32)
+  logps = [jnp.asarray(rng.normal(-1.0, 0.5, (B, T)), jnp.float32) for _ in range(4)]
+  masks = [jnp.asarray((rng.random((B, T)) < 0.8) * keep[:, None], jnp.float32)
+           for _ in range(2)]
+  masks = [m.at[keep > 0, 0].set(1.0) for m in masks]  # every kept row scores a token
+  sub = keep > 0
+  for loss_type in ROW_TYPES:
+    kw = dict(beta=0.3, loss_type=loss_type, impl=impl, label_smoothing=0.1
+              if loss_type in ("sigmoid", "robust", "exo_pair", "bco_pair") else 0.0)
+
+    def f(pc, pr, rows, pair_mask, cm, rm):
+      return tunix_kernels.dpo_loss(pc, pr, *[x[rows] for x in logps[2:]], chosen_mask=cm,
+                                    rejected_mask=rm, pair_mask=pair_mask, **kw)
+
+    (got, got_m), got_g = jax.value_and_grad(f, (0, 1), has_aux=True)(
+        logps[0], logps[1], slice(None), keep, *masks)
+    (want, want_m), want_g = jax.value_and_grad(f, (0, 1), has_aux=True)(
+        logps[0][sub], logps[1][sub], sub, None, masks[0][sub], masks[1][sub])
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=loss_type)
+    for g, w in zip(got_g, want_g):
+      np.testing.assert_allclose(g[sub], w, rtol=1e-6, atol=1e-7, err_msg=loss_type)
+      np.testing.assert_array_equal(g[~sub], 0.0)
+    for k in want_m:
+      np.testing.assert_allclose(got_m[k], want_m[k], rtol=1e-6, atol=1e-6,
+                                 err_msg=f"{loss_type} {k}")
+  none, metrics = tunix_kernels.dpo_loss(*logps, chosen_mask=masks[0], rejected_mask=masks[1],
+                                         pair_mask=np.zeros(B), impl=impl)
+  assert float(none) == 0.0 and all(float(v) == 0.0 for v in metrics.values())

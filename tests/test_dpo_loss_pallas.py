@@ -38,6 +38,16 @@ def test_every_loss_type_matches_jnp(loss_type):
                               rtol=1e-5, atol=1e-6)
 
 
+def test_pair_mask_means_match_jnp():
+  # Two padding pairs (no scored token, as online DPO's ties): the kernel's means skip them.
+  logps, masks = _batch(5, 40)
+  masks = [m.at[1].set(0).at[3].set(0) for m in masks]
+  kw = dict(beta=0.3, loss_type="sigmoid,ipo", pair_mask=jnp.array([1, 0, 1, 0, 1]))
+  chex.assert_trees_all_close(_loss_and_grads("interpret", logps, masks, **kw),
+                              _loss_and_grads("xla", logps, masks, **kw),
+                              rtol=1e-5, atol=1e-6)
+
+
 def test_long_sequence_uses_several_grid_steps_and_jit():
   logps, masks = _batch(3, 1100)  # block_t 512 -> 3 steps
   f = jax.jit(lambda *a: _loss_and_grads("interpret", a[:4], a[4:], beta=0.1))

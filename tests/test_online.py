@@ -207,3 +207,57 @@ def test_bad_online_settings_end_in_one_line_with_status_1(start, tmp_path):
       "trainer.py: error: --reward_fn=online_rewards:raises_at_third_call at step 3 raised "
       "KeyError: 'no score for this one'"]
   assert sorted(os.listdir(out / "checkpoints")) == ["2"]
+
+
+
+def _one_step(cfg, devices, ds, batch):
+  """Params and metrics after one step of `batch` from the tiny preset's seed-0 init."""
+  plan = plan_lib.make_plan(cfg, devices, plan_lib.data_sizes(cfg, [ds]))
+  steps = step_lib.make_steps(plan, devices)
+  state = steps.init_state(jax.random.PRNGKey(0))
+  ref = jax.tree.map(lambda x: x.copy(), state["params"])
+  state, metrics = steps.train_step(state, ref, steps.put_batch(batch))
+  return jax.device_get(steps.logical_params(state["params"])), jax.device_get(metrics)
+
+
+@pytest.mark.slow  # two step compiles
+def test_tied_pairs_change_nothing_across_micro_batches_and_devices(tmp_path):
+  """A batch of 8 with 4 tied prompts (padding pairs, unevenly over 2 devices and 2
+  micro-batches) updates as the 4 untied pairs alone on one device do: SGD, so the
+  update is the gradient itself."""
+  from tunix_core import data as data_lib  # pylint: disable=g-import-not-at-top
+  cfg = runs.config(tmp_path, batch_size=8, optimizer="sgd", learning_rate=0.5,
+                    loss_type="sigmoid,ipo", grad_accum_steps="2")
+  ds = data_lib.load_dataset(cfg.train_data, data_lib.ByteTokenizer(), cfg.max_length,
+                             cfg.max_prompt_length)
+  tied = np.array([False, True, True, True, False, True, False, False])
+  batch = data_lib.take_pairs(ds, np.arange(8))
+  for key, fill in (("tokens", 0), ("targets", data_encode.IGNORE_INDEX), ("loss_mask", 0),
+                    ("attention_mask", 0)):
+    batch[key][tied] = fill
+  got, got_m = _one_step(cfg, jax.devices()[:2], ds, batch)
+  alone = {k: v[~tied] for k, v in data_lib.take_pairs(ds, np.arange(8)).items()}
+  want, want_m = _one_step(dataclasses.replace(cfg, batch_size=4, grad_accum_steps="1"),
+                           jax.devices()[:1], ds, alone)
+  jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6), got, want)
+  for k in ("loss", "grad_norm", "rewards/margins", "logps/chosen"):
+    np.testing.assert_allclose(got_m[k], want_m[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  assert float(got_m["pairs"]) == 4.0
+
+
+def test_a_step_without_a_valid_pair_logs_no_loss(tmp_path):
+  from tunix_core.run import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  lines = []
+  writer = metrics_lib.MetricsWriter(str(tmp_path), log=lines.append)
+  progress = metrics_lib.Progress(writer, lines.append, start=0, total=2)
+  zero = {"loss": 0.0, "rewards/margins": 0.0, "rewards/accuracies": 0.0, "logps/chosen": 0.0,
+          "grad_norm": 0.0, "learning_rate": 1e-3}
+  progress.defer(1, dict(zero, pairs=0.0))
+  progress.flush()
+  progress.defer(2, dict(zero, loss=0.5, pairs=3.0))
+  progress.flush()
+  progress.close()
+  rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+  assert "loss" not in rows[0] and "rewards/margins" not in rows[0], rows[0]
+  assert rows[0]["grad_norm"] == 0.0 and rows[1]["loss"] == 0.5
+  assert any("no valid pair" in l for l in lines), lines

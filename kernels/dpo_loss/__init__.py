@@ -78,7 +78,7 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps,
              ref_rejected_logps, *, chosen_mask=None, rejected_mask=None, beta=0.1,
              loss_type="sigmoid", label_smoothing=0.0, reference_free=False, impl="auto",
              loss_weights=None, discopop_tau=0.05, f_divergence_type="reverse_kl",
-             f_alpha_divergence_coef=0.5, simpo_gamma=0.5, cpo_alpha=1.0):
+             f_alpha_divergence_coef=0.5, simpo_gamma=0.5, cpo_alpha=1.0, pair_mask=None):
   """Weighted preference loss over the batch, and TRL's batch-mean metrics.
 
   Args:
@@ -97,6 +97,10 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps,
     label_smoothing, discopop_tau, f_divergence_type, f_alpha_divergence_coef,
       simpo_gamma (SimPO's margin), cpo_alpha (CPO's NLL weight): TRL's parameters and
       defaults.
+    pair_mask: `[B]` 0/1, the pairs that count (None: all). The per-pair loss terms and
+      every metric are means over them (0 when none counts), so a padding pair (online
+      DPO's tie, a batch's filler) changes neither the loss nor its gradient; the
+      batch-coupled terms (`dpo_losses.BATCH_TYPES`) read every row as before.
     impl: one of `tunix_kernels.IMPLS`: "xla" (fused jnp), "pallas" (one-pass Mosaic TPU
       kernel, for the lists of `PALLAS_LOSS_TYPES` with reverse_kl scores; other
       losses raise), "interpret" (that kernel in TPU interpret mode), "naive" (unfused
@@ -121,13 +125,18 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps,
   if reference_free or spec.reference_free:
     zero = jnp.zeros(jnp.shape(policy_chosen_logps), jnp.float32)
     args = (args[0], args[1], zero, zero)
+  weights = None if pair_mask is None else jnp.asarray(pair_mask, jnp.float32)
+  if weights is not None and weights.shape != jnp.shape(args[0])[:1]:
+    raise ValueError(f"pair_mask has shape {weights.shape}, expected "
+                     f"{jnp.shape(args[0])[:1]} (one weight per pair)")
   if impl == "naive":
     sums = naive.dpo_sums_naive(*args, chosen_mask, rejected_mask)
   elif impl in ("pallas", "interpret"):
-    return _pallas_loss(args, chosen_mask, rejected_mask, spec, interpret=impl == "interpret")
+    return _pallas_loss(args, chosen_mask, rejected_mask, spec, weights,
+                        interpret=impl == "interpret")
   else:
     sums = _sums(args, chosen_mask, rejected_mask)
-  return dpo_losses.loss(sums, spec), dpo_losses.metrics(sums, spec.beta)
+  return dpo_losses.loss(sums, spec, weights), dpo_losses.metrics(sums, spec.beta, weights)
 
 
 def _sums(args, chosen_mask, rejected_mask) -> dpo_losses.Sums:
@@ -145,9 +154,9 @@ def _sums(args, chosen_mask, rejected_mask) -> dpo_losses.Sums:
                          length(chosen_mask), length(rejected_mask))
 
 
-def _pallas_loss(args, chosen_mask, rejected_mask, spec, interpret):
+def _pallas_loss(args, chosen_mask, rejected_mask, spec, weights, interpret):
   """`dpo_loss` through `dpo_loss_pallas` (one kernel call per loss type): pads to TPU
-  tiles, then the weighted batch means."""
+  tiles, then the weighted batch means (over the pairs `weights`, None: all)."""
   if args[0].ndim == 1:  # per-sequence values are one-token sequences with a full mask
     args = tuple(x[:, None] for x in args)
     chosen_mask = rejected_mask = jnp.ones(args[0].shape, jnp.float32)
@@ -155,11 +164,13 @@ def _pallas_loss(args, chosen_mask, rejected_mask, spec, interpret):
   bs = dpo_loss_pallas.BlockSizes.get_default(B, T)
   rows = bs.block_b or B
   if B > rows:  # rows are independent: one call per block of rows fits VMEM
+    w = jnp.ones((B,), jnp.float32) if weights is None else weights
     parts = [_pallas_loss(tuple(x[i:i + rows] for x in args), chosen_mask[i:i + rows],
-                          rejected_mask[i:i + rows], spec, interpret)
+                          rejected_mask[i:i + rows], spec, w[i:i + rows], interpret)
              for i in range(0, B, rows)]
-    sizes = [min(rows, B - i) for i in range(0, B, rows)]
-    mean = lambda values: sum(v * n for v, n in zip(values, sizes)) / B
+    sizes = [jnp.sum(w[i:i + rows]) for i in range(0, B, rows)]
+    mean = lambda values: sum(v * n for v, n in zip(values, sizes)) / jnp.maximum(
+        jnp.sum(w), 1.0)
     return mean([p[0] for p in parts]), {k: mean([p[1][k] for p in parts]) for k in parts[0][1]}
   pad = ((0, -B % 8), (0, -T % bs.block_t))
   padded = [jnp.pad(x.astype(jnp.float32), pad) for x in (*args, chosen_mask, rejected_mask)]
@@ -174,8 +185,8 @@ def _pallas_loss(args, chosen_mask, rejected_mask, spec, interpret):
       per_row, table = common.call_interpret(functools.partial(per_rows, loss_type))
     else:
       per_row, table = per_rows(loss_type, False)
-    total = total + weight * per_row[:B].sum() / B
+    total = total + weight * dpo_losses.mean(per_row[:B], weights)
   t = jax.lax.stop_gradient(table[:B])
   return total, dpo_losses.metrics_of(
       t[:, dpo_loss_pallas.CHOSEN_REWARD], t[:, dpo_loss_pallas.REJECTED_REWARD],
-      t[:, dpo_loss_pallas.POLICY_CHOSEN], t[:, dpo_loss_pallas.POLICY_REJECTED])
+      t[:, dpo_loss_pallas.POLICY_CHOSEN], t[:, dpo_loss_pallas.POLICY_REJECTED], weights)

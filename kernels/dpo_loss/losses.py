@@ -185,10 +185,17 @@ def row_losses(t: str, s: Sums, spec: LossSpec):
   raise ValueError(f"unknown or batch-coupled loss_type {t!r}")
 
 
-def _term(t: str, s: Sums, spec: LossSpec):
-  """The batch mean of loss term `t`."""
+def mean(x_B, weights_B=None):
+  """The mean of `x_B` over the pairs `weights_B` (0/1 `[B]`; None: all), 0 over none."""
+  if weights_B is None:
+    return jnp.mean(x_B)
+  return jnp.sum(x_B * weights_B) / jnp.maximum(jnp.sum(weights_B), 1.0)
+
+
+def _term(t: str, s: Sums, spec: LossSpec, weights_B=None):
+  """The batch mean of loss term `t` (over the pairs `weights_B` for a per-pair term)."""
   if t not in BATCH_TYPES:
-    return jnp.mean(row_losses(t, s, spec))
+    return mean(row_losses(t, s, spec), weights_B)
   beta, eps = spec.beta, spec.label_smoothing
   len_c, len_r = jnp.maximum(s.len_chosen, 1.0), jnp.maximum(s.len_rejected, 1.0)
   ls = jax.nn.log_sigmoid
@@ -213,26 +220,31 @@ def _term(t: str, s: Sums, spec: LossSpec):
   return chosen_nll(s) - beta * jnp.mean(ls(log_odds))
 
 
-def loss(s: Sums, spec: LossSpec):
-  """The weighted sum of the batch means of `spec`'s terms: a float32 scalar."""
-  return sum(w * _term(t, s, spec) for t, w in zip(spec.loss_types, spec.loss_weights))
+def loss(s: Sums, spec: LossSpec, weights_B=None):
+  """The weighted sum of the batch means of `spec`'s terms: a float32 scalar. The
+  per-pair terms are means over the pairs `weights_B` (0/1 `[B]`; None: all); the
+  batch-coupled ones read every row (padding pairs add no NLL token, but do sort)."""
+  return sum(w * _term(t, s, spec, weights_B)
+             for t, w in zip(spec.loss_types, spec.loss_weights))
 
 
-def metrics(s: Sums, beta: float) -> dict:
+def metrics(s: Sums, beta: float, weights_B=None) -> dict:
   """TRL's logged batch means of `s`, whatever the loss (see `metrics_of`)."""
   return metrics_of(beta * (s.policy_chosen - s.ref_chosen),
                     beta * (s.policy_rejected - s.ref_rejected),
-                    s.policy_chosen, s.policy_rejected)
+                    s.policy_chosen, s.policy_rejected, weights_B)
 
 
-def metrics_of(chosen_rewards, rejected_rewards, policy_chosen, policy_rejected) -> dict:
-  """Batch means of `[B]` rewards (`beta` times the summed log-ratios) and summed policy
-  log-probs, under TRL's names."""
+def metrics_of(chosen_rewards, rejected_rewards, policy_chosen, policy_rejected,
+               weights_B=None) -> dict:
+  """Means over the pairs `weights_B` (None: all) of `[B]` rewards (`beta` times the
+  summed log-ratios) and summed policy log-probs, under TRL's names."""
   return {
-      "rewards/chosen": chosen_rewards.mean(),
-      "rewards/rejected": rejected_rewards.mean(),
-      "rewards/accuracies": (chosen_rewards > rejected_rewards).astype(jnp.float32).mean(),
-      "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
-      "logps/chosen": policy_chosen.mean(),
-      "logps/rejected": policy_rejected.mean(),
+      "rewards/chosen": mean(chosen_rewards, weights_B),
+      "rewards/rejected": mean(rejected_rewards, weights_B),
+      "rewards/accuracies": mean((chosen_rewards > rejected_rewards).astype(jnp.float32),
+                                 weights_B),
+      "rewards/margins": mean(chosen_rewards - rejected_rewards, weights_B),
+      "logps/chosen": mean(policy_chosen, weights_B),
+      "logps/rejected": mean(policy_rejected, weights_B),
   }

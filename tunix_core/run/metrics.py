@@ -17,6 +17,9 @@ from tunix_core.storage import paths
 # Cloud Storage caps a composed object at 1,024 components: after this many appends the
 # file is written whole once (its bytes again, once per this many uploads).
 APPENDS_PER_REWRITE = 500
+# Train metrics that are means over a step's valid pairs (`training.step`): absent from
+# the row of a step that had none (`pairs` 0).
+PAIR_METRICS = ("loss", "rewards/", "logps/")
 # The longest wait between tries of a failed upload (doubling from 1 s), and how many
 # tries `sync` waits for before it gives up (each after the path layer's own retries).
 _MAX_BACKOFF_SECONDS = 60.0
@@ -226,6 +229,8 @@ class Progress:
     m = jax.device_get(metrics)
     health = m.pop("nonfinite", None)
     m = {k: float(v) for k, v in m.items()}
+    if not m.get("pairs", 1):  # nothing to average: no loss, not a loss of 0
+      m = {k: v for k, v in m.items() if not k.startswith(PAIR_METRICS)}
     now = time.perf_counter()
     dt = now - self.t_last
     row = {"step": step, **m, "tokens_per_sec": (tokens - self.tokens_at_last) / dt}
@@ -236,8 +241,10 @@ class Progress:
     self.tokens_at_last, self.t_last, self.step_at_last = tokens, now, step
     self._write(row)
     eta = (now - self.t_start) / (step - self.start) * (self.total - step)
-    self.log(f"step {step}/{self.total} | loss {m['loss']:.4f} | "
-             f"acc {m['rewards/accuracies']:.3f} | margin {m['rewards/margins']:.3f} | "
+    pair = (f"loss {m['loss']:.4f} | acc {m['rewards/accuracies']:.3f} | "
+            f"margin {m['rewards/margins']:.3f}" if "loss" in m
+            else "no valid pair: nothing updated")
+    self.log(f"step {step}/{self.total} | {pair} | "
              f"{row['tokens_per_sec']:,.0f} tok/s{mfu} | ETA {format_duration(eta)}")
     self.last_train = row
     return health

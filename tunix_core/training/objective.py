@@ -44,6 +44,12 @@ def sequence_logps(params, batch: dict, mcfg: model_lib.ModelConfig, impl: str,
   return packing.unpack(logps_NxS, batch, rows)
 
 
+def valid_pairs(mask_Bx2xT) -> jax.Array:
+  """Float32 `[B]`: 1 for a pair whose both rows score a token, 0 for padding (online
+  DPO's tied prompts, a batch's filler)."""
+  return jnp.all(jnp.any(mask_Bx2xT > 0, -1), -1).astype(jnp.float32)
+
+
 def drift_metrics(logps_Bx2xT, ref_logps_Bx2xT, mask_Bx2xT) -> dict:
   """How far the policy has moved, batch means of per-token averages over each response:
   `kl/chosen`, `kl/rejected` (log pi - log ref on the response's tokens: the KL estimate
@@ -68,8 +74,9 @@ def dpo_objective(params, ref_logps_Bx2xT, batch: dict, loss: dpo_losses.LossSpe
   `ref_logps_Bx2xT` are the frozen reference's per-token log-probs (None when the run is
   reference-free: `--reference=none`, or only reference-free loss types); `loss` the
   terms and their parameters; `layout` and `rows` as in `sequence_logps`; the impls those
-  of `tunix_kernels.fused_logprobs` and `tunix_kernels.dpo_loss`. Differentiable in
-  `params`. With `drift` (evaluation), the metrics also carry `drift_metrics`.
+  of `tunix_kernels.fused_logprobs` and `tunix_kernels.dpo_loss`. The loss and its
+  metrics are means over the batch's valid pairs (`valid_pairs`; 0 when there is none).
+  Differentiable in `params`. With `drift` (evaluation), the metrics also carry `drift_metrics`.
   """
   logps_Bx2xT = sequence_logps(params, batch, mcfg, logprob_impl, rows, layout)
   mask_Bx2xT = batch["loss_mask"]
@@ -79,7 +86,8 @@ def dpo_objective(params, ref_logps_Bx2xT, batch: dict, loss: dpo_losses.LossSpe
     value, metrics = tunix_kernels.dpo_loss(
         logps_Bx2xT[:, 0], logps_Bx2xT[:, 1], *ref,
         chosen_mask=mask_Bx2xT[:, 0], rejected_mask=mask_Bx2xT[:, 1],
-        reference_free=ref_logps_Bx2xT is None, impl=loss_impl, **dpo_losses.kwargs(loss))
+        reference_free=ref_logps_Bx2xT is None, impl=loss_impl,
+        pair_mask=valid_pairs(mask_Bx2xT), **dpo_losses.kwargs(loss))
   if drift:
     metrics = dict(metrics, **drift_metrics(logps_Bx2xT, ref_logps_Bx2xT, mask_Bx2xT))
   return value, metrics

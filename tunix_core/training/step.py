@@ -219,11 +219,21 @@ class StepFunctions:
   def _train_step(self, state, frozen, batch):
     k = self.plan.micro_batches
     params = state["params"]
+    # Means over the step's valid pairs (online DPO's ties and any filler are padding):
+    # each micro-batch's mean over its own, weighted by its share of the step's, so the
+    # mean over micro-batches and devices below is the mean over those pairs.
+    valid = lambda b: jnp.sum(objective.valid_pairs(b["loss_mask"]))
+    pairs = jax.lax.psum(valid(batch), self.batch_axes)
+    shards = k * jax.lax.psum(1, self.batch_axes)
+
+    def weighted(params, ref, mb):
+      loss, metrics = self._objective(params, frozen, ref, mb)
+      share = valid(mb) * shards / jnp.maximum(pairs, 1.0)
+      return loss * share, jax.tree.map(lambda m: m * share, metrics)
 
     def micro_step(mb):
       ref = self._resolve_ref(frozen, mb)
-      (loss, metrics), grads = jax.value_and_grad(self._objective, has_aux=True)(
-          params, frozen, ref, mb)
+      (loss, metrics), grads = jax.value_and_grad(weighted, has_aux=True)(params, ref, mb)
       with jax.named_scope("grad_sync"):
         return self.layout.sync_grads(grads), dict(metrics, loss=loss)
 
@@ -240,11 +250,9 @@ class StepFunctions:
       # Means over micro-batches; ZeRO-1 then averages over devices once per step (under
       # FSDP each micro-batch's gradient was reduce-scattered already).
       grads, metrics = jax.tree.map(lambda x: x / k, (grads, metrics))
-    # A batch that scores no token (online DPO, every prompt tied) updates nothing; its
-    # count rides the metrics' mean (one all-reduce).
-    scored = jnp.sum(batch["loss_mask"], dtype=jnp.float32)
-    metrics = jax.lax.pmean(dict(metrics, scored=scored), self.batch_axes)
-    scored = metrics.pop("scored") > 0
+    # A batch without a valid pair (online DPO, every prompt tied) updates nothing.
+    metrics = dict(jax.lax.pmean(metrics, self.batch_axes), pairs=pairs)
+    scored = pairs > 0
     step = state["step"] + 1
     check = lambda grad_norm: health_lib.update(state["nonfinite"],
                                                 dict(metrics, grad_norm=grad_norm), step)
