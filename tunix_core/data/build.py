@@ -61,6 +61,17 @@ def parse_line(path: str, lineno: int, raw: bytes) -> dict | None:
   return {k: record[k] for k in data_encode.FIELDS}
 
 
+def read_rows(path: str, lines) -> dict:
+  """`{line number: JSON object}` of the 1-based `lines` of the JSONL `path` (the rows a
+  token store's pairs came from, `PairStore.lines`), every column kept; one pass."""
+  want, rows = {int(l) for l in lines}, {}
+  with paths.open_read(path) as f:
+    for lineno, raw in enumerate(f, start=1):
+      if lineno in want:
+        rows[lineno] = json.loads(raw)
+  return rows
+
+
 def parse_lines(path: str, lines, skip_bad_lines: bool) -> tuple[list, int]:
   """`([(line number, pair)], bad lines skipped)` of numbered raw lines `[(lineno,
   bytes)]` of `path` (`parse_line`; a bad line raises unless `skip_bad_lines`)."""

@@ -55,20 +55,42 @@ def prompt_ids(tok, prompt, chat: bool) -> list[int]:
   return ([] if tok.bos_id is None else [tok.bos_id]) + tok.encode(prompt)
 
 
+def left_pad(id_lists: list, pad_id: int, length: int | None = None
+             ) -> tuple[np.ndarray, np.ndarray]:
+  """`(ids [n, P], mask [n, P])` int32: each id list left-padded to `P` (`length`, else
+  the longest; a longer list keeps its last `P` ids), mask 1 on its ids."""
+  P = length or max(map(len, id_lists))
+  ids = np.full((len(id_lists), P), pad_id, np.int32)
+  mask = np.zeros((len(id_lists), P), np.int32)
+  for row, x in enumerate(id_lists):
+    x = list(x)[-P:]
+    ids[row, P - len(x):], mask[row, P - len(x):] = x, 1
+  return ids, mask
+
+
+def until_eos(ids, eos_ids) -> list[int]:
+  """The ids up to and including the first of `eos_ids` (all of them if none): what a
+  completion is, whatever follows (a sample's padding, a chat template's ids after its
+  end-of-turn token), in every comparison and every reward input."""
+  ids = [int(t) for t in ids]
+  ends = [i for i, t in enumerate(ids) if t in eos_ids]
+  return ids[:ends[0] + 1] if ends else ids
+
+
+def completion_text(tok, ids, eos_ids) -> str:
+  """A completion's text: its ids `until_eos`, without the EOS, decoded."""
+  ids = until_eos(ids, eos_ids)
+  return tok.decode(ids[:-1] if ids and ids[-1] in eos_ids else ids)
+
+
 def complete(params, cfg, tok, prompts: list, sampling: generate_lib.Sampling, *,
              chat: bool, seed: int = 0) -> list[dict]:
-  """One `{"prompt_ids", "completion_ids", "text"}` per prompt, generated in one batch."""
+  """One `{"prompt_ids", "completion_ids", "text"}` per prompt, generated in one batch;
+  `completion_ids` end with their EOS when the sample had one (`until_eos`)."""
   ids = [prompt_ids(tok, p, chat) for p in prompts]
-  P = max(map(len, ids))
-  batch = np.full((len(ids), P), tok.pad_id, np.int32)
-  mask = np.zeros((len(ids), P), np.int32)
-  for row, x in enumerate(ids):
-    batch[row, P - len(x):], mask[row, P - len(x):] = x, 1
+  batch, mask = left_pad(ids, tok.pad_id)
   tokens, lengths = jax.device_get(generate_lib.generate(
       params, batch, mask, jax.random.PRNGKey(seed), cfg=cfg, sampling=sampling))
-  out = []
-  for x, row, n in zip(ids, tokens, lengths):
-    completion = [int(t) for t in row[:n]]
-    text_ids = [t for t in completion if t not in sampling.eos_ids]
-    out.append({"prompt_ids": x, "completion_ids": completion, "text": tok.decode(text_ids)})
-  return out
+  return [{"prompt_ids": x, "completion_ids": until_eos(row[:n], sampling.eos_ids),
+           "text": completion_text(tok, row[:n], sampling.eos_ids)}
+          for x, row, n in zip(ids, tokens, lengths)]

@@ -1,13 +1,20 @@
-"""`--reward_fn=MODULE:FUNCTION`: importing the reward and calling it safely.
+"""`--reward_fn=MODULE:FUNCTION`: importing the reward and calling it as TRL does.
 
-The reward is a Python callable `(prompts: list[str], completions: list[str]) ->
-list[float]`, one finite score per completion, called on the host of the primary
-process. One that cannot be imported is a `ConfigError` at start-up (before anything
-compiles); one that raises, returns the wrong number of scores or a non-finite score is
-a `RewardError` naming it and the step.
+TRL calls a reward function with keyword arguments: `fn(prompts=..., completions=...,
+completion_ids=..., **columns) -> list[float]`, one finite score per completion. The
+prompts and completions are message lists for conversational data (the completion one
+assistant message), strings otherwise; `completion_ids` are each completion's ids up to
+and including its EOS; `columns` every other column of the data's row (a reference
+answer, say), one value per completion. A function that takes `**kwargs` gets them all;
+one that names some gets those; one without `prompts` and `completions` parameters (the
+old `(prompts, completions)` protocol under other names) is called with the two
+positionally. One that cannot be imported is a `ConfigError` at start-up (before
+anything compiles); one that raises, returns the wrong number of scores or a non-finite
+score is a `RewardError` naming it and the step.
 """
 
 import importlib
+import inspect
 
 import numpy as np
 
@@ -33,12 +40,28 @@ def load(spec: str):
   return fn
 
 
-def score(fn, spec: str, prompts: list[str], completions: list[str], at: str) -> np.ndarray:
-  """`fn`'s scores of the completions as float64 `[n]`; `RewardError` naming `spec` and
-  `at` (e.g. "step 12") when it raises or returns anything but n finite numbers."""
-  where = f"--reward_fn={spec} at {at}"
+def _call(fn, inputs: dict):
+  """`fn` called on `inputs` (`prompts`, `completions`, `completion_ids`, columns) as
+  its signature allows (module docstring)."""
   try:
-    scores = fn(list(prompts), list(completions))
+    params = inspect.signature(fn).parameters.values()
+  except (TypeError, ValueError):  # a builtin without a signature: the plain protocol
+    params = ()
+  if any(p.kind == p.VAR_KEYWORD for p in params):
+    return fn(**inputs)
+  named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+  if {"prompts", "completions"} <= named:
+    return fn(**{k: v for k, v in inputs.items() if k in named})
+  return fn(inputs["prompts"], inputs["completions"])
+
+
+def score(fn, spec: str, at: str, **inputs) -> np.ndarray:
+  """`fn`'s scores of `inputs["completions"]` as float64 `[n]`; `RewardError` naming
+  `spec` and `at` (e.g. "step 12") when it raises or returns anything but n finite
+  numbers."""
+  where, n = f"--reward_fn={spec} at {at}", len(inputs["completions"])
+  try:
+    scores = _call(fn, inputs)
   except Exception as e:  # noqa: BLE001 - the user's code: one line, not a traceback
     raise RewardError(f"{where} raised {type(e).__name__}: "
                       f"{(str(e).splitlines() or [''])[0][:200]}") from None
@@ -49,9 +72,8 @@ def score(fn, spec: str, prompts: list[str], completions: list[str], at: str) ->
   except (TypeError, ValueError):
     raise RewardError(f"{where} returned {type(scores).__name__}, not a list of "
                       "numbers") from None
-  if len(scores) != len(completions):
-    raise RewardError(f"{where} returned {len(scores)} scores for {len(completions)} "
-                      "completions")
+  if len(scores) != n:
+    raise RewardError(f"{where} returned {len(scores)} scores for {n} completions")
   bad = np.flatnonzero(~np.isfinite(scores))
   if len(bad):
     raise RewardError(f"{where} returned the non-finite score {scores[bad[0]]} for "

@@ -9,6 +9,7 @@ import dataclasses
 from tunix_kernels.dpo_loss import losses as dpo_losses
 from tunix_core import model as model_lib
 from tunix_core.model import lora as lora_lib
+from tunix_core.training import online_config
 from tunix_core.training import optim
 from tunix_core.training import tpu_flags
 from tunix_core.training import validation
@@ -17,17 +18,15 @@ CHOICES = validation.CHOICES  # each choice flag's values (the trainer's enums)
 ConfigError = validation.ConfigError
 
 
-def _flag(default, help_text: str, **metadata):
-  """A config field that is also a trainer flag: its default and `--help` text."""
-  return dataclasses.field(default=default, metadata=dict(help=help_text, **metadata))
+_flag = online_config.flag
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(online_config.OnlineConfig):
   """Everything a run depends on; `trainer.py` defines one flag per field, with the
   field's default and help (`metadata["help"]`), so flags, defaults, help and the docs'
   flag table (`training.flags.flag_table`, under the heading of `metadata["group"]`)
-  cannot drift."""
+  cannot drift. Online DPO's flags come from its base, `online_config.OnlineConfig`."""
 
   output_dir: str = _flag("", "Directory for metrics.jsonl, checkpoints, trainer.log and the "
                           "data cache; created if missing. Required.", group="run")
@@ -190,26 +189,6 @@ class TrainConfig:
                          "precomputed (run once over the data before training, cached on "
                          "disk) or none (reference-free: its log-probs are taken as "
                          "zero).", group="loss")
-  online_samples: int = _flag(0, "Online DPO: each step, sample K completions of every "
-                              "prompt, score them with --reward_fn, train on the best and "
-                              "worst (the data's responses unused but with "
-                              "--online_data_chosen). 0: offline.", group="online")
-  reward_fn: str = _flag("", "MODULE:FUNCTION, a callable (prompts, completions) -> list of "
-                         "floats (e.g. tunix_core.online.rewards:quickstart); needed by "
-                         "--online_samples; with --eval_every, eval rows also carry the "
-                         "reward and exact match of greedy answers to the eval prompts.",
-                         group="online")
-  online_data_chosen: bool = _flag(False, "Online DPO: the data's chosen response joins each "
-                                   "prompt's samples, scored too, as a candidate for chosen "
-                                   "only (a sample as good wins); it must fit "
-                                   "--online_max_new_tokens.", group="online")
-  online_temperature: float = _flag(1.0, "Sampling temperature of --online_samples.",
-                                    group="online")
-  online_top_p: float = _flag(1.0, "Nucleus (top-p) sampling of --online_samples.",
-                              group="online")
-  online_max_new_tokens: int = _flag(64, "Ids each online sample may add (stopping at EOS); "
-                                     "with the longest prompt it must fit --max_length.",
-                                     group="online")
   fsdp: bool = _flag(False, "Fully sharded data parallel (ZeRO-3): params, gradients, the "
                      "reference and the optimizer state split over all devices; each layer "
                      "all-gathered inside the layer scan and its gradient reduce-scattered "

@@ -3,6 +3,7 @@ cannot work raises `ConfigError` naming its flag. Path flags may be local or rem
 (`storage.paths`). `CHOICES` holds the allowed values of every choice flag."""
 
 import importlib.util
+import math
 
 import tunix_kernels
 from tunix_kernels import aot_tpu
@@ -162,6 +163,9 @@ def check(cfg, num_devices: int) -> None:
   need(cfg.online_temperature > 0, "--online_temperature must be positive (K greedy "
        "samples would all be the same)")
   need(0 < cfg.online_top_p <= 1, f"--online_top_p={cfg.online_top_p} is not in (0, 1]")
+  need(cfg.online_top_k >= 0, f"--online_top_k={cfg.online_top_k} is negative (0: off)")
+  need(math.isfinite(cfg.online_missing_eos_penalty), "--online_missing_eos_penalty must "
+       "be a finite number")
   need(cfg.online_max_new_tokens > 0, "--online_max_new_tokens must be positive")
   need(not cfg.init_from or paths.join(cfg.init_from.rstrip("/"), "") != paths.join(
       cfg.output_dir.rstrip("/"), ""), "--init_from names this run's own --output_dir "
