@@ -35,3 +35,12 @@ def ones(prompts, completions):
   """How many "1" characters the completion holds: a reward an untrained policy can
   climb."""
   return [float(c.count("1")) for c in completions]
+
+
+def trl_accuracy(prompts, completions, completion_ids, solution, **kwargs):
+  """A reward written for TRL's trainers: keyword arguments, message lists, the data's
+  `solution` column. 1.0 where the answer's text is the solution."""
+  assert all(isinstance(p, list) and p[-1]["role"] == "user" for p in prompts), prompts
+  assert all(isinstance(c, list) and c[0]["role"] == "assistant" for c in completions)
+  assert len(completion_ids) == len(completions) and "chosen" in kwargs
+  return [float(c[0]["content"] == s) for c, s in zip(completions, solution)]

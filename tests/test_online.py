@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import runs
+from tunix_core import generate as generate_lib
 from tunix_core.checkpoints import init_from
 from tunix_core.checkpoints import store as checkpoint
 from tunix_core.data import encode as data_encode
@@ -261,3 +262,53 @@ def test_a_step_without_a_valid_pair_logs_no_loss(tmp_path):
   assert "loss" not in rows[0] and "rewards/margins" not in rows[0], rows[0]
   assert rows[0]["grad_norm"] == 0.0 and rows[1]["loss"] == 0.5
   assert any("no valid pair" in l for l in lines), lines
+
+
+def test_chat_answers_end_at_their_eos_and_trl_rewards_run_unchanged(tmp_path):
+  """ChatML (the fixture tokenizer: EOS <|im_end|>, then "\\n" in the template): a sample
+  equal to the data's answer is an exact match, the data's chosen candidate equals that
+  sample, and a TRL reward reads message lists and the rows' `solution` column."""
+  pytest.importorskip("tokenizers")
+  pytest.importorskip("jinja2")
+  from tunix_core.data import build as data_build  # pylint: disable=g-import-not-at-top
+  from tunix_core.hf import tokenizer as hf_tokenizer  # pylint: disable=g-import-not-at-top
+  tok = hf_tokenizer.HFTokenizer(os.path.join(REPO, "tests", "fixtures", "hf", "tokenizer"))
+  msg = lambda role, text: [{"role": role, "content": text}]
+  rows = [{"prompt": msg("user", f"{a}+{b}?"), "chosen": msg("assistant", str(a + b)),
+           "rejected": msg("assistant", "0"), "solution": str(a + b)}
+          for a, b in ((1, 2), (3, 4), (2, 2))]
+  path = tmp_path / "chat.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  store = data_build.build(str(path), tok, str(tmp_path / "store"), 48, 32)
+  eos = (tok.eos_id,)
+  for _, chosen, _ in store.runs(np.arange(3)):  # the template's "\n" after <|im_end|>
+    assert chosen[-2] == tok.eos_id and chosen[-1] != tok.eos_id
+  cfg = runs.config(tmp_path / "run", train_data=str(path), eval_data=str(path),
+                    batch_size=2, online_samples=2, online_data_chosen=True,
+                    online_max_new_tokens=8, reward_fn="online_rewards:trl_accuracy")
+  steps = type("Steps", (), dict(mesh=jax.make_mesh((1,), ("data",)), batch_axes="data"))
+  sampler = sampler_lib.OnlineSampler(cfg, steps, store, tok, eos)
+  answers = {tuple(p): generate_lib.until_eos(c, eos) for p, c, _ in store.runs(np.arange(3))}
+
+  def perfect(params, prompts, repeat, key, sampling, length):
+    """Every sample is the data's answer, ended by EOS, then padding."""
+    out = np.zeros((len(prompts), repeat, 8), np.int32)
+    for i, p in enumerate(prompts):
+      out[i, :, :len(answers[tuple(p)])] = answers[tuple(p)]
+    return out, np.array([[len(answers[tuple(p)])] * repeat for p in prompts])
+
+  sampler._generate = perfect
+  assert sampler.evaluate(None, store) == {"eval/reward": 1.0, "eval/exact_match": 1.0}
+  runs_ = store.runs(np.arange(2))
+  samples, lengths = perfect(None, [p for p, _, _ in runs_], 2, None, None, None)
+  candidates, candidate_lengths = sampler._with_data_chosen(runs_, samples, lengths)
+  np.testing.assert_array_equal(candidates[:, 0], candidates[:, 2])
+  np.testing.assert_array_equal(candidate_lengths[:, 0], candidate_lengths[:, 2])
+  batch, metrics = sampler(1, None, np.arange(2))
+  assert metrics["online/tie_rate"] == 1.0 and not batch["loss_mask"].any()
+  # TRL's missing_eos_penalty: a sample cut before its EOS loses it, the data's answer not.
+  cut = dataclasses.replace(cfg, online_missing_eos_penalty=0.25)
+  sampler = sampler_lib.OnlineSampler(cut, steps, store, tok, eos)
+  rows_ = [rows[0], rows[1]]
+  scores = sampler._scores(rows_, candidates, candidate_lengths - [[1, 0, 0]], "step 2")
+  np.testing.assert_array_equal(scores, [[0.75, 1.0, 1.0]] * 2)
