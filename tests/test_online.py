@@ -5,6 +5,7 @@ SIGKILL, the same samples under FSDP on 8 devices as on one, and bad input in on
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -312,3 +313,24 @@ def test_chat_answers_end_at_their_eos_and_trl_rewards_run_unchanged(tmp_path):
   rows_ = [rows[0], rows[1]]
   scores = sampler._scores(rows_, candidates, candidate_lengths - [[1, 0, 0]], "step 2")
   np.testing.assert_array_equal(scores, [[0.75, 1.0, 1.0]] * 2)
+
+
+@pytest.mark.slow
+def test_a_resume_keeps_its_reference_when_the_source_run_saves_again(tmp_path):
+  """Run B starts from run A's newest step (2); A then trains on and saves step 4; B
+  resumed still trains against A's step 2, exactly as a straight B from A:2 does. With
+  that step deleted (A's --keep), B's resume is refused in one line."""
+  a, b, straight = tmp_path / "a", tmp_path / "b", tmp_path / "straight"
+  train.train(runs.config(a, steps=2, save_every=2), **runs.QUIET)
+  train.train(runs.config(b, steps=2, save_every=2, init_from=str(a)), **runs.QUIET)
+  train.train(runs.config(a, steps=4, save_every=2), **runs.QUIET)
+  train.train(runs.config(b, steps=4, save_every=2, init_from=str(a)), **runs.QUIET)
+  train.train(runs.config(straight, steps=4, save_every=2, init_from=f"{a}:2"), **runs.QUIET)
+  got, want = runs.losses(b), runs.losses(straight)
+  assert got == want, (got, want)
+  meta = checkpoint.Checkpointer(os.path.join(b, "checkpoints"), read_only=True).read_meta(4)
+  assert meta["source"]["init_from"] == f"{os.path.abspath(a)}:2"
+  shutil.rmtree(os.path.join(a, "checkpoints", "2"))
+  with pytest.raises(ConfigError, match=r"cannot resume from step 4: its reference, "
+                     r"--init_from=.*:2, is gone"):
+    train.train(runs.config(b, steps=6, save_every=2, init_from=str(a)), **runs.QUIET)

@@ -4,10 +4,14 @@ The saved step's params become the new run's initial policy and its frozen refer
 nothing else of that run is carried over (its data position, batch size, optimizer
 state and step count). The step is read, never written: the other run may still be
 training. Without `:STEP` the newest complete step is used, resolved at start-up and
-recorded in the new run's checkpoints (`spec`), so that a resume reloads the same one.
+recorded in the new run's checkpoints (`spec`) with a digest of its params' fingerprints
+(`digest`): a resume reloads that very step, or refuses in one line when it is gone or
+was saved again with other params (`run.source.pin_reference`).
 """
 
 import dataclasses
+import hashlib
+import json
 import os
 
 import jax
@@ -55,6 +59,14 @@ def spec(flag: str) -> str:
   _, step = _checkpoints(flag)
   where = run_dir if paths.is_remote(run_dir) else os.path.abspath(run_dir)
   return f"{where}:{step}"
+
+
+def digest(flag: str) -> str:
+  """A digest of the saved fingerprints of the params at `--init_from`'s step."""
+  ckpt, step = _checkpoints(flag)
+  prints = {k: v for k, v in ckpt.read_meta(step)["fingerprints"].items()
+            if k.startswith("['params']")}
+  return hashlib.sha256(json.dumps(prints, sort_keys=True).encode()).hexdigest()[:32]
 
 
 def load_params(flag: str, mcfg, shardings: dict, dtype) -> dict:

@@ -140,12 +140,14 @@ def _train(cfg, devices, log, beat, hooks):
   state, meta = resume.resume(steps, ckpt, cfg, log, source=source, legacy_fingerprint=(
       lambda: source_lib.fingerprint(cfg.hf_model_dir, legacy=True)), data_key=train_set.key)
   start = 0 if meta is None else meta["step"]
+  # On a resume, an --init_from run's reference is the step its first start took.
+  start_cfg, source = (cfg, source) if meta is None else source_lib.pin_reference(cfg, meta)
   # The reference is the frozen initial policy (on a resume: the pretrained weights
   # reloaded, or the init rebuilt from the seed), in its own buffers, so donating the
   # train state never invalidates it.
   ref_dtype = model_lib.DTYPES[plan.ref_dtype]
   if plan.lora is not None:  # the step's frozen input is the base (`parallel.lora`)
-    ref_params, adapters = source_lib.lora_start(cfg, steps, key, ref_dtype, host_log,
+    ref_params, adapters = source_lib.lora_start(start_cfg, steps, key, ref_dtype, host_log,
                                                  startup)
     state = state or steps.init_state(key, adapters)
   elif state is None:
@@ -153,7 +155,7 @@ def _train(cfg, devices, log, beat, hooks):
                                                             beat=startup))
     ref_params = frozen_copy(state["params"], ref_dtype)
   else:
-    ref_params = (source_lib.initial_params(cfg, steps, ref_dtype, host_log, startup)
+    ref_params = (source_lib.initial_params(start_cfg, steps, ref_dtype, host_log, startup)
                   or steps.init_params(key))
     ref_params = jax.tree.map(lambda x: x.astype(ref_dtype), ref_params)
   steps = warmup.choice()

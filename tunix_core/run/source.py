@@ -6,6 +6,7 @@ The HF modules are imported only when a run uses them, so a preset run needs non
 the `hf` extra.
 """
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -21,6 +22,7 @@ from tunix_core.checkpoints import init_from
 from tunix_core.parallel import mesh as mesh_lib
 from tunix_core.storage import digest as content_digest
 from tunix_core.storage import paths
+from tunix_core.training.config import ConfigError
 
 def tokenizer(cfg) -> data_lib.Tokenizer:
   """The run's tokenizer, with `--chat_template` applied."""
@@ -99,13 +101,38 @@ def fingerprint(model_dir: str, legacy: bool = False) -> str:
 
 def source(cfg) -> dict:
   """What the checkpoint metadata records of the initial policy (empty for a preset);
-  resuming against a different `hf_fingerprint` is refused."""
-  out = {"init_from": init_from.spec(cfg.init_from)} if cfg.init_from else {}
+  resuming against a different `hf_fingerprint` is refused, and an `--init_from` run
+  resumes from the very step it recorded (`pin_reference`)."""
+  out = {}
+  if cfg.init_from:
+    spec = init_from.spec(cfg.init_from)
+    out = {"init_from": spec, "init_from_digest": init_from.digest(spec)}
   if not cfg.hf_model_dir:
     return out
   where = cfg.hf_model_dir if paths.is_remote(cfg.hf_model_dir) else os.path.abspath(
       cfg.hf_model_dir)
   return dict(out, hf_model_dir=where, hf_fingerprint=fingerprint(cfg.hf_model_dir))
+
+
+def pin_reference(cfg, meta: dict) -> tuple:
+  """`(cfg, source)` of a run resumed from the checkpoint described by `meta`: with
+  `--init_from`, the `RUN_DIR:STEP` its first start resolved (not the source's newest
+  step now), checked against the recorded digest; a `ConfigError` in one line when that
+  step is gone or holds other params now."""
+  recorded = meta.get("source", {}).get("init_from")
+  if not cfg.init_from or not recorded:
+    return cfg, source(cfg)
+  try:
+    now = init_from.digest(recorded)
+  except ConfigError as e:
+    raise ConfigError(f"cannot resume from step {meta['step']}: its reference, "
+                      f"--init_from={recorded}, is gone ({e})") from None
+  saved = meta["source"].get("init_from_digest")
+  if saved is not None and now != saved:
+    raise ConfigError(f"cannot resume from step {meta['step']}: its reference, "
+                      f"--init_from={recorded}, was saved again with other params")
+  cfg = dataclasses.replace(cfg, init_from=recorded)
+  return cfg, source(cfg)
 
 
 def initial_params(cfg, steps, dtype=None, log=None, beat=None) -> dict | None:
