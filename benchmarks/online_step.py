@@ -26,10 +26,15 @@ import gpu  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 class _Prompts:
-  """The prompts of `gpu.synthetic_pairs` as the sampler reads a token store's."""
+  """The prompts of `gpu.synthetic_pairs` as the sampler reads a token store's, and the
+  JSONL rows (`path`, one per prompt) the reward reads."""
 
-  def __init__(self, pairs):
+  def __init__(self, pairs, path: str):
     self.prompts = [np.asarray(p, np.int32) for p, _, _ in pairs]
+    self.lines = np.arange(1, len(pairs) + 1)
+    with open(path, "w", encoding="utf-8") as f:
+      f.writelines(json.dumps({"prompt": f"prompt {i}", "chosen": "a", "rejected": "b"}) + "\n"
+                   for i in self.lines)
 
   def runs(self, idx):
     return [(self.prompts[i], None, None) for i in idx]
@@ -62,6 +67,8 @@ def main() -> int:
   p.add_argument("--remat", default="none")
   p.add_argument("--temperature", type=float, default=1.0, help="0: greedy (every K tie)")
   p.add_argument("--out", default="")
+  p.add_argument("--top", type=int, default=0, help="then profile one more sampling and "
+                 "print its N costliest device ops (benchmarks/step_profile.py's reader)")
   a = p.parse_args()
 
   import jax  # pylint: disable=g-import-not-at-top
@@ -74,13 +81,14 @@ def main() -> int:
   config = gpu.MODELS[a.model]
   pairs = gpu.synthetic_pairs(a.prompts * (a.warmup + a.steps), a.prompt_tokens,
                               config["vocab_size"])
-  prompts = _Prompts(pairs)
   model_dir = tempfile.mkdtemp()
+  prompts = _Prompts(pairs, os.path.join(model_dir, "prompts.jsonl"))
   with open(os.path.join(model_dir, "config.json"), "w") as f:
     json.dump(config, f)
   longest = int(prompts.prompt_lengths().max())
   cfg = config_lib.TrainConfig(
-      output_dir=tempfile.mkdtemp(), train_data="", compile_only=True,  # no data file
+      output_dir=tempfile.mkdtemp(), train_data=os.path.join(model_dir, "prompts.jsonl"),
+      compile_only=True,  # no token store: `_Prompts` serves the prompts
       hf_model_dir=model_dir, batch_size=a.prompts, max_length=longest + a.new_tokens,
       max_prompt_length=longest, remat=a.remat, online_samples=a.samples,
       reward_fn="tunix_core.online.rewards:completion_length",
@@ -117,7 +125,35 @@ def main() -> int:
     gpu._append(a.out, row)  # pylint: disable=protected-access
   else:
     print(json.dumps(row), flush=True)
+  if a.top:
+    _profile(sampler, steps.policy_params(state["params"], frozen), prompts, a)
   return 0
+
+
+def _profile(sampler, params, prompts, a) -> None:
+  """One more sampling under `jax.profiler`; its costliest device ops, per sampling."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import step_profile  # pylint: disable=g-import-not-at-top
+  from tunix_core import generate  # pylint: disable=g-import-not-at-top
+  from tunix_core.model import generate as generate_lib  # pylint: disable=g-import-not-at-top
+  ids, mask = generate.left_pad([p for p in prompts.prompts[:a.prompts]
+                                 for _ in range(a.samples)], 0, sampler.prompt_len)
+  run = lambda: generate_lib.generate(params, ids, mask, jax.random.PRNGKey(0),
+                                      cfg=sampler.steps.mcfg, sampling=sampler.sampling)
+  jax.block_until_ready(run())
+  hlo = generate_lib.generate.lower(params, ids, mask, jax.random.PRNGKey(0),
+                                    cfg=sampler.steps.mcfg,
+                                    sampling=sampler.sampling).compile().as_text()
+  trace_dir = tempfile.mkdtemp()
+  with jax.profiler.trace(trace_dir):
+    jax.block_until_ready(run())
+  _, count, per_op = step_profile.op_times(trace_dir, step_profile.hlo_ops(hlo))
+  ops = step_profile.hlo_ops(hlo)
+  total = sum(per_op.values())
+  print(f"sampling profile: {count} device ops, {1e3 * total:.1f} ms in all", flush=True)
+  for name, seconds in per_op.most_common(a.top):
+    opcode, op_name, shape = ops[name]
+    print(f"{1e3 * seconds:8.2f} ms  {opcode:18s} {shape:40s} {op_name[-90:]}", flush=True)
 
 
 if __name__ == "__main__":

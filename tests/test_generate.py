@@ -80,6 +80,33 @@ def test_sampling_is_reproducible_and_filters_as_asked():
   np.testing.assert_array_equal(run(6, temperature=1.0, top_p=1e-6), greedy)
 
 
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.3), (0, 0.9), (7, 1.0), (7, 0.6), (0, 1.0)])
+def test_top_k_and_top_p_keep_the_tokens_a_sort_keeps_with_their_probabilities(top_k, top_p):
+  """`candidates` (lax.top_k, no sort) against a float64 NumPy sort of the whole
+  vocabulary, filtered as `transformers` filters: top-k, then the smallest set whose
+  renormalised probability reaches top_p."""
+  rng = np.random.default_rng(top_k + int(top_p * 10))
+  logits = rng.normal(0, 3, (4, 300)).astype(np.float32)
+  s = gen.Sampling(temperature=0.7, top_k=top_k, top_p=top_p)
+  got_logits, got_ids = map(np.asarray, gen.candidates(jnp.asarray(logits), s))
+  for row in range(4):
+    x = logits[row].astype(np.float64) / 0.7
+    order = np.argsort(-x, kind="stable")
+    kept = order[:top_k] if top_k else order
+    p = np.exp(x[kept] - x[kept].max())
+    p /= p.sum()
+    kept = kept[(np.cumsum(p) - p) < top_p]
+    want = np.zeros(300)
+    want[kept] = np.exp(x[kept] - x[kept].max())
+    want /= want.sum()
+    got = np.zeros(300)
+    finite = np.isfinite(got_logits[row])
+    np.add.at(got, got_ids[row][finite], np.exp(got_logits[row][finite].astype(np.float64)
+                                                - got_logits[row][finite].max()))
+    got /= got.sum()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-9)
+
+
 def test_rows_stop_at_an_eos_that_is_kept():
   cfg = FAMILIES["llama"]
   params = model_lib.init_params(jax.random.PRNGKey(1), cfg)

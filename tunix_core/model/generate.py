@@ -81,9 +81,14 @@ def _attend(q_BxTxHxK, k_BxSxVxK, v_BxSxVxK, visible_BxTxS, cfg: ModelConfig):
 
 
 def extend(params, tokens_BxT, mask_BxT, positions_BxT, cache: Cache, start,
-           cfg: ModelConfig):
+           cfg: ModelConfig, unroll: bool = False):
   """Runs T new tokens, written to cache slots `[start, start + T)`: returns the final
-  hidden states `[B, T, D]` and the updated cache."""
+  hidden states `[B, T, D]` and the updated cache (its buffers written in place).
+
+  `unroll`: the layers as a Python loop (each layer's weights a static slice of the
+  stacked params), for the one-id steps of `generate`, whose loop body a layer scan
+  made slow (slicing every layer's weights at every id; docs/results/tpu_v5e.md); else
+  a scan (the prefill: compiles once per layer shape, not per layer)."""
   B, T = tokens_BxT.shape
   S = cache.mask.shape[1]
   put = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype),
@@ -95,50 +100,77 @@ def extend(params, tokens_BxT, mask_BxT, positions_BxT, cache: Cache, start,
   gap_BxTxS = positions_BxT[:, :, None] - cache_pos[:, None, :]
   compute = DTYPES[cfg.compute_dtype]
 
-  def layer_fn(x_BxTxD, xs):
-    layer, setting, k_BxSxVxK, v_BxSxVxK = xs
+  def layer_fn(carry, xs):
+    x_BxTxD, k_cache, v_cache = carry
+    layer, setting, i = xs
     layer = quant.cast_floats(layer, compute)
     window = setting["window"]
     visible = base_BxTxS & ((window == 0) | (gap_BxTxS < window))
 
     def attend(h_BxTxD):
       q, k, v = qkv(h_BxTxD, layer, setting, positions_BxT, cfg)
-      k_all, v_all = put(k_BxSxVxK, k), put(v_BxSxVxK, v)
-      out_NxHK = _attend(q, k_all, v_all, visible, cfg).reshape(B * T, -1)
+      at = (i, 0, start, 0, 0)
+      k_all = jax.lax.dynamic_update_slice(k_cache, k[None].astype(k_cache.dtype), at)
+      v_all = jax.lax.dynamic_update_slice(v_cache, v[None].astype(v_cache.dtype), at)
+      out_NxHK = _attend(q, k_all[i], v_all[i], visible, cfg).reshape(B * T, -1)
       return project(out_NxHK, layer, "wo", cfg).reshape(B, T, -1), (k_all, v_all)
 
-    return block(x_BxTxD, layer, attend, cfg)
+    x_BxTxD, (k_cache, v_cache) = block(x_BxTxD, layer, attend, cfg)
+    return (x_BxTxD, k_cache, v_cache), None
 
-  x_BxTxD = embed(params, tokens_BxT, cfg)
-  x_BxTxD, (k, v) = jax.lax.scan(
-      layer_fn, x_BxTxD, (params["layers"], layer_settings(cfg), cache.k, cache.v))
+  carry = (embed(params, tokens_BxT, cfg), cache.k, cache.v)
+  xs = (params["layers"], layer_settings(cfg), jnp.arange(cfg.num_layers))
+  if unroll:
+    for i in range(cfg.num_layers):
+      carry, _ = layer_fn(carry, jax.tree.map(lambda a, i=i: a[i], xs[:2]) + (i,))
+  else:
+    carry, _ = jax.lax.scan(layer_fn, carry, xs)
+  x_BxTxD, k_cache, v_cache = carry
   hidden = rms_norm(x_BxTxD, params["final_norm"], cfg.norm_eps, cfg.norm_offset)
-  return hidden, Cache(k, v, cache_mask, cache_pos)
+  return hidden, Cache(k_cache, v_cache, cache_mask, cache_pos)
 
 
-def next_logits(params, hidden_BxD, cfg: ModelConfig):
-  """Float32 `[B, V]` logits of the next token, final soft-cap applied."""
-  head_DxV = lm_head(params, cfg).astype(hidden_BxD.dtype)
+def next_logits(head_DxV, hidden_BxD, cfg: ModelConfig):
+  """Float32 `[B, V]` logits of the next token under the LM head `head_DxV` (in the
+  compute dtype), final soft-cap applied."""
   return softcap(jnp.dot(hidden_BxD, head_DxV, preferred_element_type=jnp.float32),
-                         cfg.final_softcap)
+                 cfg.final_softcap)
+
+
+# The nucleus (`top_p`) is drawn from the most likely tokens found by `lax.top_k`, at
+# most this many (or `top_k`): no sort of the whole vocabulary at every id.
+NUCLEUS_CANDIDATES = 256
+
+
+def candidates(logits_BxV, s: Sampling) -> tuple[jax.Array, jax.Array]:
+  """`(logits [B, C], ids [B, C])`: the tokens `s` may draw (temperature > 0) and their
+  tempered logits, `-inf` where top-p drops one. top-k and top-p read the
+  `C = min(top_k or NUCLEUS_CANDIDATES, V)` most likely tokens (`lax.top_k`, no sort of
+  the vocabulary): exact, but a nucleus that would hold more than `NUCLEUS_CANDIDATES`
+  tokens is cut there. Without either, every token (C = V)."""
+  logits = logits_BxV / s.temperature
+  if not s.top_k and s.top_p >= 1:
+    return logits, jnp.broadcast_to(jnp.arange(logits.shape[-1]), logits.shape)
+  top_BxC, ids_BxC = jax.lax.top_k(logits, min(s.top_k or NUCLEUS_CANDIDATES,
+                                               logits.shape[-1]))  # descending
+  if s.top_p < 1:
+    # Probabilities as `transformers` filters them: after top-k when it is set (the
+    # softmax over the k kept), else over the whole vocabulary.
+    norm_Bx1 = jax.nn.logsumexp(top_BxC if s.top_k else logits, axis=-1, keepdims=True)
+    probs_BxC = jnp.exp(top_BxC - norm_Bx1)
+    # Keep the tokens whose preceding mass is below top_p (the most likely always stays).
+    keep_BxC = (jnp.cumsum(probs_BxC, axis=-1) - probs_BxC) < s.top_p
+    top_BxC = jnp.where(keep_BxC, top_BxC, -jnp.inf)
+  return top_BxC, ids_BxC
 
 
 def sample(logits_BxV, key, s: Sampling):
-  """One token id per row, `[B]` int32, as `Sampling` says."""
+  """One token id per row, `[B]` int32, as `Sampling` says (`candidates`)."""
   if s.temperature == 0:
     return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
-  logits = logits_BxV / s.temperature
-  if s.top_k:
-    kth_Bx1 = jax.lax.top_k(logits, min(s.top_k, logits.shape[-1]))[0][:, -1:]
-    logits = jnp.where(logits < kth_Bx1, -jnp.inf, logits)
-  if s.top_p < 1:
-    desc = -jnp.sort(-logits, axis=-1)
-    probs = jax.nn.softmax(desc, axis=-1)
-    # Keep the tokens whose preceding mass is below top_p (the most likely always stays).
-    keep = (jnp.cumsum(probs, axis=-1) - probs) < s.top_p
-    floor_Bx1 = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
-    logits = jnp.where(logits < floor_Bx1, -jnp.inf, logits)
-  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+  logits_BxC, ids_BxC = candidates(logits_BxV, s)
+  choice_B = jax.random.categorical(key, logits_BxC, axis=-1)
+  return jnp.take_along_axis(ids_BxC, choice_B[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling"))
@@ -156,6 +188,7 @@ def generate(params, prompt_BxP, prompt_mask_BxP, key, *, cfg: ModelConfig,
   """
   B, P = prompt_BxP.shape
   N = sampling.max_new_tokens
+  head_DxV = lm_head(params, cfg).astype(DTYPES[cfg.compute_dtype])  # once, not per id
   mask = prompt_mask_BxP.astype(jnp.int32)
   positions = default_positions(mask)
   hidden, cache = extend(params, prompt_BxP, mask, positions, init_cache(cfg, B, P + N),
@@ -171,14 +204,14 @@ def generate(params, prompt_BxP, prompt_mask_BxP, key, *, cfg: ModelConfig,
     done = done | jnp.isin(token, eos)
     pos = pos + 1
     hidden, cache = extend(params, token[:, None], jnp.ones((B, 1), jnp.int32), pos[:, None],
-                           cache, P + i, cfg)
-    return i + 1, next_logits(params, hidden[:, 0], cfg), cache, key, tokens, lengths, done, pos
+                           cache, P + i, cfg, unroll=True)
+    return i + 1, next_logits(head_DxV, hidden[:, 0], cfg), cache, key, tokens, lengths, done, pos
 
   def cond(carry):
     i, done = carry[0], carry[6]
     return (i < N) & ~jnp.all(done)
 
-  init = (jnp.int32(0), next_logits(params, hidden[:, -1], cfg), cache, key,
+  init = (jnp.int32(0), next_logits(head_DxV, hidden[:, -1], cfg), cache, key,
           jnp.zeros((B, N), jnp.int32), jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool),
           positions[:, -1])
   out = jax.lax.while_loop(cond, body, init)
