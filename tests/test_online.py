@@ -90,7 +90,8 @@ def test_shipped_rewards_by_hand():
     (lambda p, c: None, "at step 7 returned NoneType")])
 def test_a_bad_reward_is_one_line_naming_it_and_the_step(fn, message):
   with pytest.raises(reward_fn.RewardError, match=message):
-    reward_fn.score(fn, "m:f", "step 7", prompts=["a", "b"], completions=["c", "d"])
+    reward_fn.score(fn, "--reward_fn=m:f", "step 7", prompts=["a", "b"],
+                    completions=["c", "d"])
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,7 @@ RESUME_FIELDS = ("max_length", "max_prompt_length", "seed", "batch_size", "optim
                  "optimizer_dtype", "param_rounding", "quantize_base", "train_data",
                  "chat_template", "lora_rank", "lora_alpha", "lora_targets", "lora_rslora",
                  "lora_init", "init_from", "online_samples", "reward_fn",
+                 "reward_model", "reward_weights",
                  "online_data_chosen", "online_temperature", "online_top_k", "online_top_p",
                  "online_max_new_tokens", "online_missing_eos_penalty")
 # How the step computes the same model, chosen per run and per device set (`--remat=auto`

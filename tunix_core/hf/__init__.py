@@ -10,6 +10,7 @@ from tunix_core.hf.tokenizer import HFTokenizer
 from tunix_core.hf.tokenizer import TokenizerError
 from tunix_core.hf.weights import expected_tensors
 from tunix_core.hf.weights import load_params
+from tunix_core.hf.files import read_tensor
 from tunix_core.hf.weights import save_params
 from tunix_core.hf.weights import SHARD_BYTES
 

@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from tunix_core.hf import weights
+from tunix_core.hf import files as hf_files
 from tunix_core.hf.config import HFError
 from tunix_core.model import lora as lora_lib
 from tunix_core.model.config import ModelConfig
@@ -63,7 +63,7 @@ def read_adapter(adapter_dir: str, cfg: ModelConfig) -> tuple[lora_lib.LoraConfi
   """`(LoraConfig, float32 adapters)` of a PEFT LoRA directory for a base of `cfg`."""
   lcfg = read_config(adapter_dir)
   # The HF weights' reader: any dtype peft saves (float32, bfloat16 from a bf16 model).
-  with weights.open_tensors(paths.join(adapter_dir, WEIGHTS)) as f:
+  with hf_files.open_tensors(paths.join(adapter_dir, WEIGHTS)) as f:
     tensors = {name: f.get_slice(name)[:] for name in f.keys()}
   shapes = lora_lib.adapter_shapes(cfg, lcfg)
   adapters = {}

@@ -21,13 +21,12 @@ import numpy as np
 
 from tunix_core import model as model_lib
 from tunix_core.hf import config as hf_config
-from tunix_core.hf import ranged
+from tunix_core.hf import files as hf_files
 from tunix_core.storage import paths
 from tunix_core.storage import staging
 
 HFError = hf_config.HFError
-
-PREFIX = "model."
+PREFIX = hf_files.PREFIX
 # Our per-layer leaf -> (HF name under `model.layers.{i}.`, transposed).
 LAYER_TENSORS = {
     "attn_norm": ("input_layernorm.weight", False),
@@ -50,50 +49,9 @@ QK_NORM_TENSORS = {"q_norm": ("self_attn.q_norm.weight", False),
 POST_NORM_TENSORS = {"post_attn_norm": ("post_attention_layernorm.weight", False),
                      "mlp_norm": ("pre_feedforward_layernorm.weight", False),
                      "post_mlp_norm": ("post_feedforward_layernorm.weight", False)}
-# Tensors of a multimodal checkpoint's other towers, which a text model leaves alone.
-OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                "model.multi_modal_projector.")
 SHARD_BYTES = 5 << 30  # `save_params` splits files above this, as `transformers` does
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json", "tokenizer.model")
-
-
-def _canonical(name: str) -> str:
-  """A tensor name with the prefixes checkpoints vary in reduced to `model.`."""
-  for prefix in ("model.language_model.", "language_model.model.", "model."):
-    if name.startswith(prefix):
-      return PREFIX + name[len(prefix):]
-  return name if name.startswith("lm_head.") else PREFIX + name
-
-
-def _tensor_files(model_dir: str) -> dict:
-  """`{canonical name: (file path, stored name)}` of a single-file or index-sharded
-  safetensors checkpoint, other towers of a multimodal one left out."""
-  index = paths.join(model_dir, "model.safetensors.index.json")
-  if paths.isfile(index):
-    names = {name: paths.join(model_dir, file)
-             for name, file in json.loads(paths.read_text(index))["weight_map"].items()}
-  else:
-    single = paths.join(model_dir, "model.safetensors")
-    if not paths.isfile(single):
-      raise HFError(f"{model_dir} has neither model.safetensors nor "
-                    "model.safetensors.index.json")
-    with open_tensors(single) as f:
-      names = {name: single for name in f.keys()}
-  return {_canonical(name): (path, name) for name, path in names.items()
-          if not name.startswith(OTHER_TOWERS)}
-
-
-def open_tensors(path: str):
-  """A safetensors file's lazily sliced tensors (a context manager with `keys()` and
-  `get_slice(name)`): memory-mapped when local, read by byte ranges on object storage
-  (`hf.ranged`); any dtype, bfloat16 included (as `ml_dtypes.bfloat16`)."""
-  if paths.is_remote(path):
-    return ranged.RangedFile(path)
-  # ml_dtypes registers "bfloat16" with NumPy, which safe_open's numpy framework needs.
-  import ml_dtypes  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
-  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
-  return safe_open(path, framework="numpy")
 
 
 def _leaf_shapes(cfg) -> dict:
@@ -123,7 +81,7 @@ def expected_tensors(cfg: model_lib.ModelConfig, shapes: dict | None = None) -> 
 
 
 def load_params(model_dir: str, cfg: model_lib.ModelConfig, *, dtype=None,
-                shardings=None, beat=None, transform=None) -> dict:
+                shardings=None, beat=None, transform=None, extra=()) -> dict:
   """The params pytree of `cfg` from an HF directory's safetensors.
 
   Args:
@@ -136,6 +94,8 @@ def load_params(model_dir: str, cfg: model_lib.ModelConfig, *, dtype=None,
     beat: if given, called with each leaf's name before it is read (a watchdog's beat).
     transform: if given, `transform(leaf path, array)` replaces each leaf as soon as it
       is read, before the next one is (QLoRA quantizes the base so, `model.quant`).
+    extra: tensor names the files may hold beside the decoder's, which the caller reads
+      itself (a classifier's `score.weight`).
 
   Tensors are read from the memory-mapped files one stacked leaf (or, with `shardings`,
   one device's block of it) at a time, so the host holds at most that beyond the files'
@@ -144,10 +104,11 @@ def load_params(model_dir: str, cfg: model_lib.ModelConfig, *, dtype=None,
   `lm_head.weight` is accepted, the copy ignored).
   """
   import jax  # pylint: disable=g-import-not-at-top
-  files = _tensor_files(model_dir)
+  files = hf_files.tensor_files(model_dir)
   shapes = _leaf_shapes(cfg)
   wanted = expected_tensors(cfg, shapes)
-  extra = sorted(set(files) - set(wanted) - ({"lm_head.weight"} if cfg.tie_embeddings else set()))
+  extra = sorted(set(files) - set(wanted) - set(extra)
+                 - ({"lm_head.weight"} if cfg.tie_embeddings else set()))
   missing = sorted(set(wanted) - set(files))
   if missing or extra:
     raise HFError(f"{model_dir} does not match its config: missing {missing[:5]}, "
@@ -164,7 +125,7 @@ def load_params(model_dir: str, cfg: model_lib.ModelConfig, *, dtype=None,
       """The lazily sliceable tensor `name`: only what is indexed is read."""
       path, stored = files[name]
       if path not in handles:
-        handles[path] = stack.enter_context(open_tensors(path))
+        handles[path] = stack.enter_context(hf_files.open_tensors(path))
       return handles[path].get_slice(stored)
 
     for name, (_, _, _, shape) in wanted.items():  # headers only

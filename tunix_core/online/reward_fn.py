@@ -55,11 +55,11 @@ def _call(fn, inputs: dict):
   return fn(inputs["prompts"], inputs["completions"])
 
 
-def score(fn, spec: str, at: str, **inputs) -> np.ndarray:
+def score(fn, name: str, at: str, **inputs) -> np.ndarray:
   """`fn`'s scores of `inputs["completions"]` as float64 `[n]`; `RewardError` naming
-  `spec` and `at` (e.g. "step 12") when it raises or returns anything but n finite
-  numbers."""
-  where, n = f"--reward_fn={spec} at {at}", len(inputs["completions"])
+  it (`name`, e.g. "--reward_fn=m:f") and `at` (e.g. "step 12") when it raises or
+  returns anything but n finite numbers."""
+  where, n = f"{name} at {at}", len(inputs["completions"])
   try:
     scores = _call(fn, inputs)
   except Exception as e:  # noqa: BLE001 - the user's code: one line, not a traceback

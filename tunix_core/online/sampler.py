@@ -7,7 +7,8 @@ placed (split under FSDP and TP: XLA gathers each weight where it is used) with 
 `B K` rows split over the data-parallel devices. The ids come to every host; the primary
 process scores them with `--reward_fn` as TRL calls one (`reward_fn`: the data's own
 prompt, string or messages, each completion's text and ids up to its first EOS, the
-row's other columns) and broadcasts the float32 scores, or the reward's error, which
+row's other columns) and `--reward_model` (`reward_model`), weighted by
+`--reward_weights`, and broadcasts the float32 scores, or a reward's error, which
 then ends every process alike; every host builds the same pair batch
 (`data.sampled_pairs`). With `--online_data_chosen` each prompt's chosen response from
 the data, up to its first EOS (a chat template's ids after its end of turn are in no
@@ -29,6 +30,7 @@ from tunix_core.data import build as data_build
 from tunix_core.data import sampled_pairs as pairs_lib
 from tunix_core.model import generate as generate_lib
 from tunix_core.online import reward_fn as reward_lib
+from tunix_core.online import reward_model as reward_model_lib
 from tunix_core.parallel import mesh as mesh_lib
 
 # Folded into the seed's key, apart from the params' initialisation and the data order.
@@ -69,8 +71,15 @@ class OnlineSampler:
 
   def __init__(self, cfg, steps, train_set, tok, eos_ids: tuple):
     self.cfg, self.steps, self.train_set, self.tok = cfg, steps, train_set, tok
-    self.K, self.spec, self.eos_ids = cfg.online_samples, cfg.reward_fn, tuple(eos_ids)
-    self.reward = reward_lib.load(cfg.reward_fn)
+    self.K, self.eos_ids = cfg.online_samples, tuple(eos_ids)
+    # `(flag, callable)` of each reward; the model is read where it scores: process 0.
+    self.rewards = [(f"--reward_fn={cfg.reward_fn}", reward_lib.load(cfg.reward_fn))
+                    ] if cfg.reward_fn else []
+    if cfg.reward_model and jax.process_index() == 0:
+      self.rewards.append((f"--reward_model={cfg.reward_model}", reward_model_lib.RewardModel(
+          cfg.reward_model, steps.mcfg.compute_dtype)))
+    self.weights = ([float(w) for w in cfg.reward_weights.split(",")] if cfg.reward_weights
+                    else [1.0] * (bool(cfg.reward_fn) + bool(cfg.reward_model)))
     self.prompt_len = longest_prompt(train_set)
     self.sampling = generate_lib.Sampling(
         cfg.online_max_new_tokens, temperature=cfg.online_temperature,
@@ -125,12 +134,13 @@ class OnlineSampler:
       chat = [not isinstance(r["prompt"], str) for r in rows for _ in range(c)]
       columns = {k: [r.get(k) for r in rows for _ in range(c)]
                  for k in dict.fromkeys(k for r in rows for k in r if k != "prompt")}
+      inputs = dict(prompts=[r["prompt"] for r in rows for _ in range(c)],
+                    completions=[[{"role": "assistant", "content": t}] if m else t
+                                 for t, m in zip(texts, chat)],
+                    completion_ids=ids, **columns)
       try:
-        scores = reward_lib.score(
-            self.reward, self.spec, at, prompts=[r["prompt"] for r in rows for _ in range(c)],
-            completions=[[{"role": "assistant", "content": t}] if m else t
-                         for t, m in zip(texts, chat)],
-            completion_ids=ids, **columns)
+        scores = sum(w * reward_lib.score(fn, name, at, **inputs)
+                     for w, (name, fn) in zip(self.weights, self.rewards))
       except reward_lib.RewardError as e:
         error = str(e)
       ended = np.array([bool(x) and x[-1] in self.eos_ids for x in ids]).reshape(n, c)

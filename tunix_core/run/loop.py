@@ -93,6 +93,8 @@ def train(cfg: TrainConfig, log=print, devices=None, hooks: Hooks = Hooks()) -> 
   cfg.validate(len(devices))
   if cfg.reward_fn:  # user code: imported before any data is read or compiled
     online_lib.load_reward(cfg.reward_fn)
+  if cfg.reward_model:
+    online_lib.check_reward_model(cfg.reward_model)
   with watchdog_lib.Watchdog(cfg.step_timeout) as dog:
 
     def beat(what: str, first: bool = False, kind: str | None = None,
@@ -186,10 +188,10 @@ def _train(cfg, devices, log, beat, hooks):
   sampler = (samples_lib.Sampler(cfg, mcfg, tok, samples_lib.read_prompts(cfg), log, start,
                                  writer)
              if cfg.sample_every else None)  # every process joins the generation
-  # Online DPO's sampling and scoring; with --reward_fn alone, the greedy eval answers'.
+  # Online DPO's sampling and scoring; with a reward alone, the greedy eval answers'.
   online = (online_lib.OnlineSampler(cfg, steps, train_set, tok,
                                      generate.eos_ids(cfg.hf_model_dir, tok))
-            if cfg.reward_fn else None)
+            if cfg.reward_fn or cfg.reward_model else None)
   peak, peak_source = flops.peak_flops(
       next(d for d in devices if d.process_index == jax.process_index()),
       model_lib.DTYPES[mcfg.compute_dtype])

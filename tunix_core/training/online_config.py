@@ -25,6 +25,14 @@ class OnlineConfig:
                         "--online_samples; with --eval_every, eval rows also carry the "
                         "reward and exact match of greedy answers to the eval prompts.",
                         group="online")
+  reward_model: str = flag("", "A Hugging Face *ForSequenceClassification directory (Llama, "
+                           "Mistral, Qwen2/3, Gemma families) that scores each prompt and "
+                           "completion, on the devices, read-only; with --reward_fn too, "
+                           "the reward is their weighted sum (--reward_weights).",
+                           group="online")
+  reward_weights: str = flag("", "Comma-separated weights of --reward_fn and "
+                             "--reward_model, in that order, as TRL's reward_weights "
+                             "(default: 1 each).", group="online")
   online_data_chosen: bool = flag(False, "Online DPO: the data's chosen response joins each "
                                   "prompt's samples, scored too, as a candidate for chosen "
                                   "only (a sample as good wins); it must fit "

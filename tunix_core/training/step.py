@@ -36,6 +36,7 @@ from tunix_core.parallel import layout as layout_lib
 from tunix_core.parallel import lora as lora_layout
 from tunix_core.parallel import mesh as mesh_lib
 from tunix_core.parallel import zero
+from tunix_core.training import accumulate
 from tunix_core.training import health as health_lib
 from tunix_core.training import objective
 from tunix_core.training import optim
@@ -217,39 +218,10 @@ class StepFunctions:
             "none": lambda: None}[self.plan.reference]()
 
   def _train_step(self, state, frozen, batch):
-    k = self.plan.micro_batches
     params = state["params"]
-    # Means over the step's valid pairs (online DPO's ties and any filler are padding):
-    # each micro-batch's mean over its own, weighted by its share of the step's, so the
-    # mean over micro-batches and devices below is the mean over those pairs.
-    valid = lambda b: jnp.sum(objective.valid_pairs(b["loss_mask"]))
-    pairs = jax.lax.psum(valid(batch), self.batch_axes)
-    shards = k * jax.lax.psum(1, self.batch_axes)
-
-    def weighted(params, ref, mb):
-      loss, metrics = self._objective(params, frozen, ref, mb)
-      share = valid(mb) * shards / jnp.maximum(pairs, 1.0)
-      return loss * share, jax.tree.map(lambda m: m * share, metrics)
-
-    def micro_step(mb):
-      ref = self._resolve_ref(frozen, mb)
-      (loss, metrics), grads = jax.value_and_grad(weighted, has_aux=True)(params, ref, mb)
-      with jax.named_scope("grad_sync"):
-        return self.layout.sync_grads(grads), dict(metrics, loss=loss)
-
-    def accumulate(carry, mb):
-      return jax.tree.map(jnp.add, carry, micro_step(mb)), None
-
-    if k == 1:  # no accumulator: one fewer gradient-sized buffer
-      grads, metrics = micro_step(batch)
-    else:
-      micro = jax.tree.map(lambda x: x.reshape((k, -1) + x.shape[1:]), batch)  # [k, b/k, ..]
-      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                           jax.eval_shape(micro_step, jax.tree.map(lambda x: x[0], micro)))
-      (grads, metrics), _ = jax.lax.scan(accumulate, zeros, micro)
-      # Means over micro-batches; ZeRO-1 then averages over devices once per step (under
-      # FSDP each micro-batch's gradient was reduce-scattered already).
-      grads, metrics = jax.tree.map(lambda x: x / k, (grads, metrics))
+    grads, metrics, pairs = accumulate.pair_means(
+        lambda p, mb: self._objective(p, frozen, self._resolve_ref(frozen, mb), mb), params,
+        batch, self.plan.micro_batches, self.batch_axes, self.layout.sync_grads)
     # A batch without a valid pair (online DPO, every prompt tied) updates nothing.
     metrics = dict(jax.lax.pmean(metrics, self.batch_axes), pairs=pairs)
     scored = pairs > 0

@@ -156,7 +156,17 @@ def check(cfg, num_devices: int) -> None:
   k = cfg.online_samples
   need(k == 0 or k >= 2, f"--online_samples={k}: online DPO needs K >= 2 samples per "
        "prompt (0: offline)")
-  need(not k or cfg.reward_fn, "--online_samples needs --reward_fn (MODULE:FUNCTION)")
+  need(not k or cfg.reward_fn or cfg.reward_model, "--online_samples needs --reward_fn "
+       "(MODULE:FUNCTION) or --reward_model (HF_DIR)")
+  rewards = bool(cfg.reward_fn) + bool(cfg.reward_model)
+  try:
+    weights = [float(w) for w in cfg.reward_weights.split(",")] if cfg.reward_weights else []
+  except ValueError:
+    weights = None
+  need(weights is not None and all(map(math.isfinite, weights)),
+       f"--reward_weights={cfg.reward_weights!r}: expected comma-separated numbers")
+  need(not weights or len(weights) == rewards, f"--reward_weights has {len(weights or [])} "
+       f"weight(s) for {rewards} reward(s) (--reward_fn, --reward_model)")
   need(k or not cfg.online_data_chosen, "--online_data_chosen needs --online_samples")
   need(not k or cfg.reference != "precomputed", "--reference=precomputed cannot serve "
        "--online_samples: the pairs are sampled as the run goes; use --reference=step")
