@@ -335,3 +335,42 @@ def test_a_resume_keeps_its_reference_when_the_source_run_saves_again(tmp_path):
   with pytest.raises(ConfigError, match=r"cannot resume from step 4: its reference, "
                      r"--init_from=.*:2, is gone"):
     train.train(runs.config(b, steps=6, save_every=2, init_from=str(a)), **runs.QUIET)
+
+
+def _two_processes(cfg) -> list:
+  """`(status, stdout, stderr)` of trainer.py as two processes of one device each over
+  loopback (`tests/` on their path for the reward)."""
+  import socket  # pylint: disable=g-import-not-at-top
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  flags = [f"--{k}={v}" for k, v in dataclasses.asdict(cfg).items() if v != ""]
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
+             JAX_PLATFORMS="cpu", PYTHONPATH=os.path.join(REPO, "tests"))
+  procs = [subprocess.Popen(
+      [sys.executable, os.path.join(REPO, "trainer.py"), *flags,
+       f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"],
+      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+  return [(p,) + p.communicate(timeout=600) for p in procs]
+
+
+@pytest.mark.slow
+def test_two_processes_train_as_one_and_a_raising_reward_ends_both_with_status_1(
+    start, tmp_path):
+  """Online DPO over two loopback processes (the reward scored on the first, its float32
+  scores broadcast) follows the curve of one process on two devices; a reward that
+  raises at its third call ends both processes with status 1 and its one line."""
+  two = _online(tmp_path / "two", start, steps=3)
+  for p, _, err in _two_processes(two):
+    assert p.returncode == 0, err[-3000:]
+  one = _online(tmp_path / "one", start, steps=3)
+  train.train(one, devices=jax.devices()[:2], **runs.QUIET)
+  got, want = runs.losses(tmp_path / "two"), runs.losses(tmp_path / "one")
+  assert got.keys() == want.keys() and got
+  np.testing.assert_allclose([got[k] for k in sorted(got)], [want[k] for k in sorted(want)],
+                             rtol=1e-5)
+  bad = _online(tmp_path / "bad", start, steps=4, reward_fn="online_rewards:raises_at_third_call")
+  for p, _, err in _two_processes(bad):
+    assert p.returncode == 1, (p.returncode, err[-3000:])
+    assert ("--reward_fn=online_rewards:raises_at_third_call at step 3 raised KeyError"
+            in err), err[-3000:]
