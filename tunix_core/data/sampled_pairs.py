@@ -5,10 +5,11 @@ be chosen, never rejected: the rejected side is always the policy's own sample. 
 batch is the trainer's pair batch (`data.store.PairStore.take`'s layout: int32
 `[B, 2, T]` tokens, targets, loss and attention masks), built from the sampled ids as
 they are (never re-tokenized). A prompt with nothing to prefer (its best candidate
-scored no higher than its worst sample) keeps its pair as padding, scored nowhere, so
-it adds nothing to the loss or its gradient (a batch-coupled loss term, `aot`, still
-sorts its zero log-ratio with the others); a batch where no prompt has anything to
-prefer scores no token and the step updates nothing (`training.step`).
+scored no higher than its worst sample) keeps its pair as padding, scored nowhere: the
+step's loss, gradient and metrics are means over the other pairs
+(`training.accumulate`; a batch-coupled loss term, `aot`, still sorts its zero
+log-ratio with the others), and a batch where no prompt has anything to prefer updates
+nothing.
 """
 
 import numpy as np
