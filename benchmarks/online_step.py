@@ -147,8 +147,8 @@ def _profile(sampler, params, prompts, a) -> None:
   trace_dir = tempfile.mkdtemp()
   with jax.profiler.trace(trace_dir):
     jax.block_until_ready(run())
-  _, count, per_op = step_profile.op_times(trace_dir, step_profile.hlo_ops(hlo))
   ops = step_profile.hlo_ops(hlo)
+  _, count, per_op = step_profile.op_times(trace_dir, ops)
   total = sum(per_op.values())
   print(f"sampling profile: {count} device ops, {1e3 * total:.1f} ms in all", flush=True)
   for name, seconds in per_op.most_common(a.top):

@@ -215,7 +215,8 @@ def test_bad_online_settings_end_in_one_line_with_status_1(start, tmp_path):
 
 def _one_step(cfg, devices, ds, batch):
   """Params and metrics after one step of `batch` from the tiny preset's seed-0 init."""
-  plan = plan_lib.make_plan(cfg, devices, plan_lib.data_sizes(cfg, [ds]))
+  plan = dataclasses.replace(plan_lib.make_plan(cfg, devices, plan_lib.data_sizes(cfg, [ds])),
+                             padded_pairs=True)  # as an online run's
   steps = step_lib.make_steps(plan, devices)
   state = steps.init_state(jax.random.PRNGKey(0))
   ref = jax.tree.map(lambda x: x.copy(), state["params"])
@@ -312,7 +313,7 @@ def test_chat_answers_end_at_their_eos_and_trl_rewards_run_unchanged(tmp_path):
   cut = dataclasses.replace(cfg, online_missing_eos_penalty=0.25)
   sampler = sampler_lib.OnlineSampler(cut, steps, store, tok, eos)
   rows_ = [rows[0], rows[1]]
-  scores = sampler._scores(rows_, candidates, candidate_lengths - [[1, 0, 0]], "step 2")
+  scores = sampler._scores(rows_, candidates, candidate_lengths - [[1, 0, 1]], "step 2")
   np.testing.assert_array_equal(scores, [[0.75, 1.0, 1.0]] * 2)
 
 

@@ -6,11 +6,11 @@ command line (`hf/__main__.py`)."""
 from tunix_core.hf.config import FAMILIES
 from tunix_core.hf.config import HFError
 from tunix_core.hf.config import read_config
+from tunix_core.hf.files import read_tensor
 from tunix_core.hf.tokenizer import HFTokenizer
 from tunix_core.hf.tokenizer import TokenizerError
 from tunix_core.hf.weights import expected_tensors
 from tunix_core.hf.weights import load_params
-from tunix_core.hf.files import read_tensor
 from tunix_core.hf.weights import save_params
 from tunix_core.hf.weights import SHARD_BYTES
 

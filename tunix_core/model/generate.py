@@ -37,7 +37,8 @@ from tunix_core.model.decoder import softcap
 class Sampling:
   """How the next token is picked: greedy (`temperature == 0`), or from the softmax at
   `temperature` restricted to the `top_k` most likely tokens (0: all) and to the smallest
-  set whose probability reaches `top_p`, as `transformers` filters them. Generation stops
+  set whose probability reaches `top_p`, as `transformers` filters them, but a nucleus
+  of more than `NUCLEUS_CANDIDATES` tokens (top-p without top-k) is cut there. Generation stops
   after `max_new_tokens` or when every row has produced one of `eos_ids`."""
   max_new_tokens: int = 32
   temperature: float = 0.0

@@ -6,9 +6,9 @@ prompts and completions are message lists for conversational data (the completio
 assistant message), strings otherwise; `completion_ids` are each completion's ids up to
 and including its EOS; `columns` every other column of the data's row (a reference
 answer, say), one value per completion. A function that takes `**kwargs` gets them all;
-one that names some gets those; one without `prompts` and `completions` parameters (the
-old `(prompts, completions)` protocol under other names) is called with the two
-positionally. One that cannot be imported is a `ConfigError` at start-up (before
+one that names some gets those by name; one with neither a `prompts` nor a `completions`
+parameter (the plain `(prompts, completions)` protocol under other names) is called
+with the two positionally. Conversational data gives message lists to every form. One that cannot be imported is a `ConfigError` at start-up (before
 anything compiles); one that raises, returns the wrong number of scores or a non-finite
 score is a `RewardError` naming it and the step.
 """
@@ -50,7 +50,7 @@ def _call(fn, inputs: dict):
   if any(p.kind == p.VAR_KEYWORD for p in params):
     return fn(**inputs)
   named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-  if {"prompts", "completions"} <= named:
+  if named & {"prompts", "completions"}:
     return fn(**{k: v for k, v in inputs.items() if k in named})
   return fn(inputs["prompts"], inputs["completions"])
 

@@ -52,7 +52,8 @@ def _scores(params, score_DxL, ids_BxT, lengths_B, *, cfg):
   """Label logits `[B, labels]` float32 at each row's last real id."""
   mask_BxT = (jnp.arange(ids_BxT.shape[1]) < lengths_B[:, None]).astype(jnp.int32)
   hidden_BxTxD = model_lib.forward(params, ids_BxT, mask_BxT, cfg)
-  last_BxD = jnp.take_along_axis(hidden_BxTxD, (lengths_B - 1)[:, None, None], 1)[:, 0]
+  last_B = jnp.maximum(lengths_B - 1, 0)  # an empty text reads its first slot
+  last_BxD = jnp.take_along_axis(hidden_BxTxD, last_B[:, None, None], 1)[:, 0]
   return jnp.dot(last_BxD, score_DxL.astype(last_BxD.dtype),
                  preferred_element_type=jnp.float32)
 

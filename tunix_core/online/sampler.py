@@ -44,9 +44,9 @@ def longest_prompt(store) -> int:
   return int(store.prompt_lengths().max())
 
 
-def _broadcast_scores(scores, error: str | None):
-  """The primary process's float32 scores, or its reward's error as a `RewardError` on
-  every process (the others pass zeros and None, which the broadcast replaces)."""
+def _agree(error: str | None) -> None:
+  """Raises the primary process's error (None: none) as a `RewardError` on every process
+  alike (the others pass None); every process makes the same collective calls."""
   failed = np.asarray([error is not None], np.int32)
   if jax.process_count() > 1:
     failed = np.asarray(multihost_utils.broadcast_one_to_all(failed))
@@ -56,10 +56,20 @@ def _broadcast_scores(scores, error: str | None):
     if jax.process_count() > 1:
       text = np.asarray(multihost_utils.broadcast_one_to_all(text))
     raise reward_lib.RewardError(bytes(text).rstrip(b"\0").decode(errors="replace"))
-  scores = np.asarray(scores, np.float32)
+
+
+def _broadcast_scores(scores_NxC, error: str | None):
+  """The primary process's float32 scores `[n, C]` (the others pass zeros of that shape),
+  or its reward's error on every process (`_agree`)."""
+  _agree(error)
+  scores_NxC = np.asarray(scores_NxC, np.float32)
   if jax.process_count() > 1:
-    scores = np.asarray(multihost_utils.broadcast_one_to_all(scores))
-  return scores
+    scores_NxC = np.asarray(multihost_utils.broadcast_one_to_all(scores_NxC))
+  return scores_NxC
+
+
+def _one_line(what: str, e: Exception) -> str:
+  return f"{what}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
 
 
 class OnlineSampler:
@@ -75,9 +85,16 @@ class OnlineSampler:
     # `(flag, callable)` of each reward; the model is read where it scores: process 0.
     self.rewards = [(f"--reward_fn={cfg.reward_fn}", reward_lib.load(cfg.reward_fn))
                     ] if cfg.reward_fn else []
+    error = None
     if cfg.reward_model and jax.process_index() == 0:
-      self.rewards.append((f"--reward_model={cfg.reward_model}", reward_model_lib.RewardModel(
-          cfg.reward_model, steps.mcfg.compute_dtype)))
+      name = f"--reward_model={cfg.reward_model}"
+      try:
+        self.rewards.append((name, reward_model_lib.RewardModel(cfg.reward_model,
+                                                                steps.mcfg.compute_dtype)))
+      except Exception as e:  # noqa: BLE001 - any failure ends every process alike
+        error = _one_line(f"{name} cannot be loaded", e)
+    if cfg.reward_model:
+      _agree(error)
     self.weights = ([float(w) for w in cfg.reward_weights.split(",")] if cfg.reward_weights
                     else [1.0] * (bool(cfg.reward_fn) + bool(cfg.reward_model)))
     self.prompt_len = longest_prompt(train_set)
@@ -120,34 +137,42 @@ class OnlineSampler:
     return (np.concatenate([samples, chosen_nx1xN], 1),
             np.concatenate([lengths, lengths_nx1], 1))
 
-  def _scores(self, rows: list[dict], samples, lengths, at: str) -> np.ndarray:
+  def _scores(self, rows: list[dict], samples, lengths, at: str,
+              penalize: bool = True) -> np.ndarray:
     """The reward of every candidate `[n, C]` float32 (`lengths`' shape: the K samples,
     and the data's chosen response after them with `--online_data_chosen`), computed by
-    the primary process and broadcast; the first `K` (samples) cut before their EOS lose
-    `--online_missing_eos_penalty`."""
+    the primary process and broadcast; with `penalize`, the first `K` (samples) cut
+    before their EOS lose `--online_missing_eos_penalty`."""
     n, c = lengths.shape
-    scores, error = np.zeros(n * c), None
+    scores, error = np.zeros((n, c)), None
     if jax.process_index() == 0:
-      ids = [generate.until_eos(s[:m], self.eos_ids)
-             for s, m in zip(samples.reshape(n * c, -1), lengths.reshape(-1))]
-      texts = [generate.completion_text(self.tok, x, self.eos_ids) for x in ids]
-      chat = [not isinstance(r["prompt"], str) for r in rows for _ in range(c)]
-      columns = {k: [r.get(k) for r in rows for _ in range(c)]
-                 for k in dict.fromkeys(k for r in rows for k in r if k != "prompt")}
-      inputs = dict(prompts=[r["prompt"] for r in rows for _ in range(c)],
-                    completions=[[{"role": "assistant", "content": t}] if m else t
-                                 for t, m in zip(texts, chat)],
-                    completion_ids=ids, **columns)
       try:
-        scores = sum(w * reward_lib.score(fn, name, at, **inputs)
-                     for w, (name, fn) in zip(self.weights, self.rewards))
+        scores = self._primary_scores(rows, samples, lengths, at, penalize)
       except reward_lib.RewardError as e:
         error = str(e)
-      ended = np.array([bool(x) and x[-1] in self.eos_ids for x in ids]).reshape(n, c)
-      penalty = np.where(ended, 0.0, self.cfg.online_missing_eos_penalty)
-      penalty[:, self.K or c:] = 0.0  # the data's answer is not a sample
-      scores = np.asarray(scores).reshape(n, c) - penalty
-    return _broadcast_scores(scores, error).reshape(n, c)
+      except Exception as e:  # noqa: BLE001 - the inputs are the user's data
+        error = _one_line(f"rewards at {at}", e)
+    return _broadcast_scores(scores, error)
+
+  def _primary_scores(self, rows, samples, lengths, at, penalize) -> np.ndarray:
+    n, c = lengths.shape
+    ids = [generate.until_eos(s[:m], self.eos_ids)
+           for s, m in zip(samples.reshape(n * c, -1), lengths.reshape(-1))]
+    texts = [generate.completion_text(self.tok, x, self.eos_ids) for x in ids]
+    chat = [not isinstance(r["prompt"], str) for r in rows for _ in range(c)]
+    inputs = {k: [r.get(k) for r in rows for _ in range(c)]
+              for k in dict.fromkeys(k for r in rows for k in r if k != "prompt")}
+    inputs.update(prompts=[r["prompt"] for r in rows for _ in range(c)],  # a column's too
+                  completions=[[{"role": "assistant", "content": t}] if m else t
+                               for t, m in zip(texts, chat)], completion_ids=ids)
+    scores = sum(w * reward_lib.score(fn, name, at, **inputs)
+                 for w, (name, fn) in zip(self.weights, self.rewards)).reshape(n, c)
+    if not penalize:
+      return scores
+    ended = np.array([bool(x) and x[-1] in self.eos_ids for x in ids]).reshape(n, c)
+    penalty = np.where(ended, 0.0, self.cfg.online_missing_eos_penalty)
+    penalty[:, self.K:] = 0.0  # the data's answer is not a sample
+    return scores - penalty
 
   def __call__(self, step: int, params, idx) -> tuple[dict, dict]:
     """`(pair batch, metrics)` of step `step` on the prompts of the pairs `idx` under
@@ -198,7 +223,7 @@ class OnlineSampler:
       samples, lengths = self._generate(params, prompts, 1, self.key, self.greedy, length)
       samples, lengths, runs = samples[:len(idx)], lengths[:len(idx)], runs[:len(idx)]
       rows = self._rows(self.cfg.eval_data, eval_set, idx)
-      rewards.append(self._scores(rows, samples, lengths, "evaluation")[:, 0])
+      rewards.append(self._scores(rows, samples, lengths, "evaluation", penalize=False)[:, 0])
       exact += [generate.until_eos(s[0, :m[0]], self.eos_ids)
                 == generate.until_eos(c, self.eos_ids)
                 for s, m, (_, c, _) in zip(samples, lengths, runs)]

@@ -142,8 +142,8 @@ def _train(cfg, devices, log, beat, hooks):
   state, meta = resume.resume(steps, ckpt, cfg, log, source=source, legacy_fingerprint=(
       lambda: source_lib.fingerprint(cfg.hf_model_dir, legacy=True)), data_key=train_set.key)
   start = 0 if meta is None else meta["step"]
-  # On a resume, an --init_from run's reference is the step its first start took.
-  start_cfg, source = (cfg, source) if meta is None else source_lib.pin_reference(cfg, meta)
+  # An --init_from run's weights: the step recorded (on a resume: at its first start).
+  start_cfg, source = source_lib.pin_reference(cfg, meta, source)
   # The reference is the frozen initial policy (on a resume: the pretrained weights
   # reloaded, or the init rebuilt from the seed), in its own buffers, so donating the
   # train state never invalidates it.
@@ -153,7 +153,7 @@ def _train(cfg, devices, log, beat, hooks):
                                                  startup)
     state = state or steps.init_state(key, adapters)
   elif state is None:
-    state = steps.init_state(key, source_lib.initial_params(cfg, steps, log=host_log,
+    state = steps.init_state(key, source_lib.initial_params(start_cfg, steps, log=host_log,
                                                             beat=startup))
     ref_params = frozen_copy(state["params"], ref_dtype)
   else:

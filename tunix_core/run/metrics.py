@@ -17,7 +17,7 @@ from tunix_core.storage import paths
 # Cloud Storage caps a composed object at 1,024 components: after this many appends the
 # file is written whole once (its bytes again, once per this many uploads).
 APPENDS_PER_REWRITE = 500
-# Train metrics that are means over a step's valid pairs (`training.step`): absent from
+# Train metrics that are means over a step's valid pairs (`training.accumulate`): absent from
 # the row of a step that had none (`pairs` 0).
 PAIR_METRICS = ("loss", "rewards/", "logps/")
 # The longest wait between tries of a failed upload (doubling from 1 s), and how many

@@ -114,25 +114,27 @@ def source(cfg) -> dict:
   return dict(out, hf_model_dir=where, hf_fingerprint=fingerprint(cfg.hf_model_dir))
 
 
-def pin_reference(cfg, meta: dict) -> tuple:
-  """`(cfg, source)` of a run resumed from the checkpoint described by `meta`: with
-  `--init_from`, the `RUN_DIR:STEP` its first start resolved (not the source's newest
-  step now), checked against the recorded digest; a `ConfigError` in one line when that
-  step is gone or holds other params now."""
-  recorded = meta.get("source", {}).get("init_from")
-  if not cfg.init_from or not recorded:
-    return cfg, source(cfg)
-  try:
-    now = init_from.digest(recorded)
-  except ConfigError as e:
-    raise ConfigError(f"cannot resume from step {meta['step']}: its reference, "
-                      f"--init_from={recorded}, is gone ({e})") from None
-  saved = meta["source"].get("init_from_digest")
-  if saved is not None and now != saved:
-    raise ConfigError(f"cannot resume from step {meta['step']}: its reference, "
-                      f"--init_from={recorded}, was saved again with other params")
-  cfg = dataclasses.replace(cfg, init_from=recorded)
-  return cfg, source(cfg)
+def pin_reference(cfg, meta: dict | None, src: dict) -> tuple:
+  """`(cfg, source)` with `--init_from` pinned to one `RUN_DIR:STEP`, so that the weights
+  read are those recorded: on a fresh start the step this start's `source` (`src`)
+  resolved; on a resume from the checkpoint described by `meta`, the step its first
+  start resolved (not the source's newest now), checked against the recorded digest: a
+  `ConfigError` in one line when that step is gone or holds other params now."""
+  recorded = src.get("init_from") if meta is None else meta.get("source", {}).get("init_from")
+  if not cfg.init_from or not recorded:  # (a checkpoint older than the record: as given)
+    return cfg, src
+  if meta is not None:
+    try:
+      now = init_from.digest(recorded)
+    except ConfigError as e:
+      raise ConfigError(f"cannot resume from step {meta['step']}: its reference, "
+                        f"--init_from={recorded}, is gone ({e})") from None
+    saved = meta["source"].get("init_from_digest")
+    if saved is not None and now != saved:
+      raise ConfigError(f"cannot resume from step {meta['step']}: its reference, "
+                        f"--init_from={recorded}, was saved again with other params")
+  pinned = dataclasses.replace(cfg, init_from=recorded)
+  return pinned, src if meta is None else source(pinned)
 
 
 def initial_params(cfg, steps, dtype=None, log=None, beat=None) -> dict | None:

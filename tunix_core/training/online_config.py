@@ -14,8 +14,8 @@ class OnlineConfig:
   """The `online` flag group (docs/training.md#online-dpo)."""
 
   online_samples: int = flag(0, "Online DPO: each step, sample K completions of every "
-                             "prompt, score them with --reward_fn, train on the best and "
-                             "worst (the data's responses unused but with "
+                             "prompt, score them (--reward_fn, --reward_model), train on "
+                             "the best and worst (the data's responses unused but with "
                              "--online_data_chosen). 0: offline.", group="online")
   reward_fn: str = flag("", "MODULE:FUNCTION, a reward function as TRL calls one: "
                         "fn(prompts=, completions=, completion_ids=, **columns) -> list of "

@@ -68,6 +68,7 @@ class StepPlan:
   quantize_base: str = ""           # QLoRA: the frozen base's `model.quant` kind
   compiler_options: tuple = ()      # (name, value) of --tpu_flags on TPU, else none
   sync_impl: str = "xla"            # --sync_impl resolved (`collectives.SYNC_IMPLS`)
+  padded_pairs: bool = False        # online DPO: tied prompts are padding pairs
 
   @property
   def pairs_per_device(self) -> int:
@@ -187,4 +188,5 @@ def make_plan(cfg: TrainConfig, devices, sizes: packing.Sizes | None = None,
       bucket_bytes=int(cfg.bucket_mb * 2**20), grad_sync_dtype=cfg.grad_sync_dtype,
       max_grad_norm=cfg.max_grad_norm or None, **auto,
       num_slices=slices, lora=lora, quantize_base=cfg.quantize_base,
-      compiler_options=tuple(sorted(options.items())), sync_impl=sync_impl)
+      compiler_options=tuple(sorted(options.items())), sync_impl=sync_impl,
+      padded_pairs=bool(cfg.online_samples))

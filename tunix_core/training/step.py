@@ -221,10 +221,10 @@ class StepFunctions:
     params = state["params"]
     grads, metrics, pairs = accumulate.pair_means(
         lambda p, mb: self._objective(p, frozen, self._resolve_ref(frozen, mb), mb), params,
-        batch, self.plan.micro_batches, self.batch_axes, self.layout.sync_grads)
+        batch, self.plan.micro_batches, self.batch_axes, self.layout.sync_grads,
+        self.plan.padded_pairs)
     # A batch without a valid pair (online DPO, every prompt tied) updates nothing.
-    metrics = dict(jax.lax.pmean(metrics, self.batch_axes), pairs=pairs)
-    scored = pairs > 0
+    metrics, scored = dict(metrics, pairs=pairs), pairs > 0
     step = state["step"] + 1
     check = lambda grad_norm: health_lib.update(state["nonfinite"],
                                                 dict(metrics, grad_norm=grad_norm), step)
