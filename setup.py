@@ -40,6 +40,10 @@ setup(
         # Watching a run (tunix_core.run.observe, tunix_core.plot), each imported only
         # when used: TensorBoard event files (written by default when installed),
         # Weights & Biases (--wandb_project), PNG curves (python -m tunix_core.plot).
+        # Preference data as Parquet shards (tunix_core.data.sources), read by record batch.
+        "parquet": ["pyarrow>=14"],
+        # datasets.save_to_disk directories (tunix_core.data.sources).
+        "datasets": ["datasets>=2.16,<6"],
         "tensorboard": ["tensorboard>=2.16,<3"],
         "wandb": ["wandb>=0.19,<1"],
         "plot": ["matplotlib>=3.8,<4"],

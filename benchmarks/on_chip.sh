@@ -34,6 +34,8 @@
 # "online": online DPO's step (benchmarks/online_step.py; ONLINE_ARGS, ONLINE_LIMIT): K=4
 # samples of 256 new ids for 8 prompts with SmolLM2-135M's shapes, then the DPO step.
 #
+# "recipe": configs/smollm2_dpo.flags end to end from the real GGUF (RECIPE_GGUF), below.
+#
 # "tunix": Tunix 0.1.7's DPOTrainer step (benchmarks/peer_tunix.py) on the same pairs and
 # sizes, appended to the step part's $OUT/step.jsonl so that one `gpu.py table` (printed,
 # and written to $OUT/step_table.md) sets both side by side. TUNIX_CASES ("model tokens
@@ -171,5 +173,21 @@ if has online; then  # online DPO's step: sampling and the train step (benchmark
   part online "${ONLINE_LIMIT:-420}" env JAX_COMPILATION_CACHE_DIR=/tmp/compile-cache/online \
       python3 benchmarks/online_step.py ${ONLINE_ARGS:---model smollm2-135m --new_tokens 256 \
       --samples 4 --prompts 8} --out "$OUT/online.jsonl"
+fi
+if has recipe; then  # configs/smollm2_dpo.flags on the chip, end to end, from the real
+  # GGUF at RECIPE_GGUF (94 MiB: more than a call carries, so earlier calls on the same
+  # warm machine leave its pieces in /tmp): converted, trained (evaluated, sampled,
+  # exported), then the export's greedy answer. .whl-recipe/ carries gguf, tokenizers and
+  # jinja2's wheels. RECIPE_ARGS: more trainer flags.
+  PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-deps --no-compile \
+      --no-cache-dir --target "$site" .whl-recipe/*.whl >> "$OUT/setup.log" 2>&1
+  run=/tmp/recipe-run
+  part recipe 180 python3 -m tunix_core.hf from_gguf --gguf="$RECIPE_GGUF" \
+      --out=/tmp/smollm2-135m-instruct
+  part recipe "${RECIPE_LIMIT:-420}" python3 trainer.py --flagfile=configs/smollm2_dpo.flags \
+      --output_dir=$run --export_hf_dir=$run/hf ${RECIPE_ARGS:-}
+  cp $run/metrics.jsonl "$OUT/recipe_metrics.jsonl"; cp $run/samples.jsonl "$OUT/recipe_samples.jsonl"
+  part recipe 180 python3 -m tunix_core.generate --hf_model_dir=$run/hf \
+      --prompt="What is the capital of France?" --max_new_tokens=24
 fi
 echo "done in $(( SECONDS - start )) s"

@@ -25,9 +25,11 @@ QUIET = dict(log=lambda *_: None)
 
 
 def config(out, **overrides) -> config_lib.TrainConfig:
-  """6 steps of 8 pairs of 40 tokens, a metrics row every step, small gradient buckets."""
+  """6 steps of 8 pairs of 40 tokens, a metrics row every step, small gradient buckets,
+  a constant learning rate (a run resumed with more --steps then equals a straight one)."""
   base = dict(output_dir=str(out), train_data=TRAIN, max_length=40, max_prompt_length=20,
-              batch_size=8, steps=6, log_every=1, learning_rate=2e-3, bucket_mb=0.25)
+              batch_size=8, steps=6, log_every=1, learning_rate=2e-3, bucket_mb=0.25,
+              lr_schedule="constant")
   return config_lib.TrainConfig(**{**base, **overrides})
 
 

@@ -90,3 +90,25 @@ def test_measured_figures_live_in_docs_results_only():
   dated = re.compile(r"\b20\d\d-\d\d-\d\d\b")
   for path in (("README.md",), ("docs", "testing.md")):
     assert not dated.search(_read(*path)), f"{os.path.join(*path)} holds a dated figure"
+
+
+def test_trl_page_maps_every_dpoconfig_field():
+  """docs/trl.md names a flag or says "not supported" (or how) for each field in its
+  tables (its flags exist: `test_every_flag_the_docs_name_exists`); where TRL is
+  installed, every field `DPOConfig` adds to `TrainingArguments` is in it."""
+  page = _read("docs", "trl.md")
+  rows = [line.split("|")[1:-1] for line in page.splitlines()
+          if line.startswith("| `")]
+  assert len(rows) > 30
+  for row in rows:
+    assert "`--" in row[1] or row[1].strip() in ("not supported", "not needed", "always",
+                                                  "the tokenizer's"), row
+  named = {name for row in rows for name in re.findall(r"`(\w+)`", row[0])}
+  try:
+    import transformers  # pylint: disable=g-import-not-at-top
+    import trl  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return
+  base = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+  own = {f.name for f in dataclasses.fields(trl.DPOConfig)} - base
+  assert not own - named, f"docs/trl.md misses DPOConfig fields {sorted(own - named)}"

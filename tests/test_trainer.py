@@ -49,7 +49,8 @@ def test_flagfile_run_on_8_devices_loss_falls_from_ln2(tmp_path):
       f"--output_dir={tmp_path / 'out'}", f"--train_data={train_data}",
       f"--eval_data={eval_data}",
       "--max_length=40", "--max_prompt_length=20", "--batch_size=16", "--steps=10",
-      "--log_every=1", "--eval_every=10", "--learning_rate=2e-3", "--warmup_steps=2",
+      "--log_every=1", "--eval_every=10", "--learning_rate=2e-3", "--warmup_ratio=0.15",
+      "--lr_schedule=cosine",
       "--reference=precomputed", f"--compilation_cache_dir={flagfile}/cache"]) + "\n")
   # A TPU environment naming one worker is a job of one process, with one notice line.
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
@@ -72,7 +73,10 @@ def test_flagfile_run_on_8_devices_loss_falls_from_ln2(tmp_path):
   eval_rows = [r for r in rows if "eval/loss" in r]
   assert [r["step"] for r in train_rows] == list(range(1, 11))
   assert train_rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
-  assert train_rows[0]["learning_rate"] == 0.0 and train_rows[1]["learning_rate"] > 0
+  # Warmup ceil(0.15 * 10) = 2 steps, then a half cosine over the 8 left (the rate a
+  # step used, as transformers' get_scheduler("cosine") gives it).
+  want = [0, 1e-3] + [1e-3 * (1 + math.cos(math.pi * k / 8)) for k in range(8)]
+  np.testing.assert_allclose([r["learning_rate"] for r in train_rows], want, rtol=1e-5)
   assert np.mean([r["loss"] for r in train_rows[-3:]]) < math.log(2) - 0.05
   for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
               "logps/chosen", "logps/rejected", "grad_norm", "learning_rate", "tokens_per_sec"):
@@ -129,7 +133,7 @@ def test_every_config_field_is_a_flag_with_its_help_and_no_other_run_flag():
 @pytest.mark.parametrize("override,message", [
     (dict(loss_type="sigmoid,kto"), "--loss_type='sigmoid,kto': unknown loss_type 'kto'"),
     (dict(batch_size=12), "--batch_size=12 is not divisible by the 8 devices"),
-    (dict(train_data="/nonexistent.jsonl"), "--train_data='/nonexistent.jsonl': no such file"),
+    (dict(train_data="/nonexistent.jsonl"), "--train_data='/nonexistent.jsonl': no such data file"),
     (dict(max_prompt_length=40), "--max_prompt_length=40 must be positive and less than "
                                  "--max_length=40"),
     (dict(model="huge"), "--model='huge' is not a preset"),

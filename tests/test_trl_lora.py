@@ -43,7 +43,7 @@ def _trl_metrics(model_dir, adapter_dir, data, out):
   model = peft.PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
   args = trl.DPOConfig(
       output_dir=out, per_device_train_batch_size=PAIRS, max_steps=STEPS, learning_rate=LR,
-      lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+      warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
       beta=0.1, loss_type=["sigmoid"], logging_steps=1, report_to="none", use_cpu=True,
       save_strategy="no", seed=0, bf16=False, fp16=False)
   trainer = trl.DPOTrainer(

@@ -64,7 +64,7 @@ def _trl_metrics(model_dir, pairs, out, loss_type, weights, smoothing):
   model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
   args = trl.DPOConfig(
       output_dir=out, per_device_train_batch_size=PAIRS, max_steps=STEPS, learning_rate=LR,
-      lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+      warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
       beta=0.1, loss_type=loss_type.split(","),
       loss_weights=list(weights) if weights else None, label_smoothing=smoothing,
       logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", seed=0,

@@ -28,7 +28,10 @@ from tunix_core.training import optim
 
 # What a resume must keep of the run's settings (the model's own fields apart): data
 # order, optimizer state (its dtypes and error term), the frozen base.
+# The schedule's shape is one; its horizon (--steps) is not: a resume with more steps
+# stretches the decay from the saved step on, as transformers' Trainer does.
 RESUME_FIELDS = ("max_length", "max_prompt_length", "seed", "batch_size", "optimizer",
+                 "lr_schedule", "warmup_steps", "warmup_ratio",
                  "optimizer_dtype", "param_rounding", "quantize_base", "train_data",
                  "chat_template", "lora_rank", "lora_alpha", "lora_targets", "lora_rslora",
                  "lora_init", "init_from", "online_samples", "reward_fn",

@@ -1,15 +1,17 @@
-"""JSONL preference pairs -> a token store (`data.store`), tokenized once on every core.
+"""Preference pairs (JSONL, Parquet, save_to_disk: `data.sources`) -> a token store
+(`data.store`), tokenized once on every core.
 
-The file is read as a stream, in chunks of `chunk_pairs` lines (a JSONL larger than RAM
-is fine); each chunk is parsed and encoded (`encode_pair`, which is `data.dataset`'s
+The source is read as a stream, in chunks of `chunk_pairs` records (a file larger than
+RAM is fine); each chunk is parsed and encoded (`encode_pair`, which is `data.dataset`'s
 row rule). The first chunk is encoded in the calling process; when the rest would take
 longer there than starting workers costs (each imports JAX), it is encoded in a pool of
 worker processes (`spawn`: the parent may already run JAX's threads), at most two chunks
-per worker in flight. The ids are appended to the store in file order, so the store is
-the same for any number of workers. A bad line still raises `DataError` naming
-`path:line`, or is counted and skipped under `skip_bad_lines`.
+per worker in flight. The ids are appended to the store in source order, so the store
+is the same for any number of workers. A bad record still raises `DataError` naming
+where it is (`path:line`, `shard row N`), or is counted and skipped under
+`skip_bad_lines`.
 
-A store is found again by `store_key`: the JSONL's content digest, the tokenizer's
+A store is found again by `store_key`: the source's content digest, the tokenizer's
 fingerprint and special ids, the chat template and the length limits.
 """
 
@@ -25,8 +27,8 @@ import time
 import numpy as np
 
 from tunix_core.data import encode as data_encode
+from tunix_core.data import sources
 from tunix_core.data import store as store_lib
-from tunix_core.storage import digest as content_digest
 from tunix_core.storage import paths
 from tunix_core.storage import staging
 
@@ -36,49 +38,50 @@ from tunix_core.storage import staging
 _WORKER_START_S = 2.0
 
 
-class DataError(ValueError):
-  """Bad preference data; the message names the file and line."""
+DataError = sources.DataError
 
 
-def parse_line(path: str, lineno: int, raw: bytes) -> dict | None:
-  """The pair `{"prompt", "chosen", "rejected"}` of one JSONL line (None: blank), or a
-  `DataError` naming `path:lineno` (`data.dataset.read_jsonl` lists what is checked)."""
-  try:
-    line = raw.decode("utf-8")
-  except UnicodeDecodeError as e:
-    raise DataError(f"{path}:{lineno}: not UTF-8 text ({e})") from None
-  if not line.strip():
-    return None
-  try:
-    record = json.loads(line)
-  except json.JSONDecodeError as e:
-    raise DataError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
+def parse_record(where: str, raw) -> dict | None:
+  """The pair `{"prompt", "chosen", "rejected"}` of one record (None: a blank line): a
+  JSONL line's bytes or a table row's dict, its prompt extracted when implicit
+  (`encode.maybe_extract_prompt`), or a `DataError` naming `where`
+  (`data.dataset.read_jsonl` lists what is checked)."""
+  record = raw
+  if isinstance(raw, bytes):
+    try:
+      line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+      raise DataError(f"{where}: not UTF-8 text ({e})") from None
+    if not line.strip():
+      return None
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise DataError(f"{where}: malformed JSON ({e.msg})") from None
   if not isinstance(record, dict):
-    raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+    raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+  record = data_encode.maybe_extract_prompt(record)
   error = data_encode.pair_error(record)
   if error:
-    raise DataError(f"{path}:{lineno}: {error}")
+    raise DataError(f"{where}: {error}")
   return {k: record[k] for k in data_encode.FIELDS}
 
 
-def read_rows(path: str, lines) -> dict:
-  """`{line number: JSON object}` of the 1-based `lines` of the JSONL `path` (the rows a
-  token store's pairs came from, `PairStore.lines`), every column kept; one pass."""
-  want, rows = {int(l) for l in lines}, {}
-  with paths.open_read(path) as f:
-    for lineno, raw in enumerate(f, start=1):
-      if lineno in want:
-        rows[lineno] = json.loads(raw)
-  return rows
+def read_rows(path: str, numbers) -> dict:
+  """`{number: record}` of the records `numbers` of the source `path` (the rows a token
+  store's pairs came from, `PairStore.lines`), every column kept, an implicit prompt
+  extracted as the store's pairs were (`encode.maybe_extract_prompt`); one pass."""
+  return {n: data_encode.maybe_extract_prompt(row)
+          for n, row in sources.read_rows(path, numbers).items()}
 
 
-def parse_lines(path: str, lines, skip_bad_lines: bool) -> tuple[list, int]:
-  """`([(line number, pair)], bad lines skipped)` of numbered raw lines `[(lineno,
-  bytes)]` of `path` (`parse_line`; a bad line raises unless `skip_bad_lines`)."""
+def parse_lines(records, skip_bad_lines: bool) -> tuple[list, int]:
+  """`([(number, pair)], bad records skipped)` of `[(where, number, raw)]` records
+  (`parse_record`; a bad one raises unless `skip_bad_lines`)."""
   pairs, skipped = [], 0
-  for lineno, raw in lines:
+  for where, lineno, raw in records:
     try:
-      pair = parse_line(path, lineno, raw)
+      pair = parse_record(where, raw)
     except DataError:
       if not skip_bad_lines:
         raise
@@ -125,16 +128,17 @@ def _init(settings: dict):
 
 
 def _encode_chunk(chunk: list) -> tuple:
-  """One chunk `[(lineno, raw line)]` -> `(ids, lengths [k, 3], lines [k], dropped,
+  """One chunk `[(where, number, raw)]` -> `(ids, lengths [k, 3], numbers [k], dropped,
   skipped, mismatches)`; runs in a worker (or here), with `_WORKER`'s settings."""
   w = _WORKER
   ids, lengths, lines, dropped, mismatches = [], [], [], 0, 0
-  pairs, skipped = parse_lines(w["path"], chunk, w["skip_bad_lines"])
+  pairs, skipped = parse_lines(chunk, w["skip_bad_lines"])
+  where = {number: place for place, number, _ in chunk}
   for lineno, pair in pairs:
     try:
       encoded = encode_pair(w["tok"], pair, w["max_length"], w["max_prompt_length"])
     except ValueError as e:
-      raise DataError(f"{w['path']}:{lineno}: {e}") from None
+      raise DataError(f"{where[lineno]}: {e}") from None
     if encoded is None:
       dropped += 1
       continue
@@ -148,21 +152,16 @@ def _encode_chunk(chunk: list) -> tuple:
 
 
 def _chunks(path: str, chunk_pairs: int):
-  """`(chunk, bytes read so far)` over the file's lines, streamed."""
-  try:
-    f = paths.open_read(path)
-  except FileNotFoundError:
-    raise DataError(f"{path}: no such data file") from None
-  with f:
-    chunk, read = [], 0
-    for lineno, raw in enumerate(f, start=1):
-      chunk.append((lineno, raw))
-      read += len(raw)
-      if len(chunk) == chunk_pairs:
-        yield chunk, read
-        chunk = []
-    if chunk:
+  """`(chunk, units read so far)` over the source's records, streamed
+  (`sources.records`)."""
+  chunk, read = [], 0
+  for where, number, raw, read in sources.records(path, chunk_pairs):
+    chunk.append((where, number, raw))
+    if len(chunk) == chunk_pairs:
       yield chunk, read
+      chunk = []
+  if chunk:
+    yield chunk, read
 
 
 def _in_order(fn, items, pool, in_flight: int):
@@ -185,11 +184,14 @@ def _in_order(fn, items, pool, in_flight: int):
 
 
 def _encoded(path, settings, workers, chunk_pairs, log):
-  """The chunks' `_encode_chunk` results in file order, with a progress line at every
-  tenth of a file of 256 KiB or more. The first chunk is encoded here; the time it took
-  times the chunks left (estimated from the file's bytes) decides the rest: in a pool of
-  up to `workers` processes, started at once, when it would finish first, else here."""
-  total, tenths, pairs = paths.getsize(path), 0, 0
+  """The chunks' `_encode_chunk` results in source order, with a progress line at every
+  tenth of a source of 256 KiB or 2,560 rows or more. The first chunk is encoded here;
+  the time it took times the chunks left (estimated from the source's bytes or rows)
+  decides the rest: in a pool of up to `workers` processes, started at once, when it
+  would finish first, else here."""
+  total, tenths, pairs = sources.num_units(path), 0, 0
+  jsonl = sources.resolve(path).kind == "jsonl"
+  big, unit = ((256 << 10), "file") if jsonl else (2560, "rows")
   chunks = _chunks(path, chunk_pairs)
   _init(settings)
   first = next(chunks, None)
@@ -208,9 +210,9 @@ def _encoded(path, settings, workers, chunk_pairs, log):
     for result, done in itertools.chain(head, _in_order(_encode_chunk, chunks, pool,
                                                          2 * procs)):
       pairs += len(result[2])
-      if log and total >= 256 << 10 and done * 10 // total > tenths:
+      if log and total >= big and done * 10 // total > tenths:
         tenths = done * 10 // total
-        log(f"{path}: tokenized {pairs:,} pairs ({done * 100 // total}% of the file)")
+        log(f"{path}: tokenized {pairs:,} pairs ({done * 100 // total}% of the {unit})")
       yield result
   finally:
     if pool is not None:
@@ -226,10 +228,8 @@ def tokenizer_key(tok) -> dict:
 def store_key(path: str, tok, max_length: int, max_prompt_length: int,
               skip_bad_lines: bool) -> str:
   """The name a store of this data, tokenizer and limits is kept under."""
-  if not paths.exists(path):
-    raise DataError(f"{path}: no such data file")
   key = dict(tokenizer_key(tok), format=store_lib.FORMAT,
-             data=content_digest.content_digest(path), max_length=max_length,
+             data=sources.digest(path), max_length=max_length,
              max_prompt_length=max_prompt_length, skip_bad_lines=skip_bad_lines)
   return "pairs-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
 
@@ -237,7 +237,7 @@ def store_key(path: str, tok, max_length: int, max_prompt_length: int,
 def build(path: str, tok, out_dir: str, max_length: int, max_prompt_length: int,
           skip_bad_lines: bool = False, workers: int | None = None,
           chunk_pairs: int = 2000, log=None, beat=None) -> store_lib.PairStore:
-  """Tokenizes the JSONL `path` into a store at `out_dir` (local or remote; `meta.json`
+  """Tokenizes the preference data `path` (`data.sources`) into a store at `out_dir` (local or remote; `meta.json`
   written last) and opens it. `workers`: processes (default: every core); `beat`, if
   given, is called with a name for the work after each chunk (a watchdog's beat)."""
   if not 0 < max_prompt_length < max_length:
@@ -258,7 +258,7 @@ def build(path: str, tok, out_dir: str, max_length: int, max_prompt_length: int,
         lines.append(lns)
         counts += n
         if beat:  # the deadline bounds the wait for each chunk, not the file's length
-          beat(f"tokenizing {path} ({len(lengths)} chunks of {chunk_pairs} lines done)")
+          beat(f"tokenizing {path} ({len(lengths)} chunks of {chunk_pairs} records done)")
     lengths = np.concatenate(lengths or [np.zeros((0, 3), np.int64)])
     if not len(lengths):
       if counts[0]:

@@ -1,9 +1,11 @@
-"""Preference data: JSONL pairs -> fixed-length token rows -> deterministic batches.
+"""Preference data: pairs (JSONL, Parquet, save_to_disk: `data.sources`) ->
+fixed-length token rows -> deterministic batches.
 
-A line is a pair `{"prompt", "chosen", "rejected"}`, either three strings or, as in
+A record is a pair `{"prompt", "chosen", "rejected"}`, either three strings or, as in
 TRL's conversational preference format, `prompt` a list of `{"role", "content"}`
 messages and `chosen` / `rejected` each a list of one `{"role": "assistant", ...}`
-message. Each pair becomes two rows of length `max_length`:
+message. Without a prompt (or with a prompt of the other format) the prompt is implicit
+in `chosen` and `rejected` and is extracted as TRL does (`encode.maybe_extract_prompt`). Each pair becomes two rows of length `max_length`:
 
     tokens  = BOS prompt response            (then PAD)
     targets =     prompt response END        (tokens shifted left by one)
@@ -36,6 +38,7 @@ import numpy as np
 from tunix_core.data import build as data_build
 from tunix_core.data import encode as data_encode
 from tunix_core.data import packing
+from tunix_core.data import sources
 from tunix_core.data import store as store_lib
 from tunix_core.storage import paths
 
@@ -43,7 +46,7 @@ FIELDS = data_encode.FIELDS
 IGNORE_INDEX = data_encode.IGNORE_INDEX  # the target at unscored positions
 
 
-DataError = data_build.DataError
+DataError = sources.DataError
 
 
 class Tokenizer(Protocol):
@@ -106,11 +109,8 @@ def with_chat_template(tok: Tokenizer, chat_template: str) -> Tokenizer:
 
 def _read_records(path: str, skip_bad_lines: bool) -> tuple[list[tuple[int, dict]], int]:
   """`([(line number, pair)], bad lines skipped)`; see `read_jsonl`."""
-  try:
-    with paths.open_read(path) as f:
-      records, skipped = data_build.parse_lines(path, enumerate(f, start=1), skip_bad_lines)
-  except FileNotFoundError:
-    raise DataError(f"{path}: no such data file") from None
+  records, skipped = data_build.parse_lines(
+      ((where, n, raw) for where, n, raw, _ in sources.records(path)), skip_bad_lines)
   if not records:
     raise DataError(f"{path}: no preference pairs" + (f" ({skipped} bad lines skipped)"
                                                        if skipped else " (empty file)"))

@@ -63,6 +63,37 @@ def pair_error(record: dict) -> str | None:
   return None
 
 
+def _conversational(value) -> bool:
+  """TRL's `is_conversational` of one field: a list whose first item is a message."""
+  return isinstance(value, list) and bool(value) and isinstance(value[0], dict) \
+      and "role" in value[0]
+
+
+def maybe_extract_prompt(record: dict) -> dict:
+  """`record` with its prompt extracted from `chosen` and `rejected` when it is implicit
+  there, as TRL's `maybe_extract_prompt`: when there is no `prompt`, or one of the other
+  format (a string prompt beside message-list responses). The prompt is the longest
+  common prefix (of characters, or of messages); a string prompt leaves a space that
+  ends it to the responses. Other columns are kept."""
+  if "chosen" not in record or "rejected" not in record:
+    return record
+  chosen, rejected = record["chosen"], record["rejected"]
+  prompt = record.get("prompt")
+  if "prompt" in record and (not isinstance(prompt, (str, list))
+                             or _conversational(chosen) == _conversational(prompt)):
+    return record  # a prompt of the responses' format, or one pair_error names
+  if not (isinstance(chosen, (str, list)) and type(chosen) is type(rejected)):
+    return record  # pair_error names the field
+  idx = 0
+  for idx in range(min(len(chosen), len(rejected))):
+    if chosen[idx] != rejected[idx]:
+      if chosen[idx - 1] == " ":  # the space before the response stays with it
+        idx -= 1
+      break
+  return {**record, "prompt": chosen[:idx], "chosen": chosen[idx:],
+          "rejected": rejected[idx:]}
+
+
 def _with_eos(ids: list[int], eos_id: int) -> list[int]:
   return ids if ids and ids[-1] == eos_id else ids + [eos_id]
 

@@ -14,6 +14,8 @@ import json
 import jax
 
 from tunix_core import generate
+from tunix_core.data import build as data_build
+from tunix_core.data import sources
 from tunix_core.model import generate as generate_lib
 from tunix_core.storage import paths
 
@@ -24,8 +26,14 @@ def read_prompts(cfg) -> list:
   """The prompts to sample: strings, or message lists of conversational data."""
   if cfg.sample_prompts:
     return [l for l in paths.read_text(cfg.sample_prompts).splitlines() if l.strip()]
-  rows = (json.loads(l) for l in paths.read_text(cfg.eval_data).splitlines() if l.strip())
-  return [r["prompt"] for r, _ in zip(rows, range(MAX_PROMPTS))]
+  prompts = []
+  for where, _, raw, _ in sources.records(cfg.eval_data):
+    pair = data_build.parse_record(where, raw)
+    if pair is not None:
+      prompts.append(pair["prompt"])
+    if len(prompts) == MAX_PROMPTS:
+      break
+  return prompts
 
 
 class Sampler:

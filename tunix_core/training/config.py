@@ -81,9 +81,11 @@ class TrainConfig(online_config.OnlineConfig):
                              group="observe")
   profile_steps: str = _flag("", "N:M: write a JAX profiler trace of steps N to M to "
                              "{output_dir}/profile. Empty: off.", group="observe")
-  train_data: str = _flag("", "Training pairs, JSONL: prompt/chosen/rejected strings or "
-                          "TRL conversational messages. Required, but for --compile_only.",
-                          group="data")
+  train_data: str = _flag("", "Training pairs: a JSONL file, a .parquet file, a directory "
+                          "or glob of Parquet shards, or a datasets.save_to_disk directory "
+                          "(DIR:SPLIT for one split of several); TRL's standard or "
+                          "conversational columns, the prompt explicit or implicit "
+                          "(docs/data.md). Required, but for --compile_only.", group="data")
   eval_data: str = _flag("", "Evaluation pairs, same format.", group="data")
   max_length: int = _flag(64, "Tokens per response row (prompt + response).", group="data")
   max_prompt_length: int = _flag(32, "Prompt tokens kept (cut from the left); less than "
@@ -150,7 +152,12 @@ class TrainConfig(online_config.OnlineConfig):
   optimizer: str = _flag("adamw", "adamw, rmsprop (the DPO paper's) or sgd.",
                          group="optimizer")
   learning_rate: float = _flag(1e-6, "Peak learning rate (TRL's default).", group="optimizer")
+  lr_schedule: str = _flag("linear", "After the warmup: linear (to 0 at --steps, TRL's "
+                           "default), cosine (a half cosine to 0 at --steps) or constant.",
+                           group="optimizer")
   warmup_steps: int = _flag(0, "Linear warmup steps from 0.", group="optimizer")
+  warmup_ratio: float = _flag(0.0, "Warmup as a share of --steps, rounded up (with "
+                              "--warmup_steps 0).", group="optimizer")
   weight_decay: float = _flag(0.0, "AdamW decoupled weight decay (norm scales excluded).",
                               group="optimizer")
   optimizer_dtype: str = _flag("auto", "Dtype of the optimizer's moments (auto: "

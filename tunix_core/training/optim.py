@@ -25,21 +25,34 @@ import jax.numpy as jnp
 import optax
 
 OPTIMIZERS = ("adamw", "rmsprop", "sgd")
+# `--lr_schedule`: after the warmup, transformers' `get_scheduler` shapes of the same
+# names (linear is TRL's default; constant is its constant_with_warmup).
+SCHEDULES = ("linear", "cosine", "constant")
 # `--param_rounding` of bfloat16 params (`compensated`).
 ROUNDINGS = ("kahan", "kahan_nearest", "stochastic")
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-  """The optimizer of a step (`--optimizer`, `--learning_rate`, `--warmup_steps`,
-  `--weight_decay`)."""
+  """The optimizer of a step (`--optimizer`, `--learning_rate`, `--lr_schedule`,
+  `--warmup_steps` or `--warmup_ratio`, `--weight_decay`); `steps` is the schedule's
+  horizon (`--steps`)."""
   optimizer: str = "adamw"
   learning_rate: float = 1e-6
+  lr_schedule: str = "constant"     # the trainer's default is TRL's, linear
   warmup_steps: int = 0
+  warmup_ratio: float = 0.0
+  steps: int = 1
   weight_decay: float = 0.0
   param_dtype: str = "float32"      # the trained params' (`--param_dtype`)
   optimizer_dtype: str = "auto"     # the moments' (`--optimizer_dtype`; auto: param_dtype)
   param_rounding: str = "kahan"     # bfloat16 params' (`--param_rounding`, `compensated`)
+
+  @property
+  def warmup(self) -> int:
+    """Warmup steps: `warmup_steps`, else `warmup_ratio` of `steps` rounded up (as
+    transformers' `TrainingArguments.get_warmup_steps`)."""
+    return self.warmup_steps or math.ceil(self.warmup_ratio * self.steps)
 
   @property
   def state_dtype(self) -> str:
@@ -187,21 +200,35 @@ def compensated(inner: optax.GradientTransformation, state_dtype,
   return optax.GradientTransformation(init, update)
 
 
+def make_schedule(cfg: OptimizerConfig) -> optax.Schedule:
+  """The learning rate at each optimizer step `count` (0-based, the count of updates
+  already applied, as optax and transformers' `LambdaLR` count): `learning_rate * count
+  / warmup` during the warmup, then, over the `steps - warmup` steps left, a linear
+  decay to 0, a half cosine to 0, or constant. Equal to transformers' `get_scheduler`
+  ("linear", "cosine", "constant_with_warmup") step for step."""
+  if cfg.lr_schedule not in SCHEDULES:
+    raise ValueError(f"unknown lr_schedule {cfg.lr_schedule!r}; choose one of {SCHEDULES}")
+  peak, warmup = cfg.learning_rate, cfg.warmup
+  left = max(cfg.steps - warmup, 1)
+  after = {"linear": lambda: optax.linear_schedule(peak, 0.0, left),
+           "cosine": lambda: optax.cosine_decay_schedule(peak, left),
+           "constant": lambda: optax.constant_schedule(peak)}[cfg.lr_schedule]()
+  if not warmup:
+    return after
+  return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
+
+
 def make_optimizer(cfg: OptimizerConfig) -> tuple[optax.GradientTransformation,
                                                   optax.Schedule]:
   """`(tx, schedule)` of an `OptimizerConfig`.
 
-  The schedule warms up linearly from 0 to `learning_rate`, then stays constant.
-  AdamW's weight decay skips the norm scales (params whose name ends in `norm`). Params
+  The schedule is `make_schedule`'s. AdamW's weight decay skips the norm scales (params whose name ends in `norm`). Params
   or moments in a dtype other than float32 go through `compensated` (compensating the
   params' rounding when they are narrower than float32).
   """
   if cfg.optimizer not in OPTIMIZERS:
     raise ValueError(f"unknown optimizer {cfg.optimizer!r}; choose one of {OPTIMIZERS}")
-  if cfg.warmup_steps > 0:
-    schedule = optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps)
-  else:
-    schedule = optax.constant_schedule(cfg.learning_rate)
+  schedule = make_schedule(cfg)
   if cfg.optimizer == "adamw":
     def decay_mask(params):
       return jax.tree_util.tree_map_with_path(

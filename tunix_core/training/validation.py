@@ -8,6 +8,7 @@ import math
 import tunix_kernels
 from tunix_kernels import aot_tpu
 from tunix_kernels.dpo_loss import losses as dpo_losses
+from tunix_core.data import sources as data_sources
 from tunix_core import model as model_lib
 from tunix_core.model import quant
 from tunix_core.parallel import collectives
@@ -113,6 +114,12 @@ def check(cfg, num_devices: int) -> None:
   except ValueError as e:
     need(False, f"--loss_type={cfg.loss_type!r}: {e}")
   need(cfg.learning_rate > 0, f"--learning_rate must be positive, got {cfg.learning_rate}")
+  need(cfg.lr_schedule in optim.SCHEDULES, f"--lr_schedule={cfg.lr_schedule!r}: choose one "
+       f"of {', '.join(optim.SCHEDULES)}")
+  need(cfg.warmup_steps >= 0, f"--warmup_steps must be >= 0, got {cfg.warmup_steps}")
+  need(0 <= cfg.warmup_ratio < 1, f"--warmup_ratio must be in [0, 1), got {cfg.warmup_ratio}")
+  need(not (cfg.warmup_steps and cfg.warmup_ratio), "set --warmup_steps or --warmup_ratio, "
+       "not both")
   need(cfg.log_every > 0, f"--log_every must be positive, got {cfg.log_every}")
   need(cfg.eval_every >= 0, f"--eval_every must be >= 0, got {cfg.eval_every}")
   need(cfg.output_dir, "--output_dir is required")
@@ -120,7 +127,10 @@ def check(cfg, num_devices: int) -> None:
        "--compile_only, which then plans for the flags' worst case)")
   for name in ("train_data", "eval_data"):
     path = getattr(cfg, name)
-    need(not path or paths.isfile(path), f"--{name}={path!r}: no such file")
+    try:
+      path and data_sources.resolve(path)
+    except data_sources.DataError as e:
+      need(False, f"--{name}={path!r}: {str(e).removeprefix(path + ': ')}")
   need(not (cfg.eval_every and not cfg.eval_data), "--eval_every needs --eval_data")
   need(cfg.sample_every >= 0, f"--sample_every must be >= 0, got {cfg.sample_every}")
   need(not cfg.sample_every or cfg.sample_prompts or cfg.eval_data,
