@@ -25,7 +25,8 @@ setup(
     ],
     extras_require={
         # setuptools: tests/test_install.py builds the package into a folder, as pip would.
-        "test": ["pytest>=8,<10", "setuptools>=70.1"],
+        # flax: tests/test_causal_lm.py's Flax NNX model (the kernels serve NNX models).
+        "test": ["pytest>=8,<10", "setuptools>=70.1", "flax>=0.10"],
         # The TPU compiler, for ahead-of-time compilation on any host (tests and
         # benchmarks that need it skip without it); jax[tpu] pins the matching libtpu.
         "tpu": ["jax[tpu]>=0.10.2,<0.13"],

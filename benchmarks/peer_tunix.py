@@ -21,7 +21,9 @@ Flags: --model (gpu.MODELS), --tokens L (1024), --pairs (8), --steps (6), --warm
 layer's attention block and MLP block, DECODER the whole layer), --param_dtype bfloat16|float32
 (bfloat16: float32 params of SmolLM2-135M at 1,024 tokens and 8 pairs need 26.5 GiB of
 temporaries in Tunix's step, more than a 16 GiB v5e chip), --cache_dir (JAX's persistent
-compilation cache, every entry kept), --out (the JSONL it appends to).
+compilation cache, every entry kept), --out (the JSONL it appends to), --fused (Tunix's
+policy and reference log-probs served by `tunix_kernels`: `benchmarks/tunix_fused.py`;
+the row's side says "+ tunix_kernels"; the row keeps every step's loss).
 
 Model: `tunix.models.qwen2.model.Qwen2` for a Qwen2 config (q/k/v biases, its `dtype` and
 `param_dtype` set to --param_dtype so it computes in that dtype as the Llama model does), else
@@ -154,6 +156,9 @@ def run(a, config: dict, pairs) -> dict:
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from tunix.sft.dpo import dpo_trainer  # pylint: disable=g-import-not-at-top
 
+  if a.fused:
+    import tunix_fused  # pylint: disable=g-import-not-at-top  (beside this script)
+    tunix_fused.install()
   compiles = gpu.CompileLog()
   logging.getLogger("jax").addHandler(compiles)
   jax.config.update("jax_log_compiles", True)
@@ -191,11 +196,19 @@ def run(a, config: dict, pairs) -> dict:
     times.append(time.perf_counter() - t0)
     if i == 0:
       step1_at = gpu.process_age()
-    print(f"step {i}: {times[-1]:.3f} s, loss {losses[-1]:.6f}", file=sys.stderr, flush=True)
+    print(f"step {i}: {times[-1]:.3f} s, loss {losses[-1]:.9f}", file=sys.stderr, flush=True)
   stats = device.memory_stats() or {}
   version = tunix_version()
+  temps = None
+  try:  # the train step's compiled temporaries (the persistent cache serves the compile)
+    lowered = nnx.jit(trainer.create_train_step_fn(), donate_argnames=("optimizer",)).lower(
+        trainer.model, trainer.optimizer, trainer._prepare_inputs(batch))  # pylint: disable=protected-access
+    temps = lowered.compile().memory_analysis().temp_size_in_bytes
+  except Exception as e:  # pylint: disable=broad-except  (a figure less, not a failure)
+    print(f"no memory analysis: {type(e).__name__}: {e}"[:200], file=sys.stderr)
   return dict(first_step_s=times[0], step_s=statistics.median(times[1 + a.warmup:]),
               peak_bytes=stats.get("peak_bytes_in_use"), memory_stats=stats,
+              train_step_temp_bytes=temps, losses=losses,
               device=device.device_kind, loss=losses[-1], first_loss=losses[0], last_loss=losses[-1],
               peer_model=peer_model, param_dtype=a.param_dtype, remat=a.remat,
               framework=f"jax {jax.__version__}, tunix {version}",
@@ -219,13 +232,16 @@ def main() -> int:
   p.add_argument("--cache_dir", help="JAX's persistent compilation cache (unset: JAX's own "
                  "setting)")
   p.add_argument("--out", default="gpu_results.jsonl", help="JSONL the case appends to")
+  p.add_argument("--fused", action="store_true", help="Tunix's log-probs from tunix_kernels "
+                 "(benchmarks/tunix_fused.py)")
   a = p.parse_args()
   if a.steps < 1 or a.warmup < 0 or a.tokens % 2:
     p.error("--steps >= 1, --warmup >= 0 and an even --tokens")
   config = gpu.MODELS[a.model]
   pairs = gpu.synthetic_pairs(a.pairs, a.tokens, config["vocab_size"])
   side = (f"tunix {tunix_version()}" + (f" --remat={a.remat}" if a.remat != "none" else "")
-          + (f" {a.param_dtype}" if a.param_dtype != "bfloat16" else ""))
+          + (f" {a.param_dtype}" if a.param_dtype != "bfloat16" else "")
+          + (" + tunix_kernels" if a.fused else ""))
   case = dict(model=a.model, tokens=a.tokens, pairs=a.pairs, side=side)
   append = gpu._append  # pylint: disable=protected-access  (gpu.py's row writer)
   try:

@@ -163,6 +163,10 @@ def test_config_mismatch_and_resume_modes(tmp_path):
   with pytest.raises(config_lib.ConfigError, match="compute_dtype='float32' but this run has "
                                               "compute_dtype='bfloat16'"):
     train.train(config(steps=4, compute_dtype="bfloat16"), **QUIET)
+  # The schedule's shape is the run's (its horizon, --steps, is not: steps=4 resumes).
+  with pytest.raises(config_lib.ConfigError, match="lr_schedule='constant' but this run has "
+                                              "lr_schedule='cosine'"):
+    train.train(config(steps=4, lr_schedule="cosine"), **QUIET)
   with pytest.raises(config_lib.ConfigError, match="--resume=never but .* already holds"):
     train.train(config(steps=4, resume="never"), **QUIET)
   # The data file edited in place: the saved position (epoch 0, pair 16) is in another
