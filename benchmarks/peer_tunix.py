@@ -23,7 +23,8 @@ layer's attention block and MLP block, DECODER the whole layer), --param_dtype b
 temporaries in Tunix's step, more than a 16 GiB v5e chip), --cache_dir (JAX's persistent
 compilation cache, every entry kept), --out (the JSONL it appends to), --fused (Tunix's
 policy and reference log-probs served by `tunix_kernels`: `benchmarks/tunix_fused.py`;
-the row's side says "+ tunix_kernels"; the row keeps every step's loss).
+the row's side says "+ tunix_kernels"), --fused_attention (with --fused, Tunix's Llama 3
+attention too); the row keeps every step's loss.
 
 Model: `tunix.models.qwen2.model.Qwen2` for a Qwen2 config (q/k/v biases, its `dtype` and
 `param_dtype` set to --param_dtype so it computes in that dtype as the Llama model does), else
@@ -158,7 +159,7 @@ def run(a, config: dict, pairs) -> dict:
 
   if a.fused:
     import tunix_fused  # pylint: disable=g-import-not-at-top  (beside this script)
-    tunix_fused.install()
+    tunix_fused.install(attention=a.fused_attention)
   compiles = gpu.CompileLog()
   logging.getLogger("jax").addHandler(compiles)
   jax.config.update("jax_log_compiles", True)
@@ -234,6 +235,8 @@ def main() -> int:
   p.add_argument("--out", default="gpu_results.jsonl", help="JSONL the case appends to")
   p.add_argument("--fused", action="store_true", help="Tunix's log-probs from tunix_kernels "
                  "(benchmarks/tunix_fused.py)")
+  p.add_argument("--fused_attention", action="store_true", help="with --fused: Tunix's "
+                 "Llama 3 attention from tunix_kernels too")
   a = p.parse_args()
   if a.steps < 1 or a.warmup < 0 or a.tokens % 2:
     p.error("--steps >= 1, --warmup >= 0 and an even --tokens")
@@ -241,7 +244,8 @@ def main() -> int:
   pairs = gpu.synthetic_pairs(a.pairs, a.tokens, config["vocab_size"])
   side = (f"tunix {tunix_version()}" + (f" --remat={a.remat}" if a.remat != "none" else "")
           + (f" {a.param_dtype}" if a.param_dtype != "bfloat16" else "")
-          + (" + tunix_kernels" if a.fused else ""))
+          + (" + tunix_kernels" if a.fused else "")
+          + (" (log-probs and attention)" if a.fused and a.fused_attention else ""))
   case = dict(model=a.model, tokens=a.tokens, pairs=a.pairs, side=side)
   append = gpu._append  # pylint: disable=protected-access  (gpu.py's row writer)
   try:
