@@ -128,3 +128,23 @@ def test_flax_nnx_llama_equals_its_logits_path():
   assert len(flat_ours) == len(flat_theirs) > 10
   for a, b in zip(flat_ours, flat_theirs):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("attention", [False, True])
+def test_tunix_dpo_trainer_served_by_the_kernels(attention):
+  """benchmarks/tunix_fused.py on Tunix 0.1.7 (where it is installed): a small Tunix
+  Llama 3's sequence log-probs through the served `compute_logps` (and attention) equal
+  Tunix's own in float32."""
+  pytest.importorskip("tunix.sft.dpo.dpo_trainer")
+  import os  # pylint: disable=g-import-not-at-top
+  import re  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "benchmarks", "tunix_fused.py")
+  proc = subprocess.run([sys.executable, script, "--model", "tiny", "--tokens", "64"]
+                        + (["--attention"] if attention else []), capture_output=True,
+                        text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  diff = float(re.search(r"largest difference (\S+)", proc.stdout)[1])
+  assert diff <= 1e-4, proc.stdout
