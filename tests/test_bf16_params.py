@@ -13,6 +13,7 @@ import runs
 from tunix_core.checkpoints import resume
 from tunix_core.checkpoints import store as checkpoint
 from tunix_core.run import loop as train
+from tunix_core.training import config as config_lib
 from tunix_core.training import optim
 
 BF16_ULP_AT_1 = 2.0 ** -7
@@ -173,6 +174,7 @@ def test_a_checkpoint_without_the_error_term_resumes_with_it_at_zero(tmp_path):
   legacy = {"params": steps.logical_params(state["params"]),
             "opt_state": state["opt_state"].inner}
   meta["config"].pop("optimizer_dtype")
+  meta["config"].pop("lr_schedule")  # nor --lr_schedule: its rate was constant
   meta["fingerprints"] = checkpoint.fingerprints(legacy)
   old = checkpoint.Checkpointer(str(tmp_path / "old" / "checkpoints"))
   old.save(2, legacy, meta)
@@ -184,6 +186,9 @@ def test_a_checkpoint_without_the_error_term_resumes_with_it_at_zero(tmp_path):
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored["opt_state"].inner),
                jax.device_get(state["opt_state"].inner))
   assert all(not np.asarray(e).any() for e in jax.tree.leaves(restored["opt_state"].error))
+  with pytest.raises(config_lib.ConfigError, match="lr_schedule='constant' but this run has "
+                     "lr_schedule='linear'"):
+    train.train(dataclasses.replace(cfg_old, steps=3, lr_schedule="linear"), **runs.QUIET)
   out = train.train(dataclasses.replace(cfg_old, steps=3), log=lines.append)
   assert int(out["state"]["step"]) == 3
   said = [l for l in lines if "error term" in l]

@@ -33,7 +33,7 @@ def _jsonl(path, rows) -> str:
 
 
 def _store(path: str, out) -> list[np.ndarray]:
-  store = build.build(path, TOK, str(out), 48, 24, workers=1, chunk_pairs=128)
+  build.build(path, TOK, str(out), 48, 24, workers=1, chunk_pairs=128)
   return [np.load(os.path.join(str(out), f)) for f in ("ids.npy", "offsets.npy", "lines.npy")]
 
 

@@ -38,6 +38,9 @@ RESUME_FIELDS = ("max_length", "max_prompt_length", "seed", "batch_size", "optim
                  "reward_model", "reward_weights",
                  "online_data_chosen", "online_temperature", "online_top_k", "online_top_p",
                  "online_max_new_tokens", "online_missing_eos_penalty")
+# What a checkpoint written before one of `RESUME_FIELDS` existed ran with, where that
+# differs from today's default (the schedule was constant after the warmup).
+BEFORE_FIELD = {"lr_schedule": "constant"}
 # How the step computes the same model, chosen per run and per device set (`--remat=auto`
 # on fewer devices may rematerialise more): a resume need not match them.
 EXECUTION_FIELDS = ("remat", "attention_impl")
@@ -155,8 +158,8 @@ def _load(steps, ckpt: Checkpointer, step: int, cfg, log, source: dict,
   mismatch = (config_mismatch(meta["model_config"], dataclasses.asdict(mcfg),
                               [f.name for f in dataclasses.fields(mcfg)
                                if f.name not in EXECUTION_FIELDS])
-              or config_mismatch(meta["config"], dataclasses.asdict(cfg),
-                                 RESUME_FIELDS)
+              or config_mismatch({**BEFORE_FIELD, **meta["config"]},
+                                 dataclasses.asdict(cfg), RESUME_FIELDS)
               or source_mismatch(meta.get("source", {}), source, legacy_fingerprint))
   if mismatch:
     raise config_lib.ConfigError(f"cannot resume from step {step}: {mismatch}")
