@@ -80,6 +80,7 @@ def test_plain_jax_model_equals_its_logits_path(impl):
     np.testing.assert_allclose(g_ours[k], g_theirs[k], rtol=1e-4, atol=1e-6, err_msg=k)
 
 
+@pytest.mark.slow
 def test_flax_nnx_llama_equals_its_logits_path():
   nnx = pytest.importorskip("flax.nnx")
 
