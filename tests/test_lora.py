@@ -179,7 +179,7 @@ def test_lora_from_a_peft_adapter_trains_resumes_and_exports(tmp_path):
     c = config_lib.TrainConfig(
         output_dir=str(out), train_data=runs.TRAIN, hf_model_dir=model_dir, max_length=64,
         max_prompt_length=32, batch_size=4, steps=steps, log_every=1, learning_rate=1e-2,
-        lora_init=init_dir, **kw)
+        lr_schedule="constant", lora_init=init_dir, **kw)
     return loop.train(c, devices=jax.devices()[:2], log=lambda *_: None)
 
   export_dir = str(tmp_path / "export")
