@@ -40,7 +40,7 @@ def _need(module: str, extra: str, path: str):
     return __import__(module, fromlist=["_"])
   except ImportError:
     raise DataError(f"{path}: reading it needs {module} (pip install "
-                      f"'tunix-core[{extra}]')") from None
+                    f"'tunix-core[{extra}]')") from None
 
 
 def resolve(path: str) -> Source:
@@ -64,14 +64,14 @@ def resolve(path: str) -> Source:
     splits = json.loads(paths.read_text(paths.join(path, "dataset_dict.json")))["splits"]
     if len(splits) != 1:
       raise DataError(f"{path} holds the splits {', '.join(splits)}: name one as "
-                        f"{path}:{splits[0]}")
+                      f"{path}:{splits[0]}")
     return _arrow(paths.join(path, splits[0]), path)
   if paths.exists(paths.join(path, "state.json")):
     return _arrow(path, path)
   shards = sorted(n for n in paths.listdir(path) if n.endswith(".parquet"))
   if not shards:
     raise DataError(f"{path}: a directory with no *.parquet shards and no "
-                      "datasets.save_to_disk files")
+                    "datasets.save_to_disk files")
   return Source("parquet", tuple(paths.join(path, n) for n in shards))
 
 
