@@ -93,6 +93,16 @@ def predates_compensation(steps, meta: dict) -> bool:
   return isinstance(init, optim.CompensatedState) and "optimizer_dtype" not in meta["config"]
 
 
+def _recut(opt_state, old, steps):
+  """`opt_state` laid out by `old`, re-cut in the layout of `steps`: its moments widened
+  to float32 (8-bit ones are quantized per block of a device's piece), re-cut, and
+  stored again as this run stores them (bfloat16 and float32 exactly)."""
+  wide = jax.vmap(optim.widen_moments)(opt_state)
+  cut = zero.relayout_opt_state(wide, old, steps.layout.cut)
+  like = steps.abstract_opt_state()
+  return jax.vmap(lambda s: optim.store_moments(s, like, jnp.uint32(0)))(cut)
+
+
 def restore_state(steps, ckpt: Checkpointer, step: int, meta: dict) -> dict:
   """The train state at `step` (whose metadata is `meta`), placed on the mesh of `steps`
   (a `step.StepFunctions`) in its layout. Params are saved as logical arrays and restored
@@ -103,7 +113,7 @@ def restore_state(steps, ckpt: Checkpointer, step: int, meta: dict) -> dict:
   old = _saved_layout(steps, meta)
   divides = old.num_shards % steps.mesh.size == 0
   opt_abstract = zero.abstract_opt_state(old, steps.tx,
-                                         steps.rows if divides else steps.replicated)
+                                         steps.opt_sharding if divides else steps.replicated)
   params_abstract = jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
       steps.param_shapes, steps.logical_shardings())
@@ -116,8 +126,8 @@ def restore_state(steps, ckpt: Checkpointer, step: int, meta: dict) -> dict:
     opt_state = optim.CompensatedState(opt_state, jax.tree.map(zeros, opt_abstract.error),
                                        zeros(opt_abstract.count))
   if not same_layout(steps, meta):
-    opt_state = jax.jit(lambda s: zero.relayout_opt_state(s, old, steps.layout.cut),
-                        out_shardings=steps.rows)(opt_state)
+    opt_state = jax.device_put(jax.jit(lambda s: _recut(s, old, steps),
+                                       out_shardings=steps.rows)(opt_state), steps.opt_sharding)
   return {"params": steps.place_params(restored["params"]), "opt_state": opt_state,
           "step": jax.device_put(jnp.asarray(step, jnp.int32), steps.replicated),
           "nonfinite": steps.put_nonfinite(meta.get("nonfinite", [0, 0, 0]))}

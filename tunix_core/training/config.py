@@ -160,12 +160,17 @@ class TrainConfig(online_config.OnlineConfig):
                               "--warmup_steps 0).", group="optimizer")
   weight_decay: float = _flag(0.0, "AdamW decoupled weight decay (norm scales excluded).",
                               group="optimizer")
-  optimizer_dtype: str = _flag("auto", "Dtype of the optimizer's moments (auto: "
-                               "--param_dtype); updates are computed in float32.",
+  optimizer_dtype: str = _flag("auto", "Storage of the optimizer's moments (auto: "
+                               "--param_dtype; float8: 8 bits with a scale per 128); "
+                               "updates are computed in float32.",
                                group="optimizer")
   param_rounding: str = _flag("kahan", "bfloat16 params: kahan (param + an int16 error is a "
                               "float32 master; the param its unbiased rounding), "
                               "kahan_nearest or stochastic (no error term).", group="optimizer")
+  offload_optimizer: bool = _flag(False, "Keep the optimizer state in host memory (JAX's "
+                                  "pinned_host) between steps, moved to the devices for "
+                                  "each update: device memory for transfer time.",
+                                  group="optimizer")
   max_grad_norm: float = _flag(1.0, "Clip gradients to this global norm; 0 disables "
                                "clipping.", group="optimizer")
   beta: float = _flag(0.1, "DPO temperature (KL penalty strength).", group="loss")

@@ -24,12 +24,17 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from tunix_core.training import moments8
+
 OPTIMIZERS = ("adamw", "rmsprop", "sgd")
 # `--lr_schedule`: after the warmup, transformers' `get_scheduler` shapes of the same
 # names (linear is TRL's default; constant is its constant_with_warmup).
 SCHEDULES = ("linear", "cosine", "constant")
 # `--param_rounding` of bfloat16 params (`compensated`).
 ROUNDINGS = ("kahan", "kahan_nearest", "stochastic")
+# `--optimizer_dtype`: the moments' storage (auto: the params' dtype); float8 is
+# `moments8`'s blockwise-scaled 8 bits.
+MOMENT_DTYPES = ("auto", "float32", "bfloat16", "float8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +146,8 @@ def compensated(inner: optax.GradientTransformation, state_dtype,
                 rounding: str | None) -> optax.GradientTransformation:
   """`inner` run in float32 whatever the params' and its state's dtypes.
 
-  Its state is kept in `state_dtype`, rounded stochastically (`stochastic_round`): an
+  Its state is kept in `state_dtype` (a dtype, or "float8": `moments8`'s blockwise 8
+  bits), rounded stochastically (`stochastic_round`, `store_moments`): an
   EMA step such as Adam's `(1 - b2) * (g**2 - nu)`, 1e-3 of `nu`, is below half a
   bfloat16 ulp, and rounding to nearest would drop every decrease (nu would only
   ratchet up). `rounding` (bfloat16 params) takes each param's float32 master weight,
@@ -156,24 +162,26 @@ def compensated(inner: optax.GradientTransformation, state_dtype,
   element's index in its piece: another device count rounds otherwise).
   """
   f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+  eight_bit = state_dtype == "float8"
+  floating = lambda x: jnp.issubdtype(x.dtype, jnp.floating)
 
   def init(params):
-    state = inner.init(jax.tree.map(lambda x: x.astype(state_dtype), params))
+    state = inner.init(jax.tree.map(
+        lambda x: x.astype(jnp.float32 if eight_bit else state_dtype), params))
+    if eight_bit:  # every floating leaf of the state is a moment (counts are integers)
+      state = jax.tree_util.tree_map_with_path(
+          lambda path, x: moments8.encode(x, jnp.zeros(x.shape, jnp.uint32),
+                                          _is_second(path)) if floating(x) else x, state)
     error = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.int16), params)
     return CompensatedState(state, error if rounding in ("kahan", "kahan_nearest") else None,
                             jnp.zeros((), jnp.int32))
 
   def update(grads, state, params=None):
     # The moments in float32 too: `b2 * nu` of a bfloat16 `nu` would round in bfloat16.
-    widen = lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
-    updates, new_inner = inner.update(f32(grads), jax.tree.map(widen, state.inner),
-                                      f32(params))
-    leaves, treedef = jax.tree.flatten(new_inner)
+    updates, new_inner = inner.update(f32(grads), widen_moments(state.inner), f32(params))
+    leaves = jax.tree.leaves(new_inner)
     seed = state.count.astype(jnp.uint32) * jnp.uint32(0x632BE5AB)
-    new_inner = jax.tree.unflatten(treedef, [
-        stochastic_round(new, old.dtype, seed + jnp.uint32(i))
-        if jnp.issubdtype(old.dtype, jnp.floating) else new.astype(old.dtype)
-        for i, (new, old) in enumerate(zip(leaves, jax.tree.leaves(state.inner)))])
+    new_inner = store_moments(new_inner, state.inner, seed)
     count = state.count + 1
     if rounding is None:
       return updates, CompensatedState(new_inner, None, count)
@@ -198,6 +206,39 @@ def compensated(inner: optax.GradientTransformation, state_dtype,
     return deltas, CompensatedState(new_inner, error, count)
 
   return optax.GradientTransformation(init, update)
+
+
+def _is_second(path) -> bool:
+  """Whether a state leaf at `path` is a second moment (optax's `nu`, never negative)."""
+  return any(getattr(k, "name", None) == "nu" for k in path)
+
+
+def store_moments(wide, like, seed):
+  """float32 optimizer state `wide` stored as `like` (a state, or its ShapeDtypeStructs)
+  stores it: `moments8` codes, or rounded stochastically to a 16-bit float, the draws
+  from uint32 `seed` and each leaf's index; integer leaves cast."""
+  paths, treedef = jax.tree_util.tree_flatten_with_path(wide)
+  olds = jax.tree.leaves(like, is_leaf=moments8.is_moment)
+  stored = []
+  for i, ((path, new), old) in enumerate(zip(paths, olds)):
+    s = seed + jnp.uint32(i)
+    if moments8.is_moment(old):
+      stored.append(moments8.encode(new, _noise(new.shape, s), root=_is_second(path)))
+    elif jnp.issubdtype(old.dtype, jnp.floating):
+      stored.append(stochastic_round(new, old.dtype, s))
+    else:
+      stored.append(new.astype(old.dtype))
+  return jax.tree.unflatten(treedef, stored)
+
+
+def widen_moments(opt_state):
+  """`opt_state` with every stored moment (bfloat16, or `moments8`'s 8 bits) as float32;
+  works on a whole state or on one device's pieces."""
+  def wide(path, x):
+    if moments8.is_moment(x):
+      return moments8.decode(x, _is_second(path))
+    return x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
+  return jax.tree_util.tree_map_with_path(wide, opt_state, is_leaf=moments8.is_moment)
 
 
 def make_schedule(cfg: OptimizerConfig) -> optax.Schedule:
@@ -239,6 +280,7 @@ def make_optimizer(cfg: OptimizerConfig) -> tuple[optax.GradientTransformation,
   else:
     tx = optax.sgd(schedule)
   if cfg.param_dtype != "float32" or cfg.state_dtype != "float32":
-    tx = compensated(tx, jnp.dtype(cfg.state_dtype),
+    tx = compensated(tx, cfg.state_dtype if cfg.state_dtype == "float8"
+                     else jnp.dtype(cfg.state_dtype),
                      cfg.param_rounding if cfg.param_dtype != "float32" else None)
   return tx, schedule

@@ -57,6 +57,7 @@ class StepPlan:
   logprob_impl: str = "auto"        # `tunix_kernels.fused_logprobs`' impl
   loss_impl: str = "auto"           # `tunix_kernels.dpo_loss`' impl
   fsdp: bool = False                # else ZeRO-1
+  offload_optimizer: bool = False   # optimizer state in host memory between steps
   bucket_bytes: int = 25 << 20      # gradient buckets of the sync
   grad_sync_dtype: str = "float32"  # gradients on the wire
   max_grad_norm: float | None = 1.0  # None: no clipping
@@ -82,7 +83,8 @@ class StepPlan:
             if self.lora else "")
     return lora + ("FSDP" if self.fsdp else "ZeRO-1") + (
         f" x TP {self.model_parallel}" if self.model_parallel > 1 else "") + (
-        f", data across {self.num_slices} slices" if self.num_slices > 1 else "")
+        f", data across {self.num_slices} slices" if self.num_slices > 1 else "") + (
+        ", optimizer state in host memory" if self.offload_optimizer else "")
 
   def describe(self) -> str:
     """The plan in one line."""
@@ -185,7 +187,8 @@ def make_plan(cfg: TrainConfig, devices, sizes: packing.Sizes | None = None,
       reference="none" if loss.reference_free else cfg.reference,
       ref_dtype=cfg.ref_param_dtype(platform), ref_adapters=bool(lora and cfg.lora_init),
       logprob_impl=cfg.logprob_impl, loss_impl=cfg.loss_impl, fsdp=cfg.fsdp,
-      bucket_bytes=int(cfg.bucket_mb * 2**20), grad_sync_dtype=cfg.grad_sync_dtype,
+      offload_optimizer=cfg.offload_optimizer, bucket_bytes=int(cfg.bucket_mb * 2**20),
+      grad_sync_dtype=cfg.grad_sync_dtype,
       max_grad_norm=cfg.max_grad_norm or None, **auto,
       num_slices=slices, lora=lora, quantize_base=cfg.quantize_base,
       compiler_options=tuple(sorted(options.items())), sync_impl=sync_impl,

@@ -78,6 +78,10 @@ class StepFunctions:
     self.batch_axes = mesh_lib.batch_axes(mesh)
     self.pairs = NamedSharding(mesh, P(self.batch_axes))
     self.rows = NamedSharding(mesh, self.layout.row_spec)
+    # Where the optimizer state lives between steps: on the devices, or in host memory
+    # (--offload_optimizer), brought to them for the update only.
+    self.opt_sharding = (self.rows.with_memory_kind("pinned_host") if plan.offload_optimizer
+                         else self.rows)
     pspec = self.layout.param_specs
     self.param_sharding = self._shardings(pspec)
     self.base_sharding = self._shardings(self.base_layout.param_specs)
@@ -92,9 +96,19 @@ class StepFunctions:
     smap = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
     # --tpu_flags on TPU (`training.tpu_flags`), for every program of the step.
     jit = functools.partial(jax.jit, compiler_options=dict(plan.compiler_options) or None)
-    self.train_step = jit(
-        smap(self._train_step, in_specs=(state_specs, frozen_spec, self.pairs.spec),
-             out_specs=(state_specs, P())), donate_argnums=(0,))
+    train = smap(self._train_step, in_specs=(state_specs, frozen_spec, self.pairs.spec),
+                 out_specs=(state_specs, P()))
+
+    def train_step(state, frozen, batch):
+      new, metrics = train(dict(state, opt_state=jax.device_put(state["opt_state"], self.rows)),
+                           frozen, batch)
+      return dict(new, opt_state=jax.device_put(new["opt_state"], self.opt_sharding)), metrics
+
+    # Out shardings spelled out: a state in host memory must come back there.
+    self.state_sharding = {"params": self.param_sharding, "opt_state": self.opt_sharding,
+                           "step": self.replicated, "nonfinite": self.replicated}
+    self.train_step = jit(train_step, donate_argnums=(0,),
+                          out_shardings=(self.state_sharding, self.replicated))
     self.eval_step = jit(smap(self._eval_step, in_specs=(pspec, frozen_spec, self.pairs.spec),
                               out_specs=P()))
     self.ref_logps = jit(smap(self._ref_logps, in_specs=(ref_spec, self.pairs.spec),
@@ -104,7 +118,7 @@ class StepFunctions:
         in_specs=(pspec,), out_specs=self.layout.row_spec),
         # As a restore places it: the step's executable is then the same either way
         # (one mesh device would otherwise leave the rows unannotated: a cache miss).
-        out_shardings=self.rows)
+        out_shardings=self.opt_sharding)
     self._checksums = jit(smap(health_lib.checksum, in_specs=(pspec,),
                                out_specs=P(tuple(mesh.axis_names))))
 
@@ -184,8 +198,9 @@ class StepFunctions:
                         self.layout.abstract_params(dtype), self.param_sharding)
 
   def abstract_opt_state(self):
-    """ShapeDtypeStructs of this run's optimizer state (`layout`'s rows over `rows`)."""
-    return zero.abstract_opt_state(self.layout.cut, self.tx, self.rows)
+    """ShapeDtypeStructs of this run's optimizer state (`layout`'s rows, placed where it
+    lives between steps)."""
+    return zero.abstract_opt_state(self.layout.cut, self.tx, self.opt_sharding)
 
   def init_state(self, key: jax.Array, params: dict | None = None) -> dict:
     """A fresh train state around `params` (default: initialised from `key`)."""

@@ -30,7 +30,7 @@ NONFINITE_ACTIONS = ("stop", "skip")
 CHOICES = {
     "model": tuple(model_lib.PRESETS),
     "param_dtype": tuple(model_lib.DTYPES),
-    "optimizer_dtype": ("auto",) + tuple(model_lib.DTYPES),
+    "optimizer_dtype": optim.MOMENT_DTYPES,
     "param_rounding": optim.ROUNDINGS,
     "ref_dtype": ("auto",) + tuple(model_lib.DTYPES),
     "export_dtype": ("auto",) + tuple(model_lib.DTYPES),
