@@ -25,21 +25,20 @@ def _encode(x, seed, root=False):
 
 def test_float8_moments_round_between_neighbours_and_unbiased():
   """Each element decodes to one of the two e4m3 grid values around `x / scale` (times
-  the block's scale, its absmax / 448), and over 200 draws to `x` on average; the root
-  of a second moment is never rounded to zero."""
+  its row's scale, the row's absmax / 448), and over 200 draws to `x` on average; the
+  root of a second moment is never rounded to zero. A 1-D piece is scaled in rows of
+  128."""
   rng = np.random.default_rng(0)
   x = rng.normal(size=(3, 200)) * np.exp(rng.normal(size=(3, 200)) * 2)
-  flat = np.pad(x.reshape(-1), (0, 640 - 600)).reshape(5, 128)
-  scale = np.abs(flat).max(axis=1, keepdims=True) / 448.0
-  y = (flat / scale).reshape(-1)[:600].reshape(x.shape)
-  scale = np.repeat(scale[:, 0], 128)[:600].reshape(x.shape)
+  scale = np.abs(x).max(axis=1, keepdims=True) / 448.0  # a scale per row
+  y = x / scale
   lo = np.sign(y) * E4M3[np.searchsorted(E4M3, np.abs(y), side="right") - 1]
   hi = np.sign(y) * E4M3[np.minimum(np.searchsorted(E4M3, np.abs(y), side="left"),
                                     len(E4M3) - 1)]
   total = np.zeros_like(x)
   for seed in range(200):
     m = _encode(x, seed)
-    assert m.codes.dtype == np.uint8 and m.codes.shape == x.shape and m.scales.shape == (5,)
+    assert m.codes.dtype == np.uint8 and m.codes.shape == x.shape and m.scales.shape == (3,)
     got = np.asarray(moments8.decode(m), np.float64)
     on = np.isclose(got, lo * scale, rtol=1e-6, atol=0) | np.isclose(got, hi * scale,
                                                                      rtol=1e-6, atol=0)
@@ -52,14 +51,16 @@ def test_float8_moments_round_between_neighbours_and_unbiased():
   v = x ** 4 * 1e-6  # a second moment whose root spans more than e4m3's range
   got = np.asarray(moments8.decode(_encode(v, 1, root=True), root=True), np.float64)
   r = np.sqrt(v)
-  rscale = np.repeat(np.abs(np.pad(r.reshape(-1), (0, 40))).reshape(5, 128).max(axis=1),
-                     128)[:600].reshape(v.shape) / 448.0
+  rscale = r.max(axis=1, keepdims=True) / 448.0
   normal, least = r / rscale >= 2.0 ** -6, r / rscale < 2.0 ** -9
   assert normal.sum() > 200 and least.sum() > 20  # both regimes are exercised
   # A root within one e4m3 step (1/8 of it) of its own: the moment within 27%.
   np.testing.assert_allclose(got[normal], v[normal], rtol=0.27, atol=0)
   # Below the least step a root is kept at that step, never 0.
-  np.testing.assert_allclose(got[least], (2.0 ** -9 * rscale[least]) ** 2, rtol=1e-5)
+  np.testing.assert_allclose(got[least], (2.0 ** -9 * np.broadcast_to(rscale, r.shape)[least]) ** 2, rtol=1e-5)
+  piece = _encode(np.arange(1, 385, dtype=np.float64), 3)
+  assert piece.scales.shape == (3,)
+  np.testing.assert_allclose(piece.scales, np.array([128, 256, 384]) / 448.0, rtol=1e-6)
   v[0, 0] = 0.0
   assert float(moments8.decode(_encode(v, 1, root=True), root=True)[0, 0]) == 0.0
 
@@ -89,6 +90,6 @@ def test_offloaded_optimizer_state_trains_saves_and_resumes(tmp_path):
   shutil.rmtree(tmp_path / "eight" / "checkpoints" / "6")
   train.train(cfg("eight", optimizer_dtype="float8"), devices=devices[:2], **runs.QUIET)
   recut = runs.losses(tmp_path / "eight")
-  for s in (4, 5, 6):  # another summation order and other blocks: close, not equal
-    assert recut[s] != straight[s] and abs(recut[s] - straight[s]) <= 2e-3, (
-        s, recut[s], straight[s])
+  assert recut[4] == straight[4]  # the params restored as saved
+  for s in (5, 6):  # after updates in another summation order and other rows: close
+    assert abs(recut[s] - straight[s]) <= 2e-3, (s, recut[s], straight[s])

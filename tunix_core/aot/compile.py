@@ -102,6 +102,9 @@ def compile_stats(plan: plan_lib.StepPlan, chip, devices) -> dict:
          "parts": {"params": memory.shard_bytes(state["params"]),
                    "optimizer state": memory.shard_bytes(state["opt_state"]),
                    ("frozen base" if plan.lora else "reference"): memory.shard_bytes(frozen)}}
+  if plan.offload_optimizer:
+    out["parts"]["optimizer state in host memory"] = memory.shard_bytes(state["opt_state"],
+                                                                        "pinned_host")
   with tempfile.TemporaryDirectory() as dump_dir:
     try:
       with jax.set_mesh(steps.mesh):
@@ -207,7 +210,7 @@ def compile_only(cfg, target: str, log=print) -> int:
   log(f"total {_gib(need)} per device" + (f" of {_gib(limit)}" if limit else "")
       + (" HBM" if chip else "")
       + f": {'fits' if fits else 'does not fit'} ({'; '.join([basis] + others)})")
-  held = sum(stats["parts"].values())
+  held = sum(n for name, n in stats["parts"].items() if "host" not in name)
   log("per device: " + ", ".join(f"{name} {_gib(n)}" for name, n in stats["parts"].items())
       + f", activations and the rest {_gib(max(need - held, 0))}")
   for line in chose:  # what --remat / --grad_accum_steps=auto took, and what it measured

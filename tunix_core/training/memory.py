@@ -45,10 +45,14 @@ SAVED = {
 WORKING = SAVED["none"]
 
 
-def shard_bytes(tree) -> int:
-  """Bytes of one device's shard of every `jax.ShapeDtypeStruct` leaf of `tree`."""
+def shard_bytes(tree, memory_kind: str = "device") -> int:
+  """Bytes of one device's shard of every `jax.ShapeDtypeStruct` leaf of `tree` held in
+  `memory_kind`: the device's memory, or "pinned_host" (`--offload_optimizer`)."""
   total = 0
   for x in jax.tree.leaves(tree):
+    kind = getattr(x.sharding, "memory_kind", None) or "device"
+    if (kind == "pinned_host") != (memory_kind == "pinned_host"):
+      continue
     shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
     total += math.prod(shape) * np.dtype(x.dtype).itemsize
   return total
