@@ -161,7 +161,8 @@ def ours_plan(a, config: dict, pairs, devices):
                                reference=a.reference, remat=a.remat,
                                param_dtype=a.param_dtype, optimizer_dtype=a.optimizer_dtype,
                                param_rounding=a.param_rounding, lora_rank=a.lora_rank,
-                               quantize_base=a.quantize_base)
+                               quantize_base=a.quantize_base,
+                               offload_optimizer=a.offload_optimizer)
   cfg = dataclasses.replace(cfg, compile_only=True)
   sizes = packing.pair_sizes(host, cfg.prefix_sharing)
   plan = plan_lib.make_plan(cfg, devices, sizes)
@@ -399,6 +400,7 @@ def main() -> int:
   p.add_argument("--param_rounding", default="kahan", help="ours: --param_rounding")
   p.add_argument("--lora_rank", type=int, default=0, help="ours: --lora_rank")
   p.add_argument("--quantize_base", default="", help="ours: --quantize_base (QLoRA)")
+  p.add_argument("--offload_optimizer", action="store_true", help="ours: --offload_optimizer")
   p.add_argument("--liger", action="store_true", help="trl: use_liger_kernel=True")
   p.add_argument("--aot", help="ours: compile for one chip of this TPU generation (v5e, "
                  "...) ahead of time instead of running, for the compiler's memory figures")
@@ -412,7 +414,7 @@ def main() -> int:
   config = MODELS[a.model]
   pairs = synthetic_pairs(a.pairs, a.tokens, config["vocab_size"])
   ours = ("reference", "remat", "param_dtype", "optimizer_dtype", "param_rounding",
-          "lora_rank", "quantize_base")
+          "lora_rank", "quantize_base", "offload_optimizer")
   flags = "".join(f" --{k}={getattr(a, k)}" for k in ours if getattr(a, k) != p.get_default(k))
   side = ("trl+liger" if a.liger else "trl") if a.side == "trl" else "ours" + flags
   case = dict(model=a.model, tokens=a.tokens, pairs=a.pairs, side=side)
