@@ -14,9 +14,11 @@ import pytest
 import runs
 from tunix_kernels import tpu
 from tunix_kernels import aot_tpu
+from tunix_core import model as model_lib
 from tunix_core.aot import comms
 from tunix_core.aot import overlap
 from tunix_core.aot import compile as aot
+from tunix_core.aot import levers
 from tunix_core.run import loop
 from tunix_core.training import config as config_lib
 from tunix_core.training import flops
@@ -35,11 +37,11 @@ def _config(tmp_path, **kw):
 
 
 def test_sizes_print_in_gib_or_mib_below_a_tenth_to_3_significant_figures():
-  assert aot._gib(15907232768) == "14.8 GiB"   # 14.81 GiB
-  assert aot._gib(16 << 30) == "16.0 GiB"
-  assert aot._gib(int(0.1 * (1 << 30))) == "0.100 GiB"
-  assert aot._gib(int(6.5 * (1 << 20))) == "6.50 MiB"
-  assert aot._gib(int(92.16 * (1 << 20))) == "92.2 MiB"
+  assert aot.gib(15907232768) == "14.8 GiB"   # 14.81 GiB
+  assert aot.gib(16 << 30) == "16.0 GiB"
+  assert aot.gib(int(0.1 * (1 << 30))) == "0.100 GiB"
+  assert aot.gib(int(6.5 * (1 << 20))) == "6.50 MiB"
+  assert aot.gib(int(92.16 * (1 << 20))) == "92.2 MiB"
 
 
 def test_compute_dtype_auto_is_bfloat16_on_tpu_and_gpu_float32_on_cpu(tmp_path):
@@ -63,6 +65,32 @@ def test_slice_names_as_cloud_tpu_spells_them():
     aot_tpu.parse_topology("v5p-6")
   with pytest.raises(config_lib.ConfigError, match="--target_topology: unknown TPU topology"):
     _config("/tmp/unused", target_topology="tpu-8").validate(8)
+
+
+@pytest.mark.slow
+def test_compare_levers_reports_each_saving_and_the_combination_that_fits(tmp_path):
+  """`--compare_levers` on the tiny preset over 8 CPU devices, with a device limit just
+  under what its step needs: each lever's bytes as its own compile gives them, 8-bit
+  moments saving 3/4 of the float32 moments' bytes (hand-computed: 8 bytes a param ->
+  2 and a scale per row, ZeRO-1's 1/8 on each device), and the first prefix that fits."""
+  cfg = _config(tmp_path, remat="none", grad_accum_steps="1")  # nothing for the fit to choose
+  base = aot.fitted(cfg, None, jax.devices())
+  cfg = dataclasses.replace(cfg, device_memory_gib=(base["need"] - (256 << 10)) / (1 << 30))
+  lines = []
+  assert aot.compile_only(cfg, "local", log=lines.append, then=levers.compare) == 1
+  said = {l.split(":")[0][len("lever "):]: l for l in lines if l.startswith("lever ")}
+  assert list(said) == ["--param_dtype=bfloat16", "--reference=precomputed",
+                        "--optimizer_dtype=float8", "--offload_optimizer", "--fsdp"]
+  for name, change in levers.LEVERS:
+    alone = aot.fitted(dataclasses.replace(cfg, **change), None, jax.devices())
+    assert f": {aot.gib(alone['need'])} per device" in said[name], said[name]
+  num_params = sum(x.size for x in jax.tree.leaves(
+      jax.eval_shape(lambda: model_lib.init_params(jax.random.PRNGKey(0),
+                                                   cfg.model_config("cpu")))))
+  saves = float(re.search(r"saves ([\d.]+) MiB", said["--optimizer_dtype=float8"]).group(1))
+  moments = 8 * num_params / 8 / (1 << 20)  # MiB of float32 moments per device
+  assert 0.70 * moments <= saves <= 0.75 * moments + 0.01, (saves, moments)
+  assert lines[-1].startswith("levers: fits with --param_dtype=bfloat16: "), lines[-1]
 
 
 @pytest.mark.slow
@@ -151,7 +179,7 @@ def test_fit_is_judged_on_what_the_buffer_assignment_allocates(tmp_path, monkeyp
   held = stats["argument"] + stats["output"] - stats["alias"]
   assert 0 < held < stats["hbm"] == stats["need"]
   total = next(l for l in lines if l.startswith("total "))
-  assert total.startswith(f"total {aot._gib(stats['hbm'])} per device of 16.0 GiB HBM: "
+  assert total.startswith(f"total {aot.gib(stats['hbm'])} per device of 16.0 GiB HBM: "
                           "fits (allocated by the compiler's buffer assignment; ")
   assert not os.listdir(tmp_path)  # the dump went to a temporary directory
 

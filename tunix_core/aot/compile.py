@@ -58,7 +58,7 @@ def lower(plan: plan_lib.StepPlan, devices):
     return steps, steps.train_step.lower(*steps.abstract_inputs())
 
 
-def _gib(n: int) -> str:
+def gib(n: int) -> str:
   """Bytes in GiB, or MiB below 0.1 GiB, to 3 significant figures."""
   value, unit = (n / GiB, "GiB") if n >= GiB // 10 else (n / (1 << 20), "MiB")
   return f"{value:#.3g}".rstrip(".") + f" {unit}"
@@ -153,13 +153,14 @@ def sizes_for(cfg, devices, log=lambda *_: None) -> packing.Sizes | None:
   return sizes
 
 
-def compile_only(cfg, target: str, log=print) -> int:
-  """Compiles the train step `cfg` would run for `target`; logs its plan, per-device
-  memory and the cost analysis. Returns the exit status: 0 if it compiles and fits the
-  chip's HBM, 1 if the compiler refuses it (its message logged) or what it needs
-  (`compile_stats`' "need") exceeds HBM."""
-  chip, devices = target_devices(target)
-  where = f"{target} ({len(devices)} x {devices[0].device_kind})"
+def fitted(cfg, chip, devices, log=lambda *_: None) -> dict:
+  """`cfg`'s step planned and fitted as the trainer would (`training.fit`), compiled for
+  `devices` (of `chip`; None: local). Returns `{"plan", "stats"` (`compile_stats` of the
+  plan taken; None where none fits)`, "limit"` (bytes a device may hold; None: no
+  limit known)`, "chose"` (what `--remat` / `--grad_accum_steps=auto` measured)`,
+  "failed"` (why none fits, or None)`, "refused"` (then the compiler's words on the last
+  candidate it refused, or None)`, "need"` (bytes per device of the plan taken, or of the
+  smallest candidate when none fits; None if the compiler refused it otherwise)`}`."""
   compiled = {}  # each candidate compiles once, its figures kept
   sizes = sizes_for(cfg, devices, log)
 
@@ -178,52 +179,76 @@ def compile_only(cfg, target: str, log=print) -> int:
         log=chose.append,
         estimate=lambda p: memory.estimate(step_lib.make_steps(p, devices))), None
   except fit.DoesNotFit as e:
-    failed = str(e)
+    failed, smallest = str(e), e.need
+  stats = None if failed else compiled.get(plan) or compile_stats(plan, chip, devices)
+  refused = [s["error"] for s in compiled.values() if s["error"]]
+  return {"plan": plan, "stats": stats, "limit": limit, "chose": chose, "failed": failed,
+          "refused": refused[-1] if failed and refused else None,
+          "need": smallest if failed else stats["need"] if not stats["error"] else None}
+
+
+def compile_only(cfg, target: str, log=print, then=None) -> int:
+  """Compiles the train step `cfg` would run for `target`; logs its plan, per-device
+  memory and the cost analysis, then calls `then(cfg, chip, devices, fitted(...), log)`
+  if given (`aot.levers.compare`). Returns the exit status: 0 if it compiles and fits
+  the chip's HBM, 1 if the compiler refuses it (its message logged) or what it needs
+  (`compile_stats`' "need") exceeds HBM."""
+  chip, devices = target_devices(target)
+  where = f"{target} ({len(devices)} x {devices[0].device_kind})"
+  got = fitted(cfg, chip, devices, log)
+  plan = got["plan"]
   num_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(
       lambda: model_lib.init_params(jax.random.PRNGKey(0), plan.model))))
   log(f"compile only: {cfg.hf_model_dir or cfg.model} ({num_params:,} params, "
       f"{plan.layout}) for {where}")
   log(plan.describe())
-  if failed:
-    log(failed)
-    refused = [s["error"] for s in compiled.values() if s["error"]]
-    if refused:  # the compiler's own words on the last candidate it refused
-      log(f"does not fit: {refused[-1]}")
+  status = _report(got, chip, log)
+  if then is not None:
+    then(cfg, chip, devices, got, log)
+  return status
+
+
+def _report(got: dict, chip, log) -> int:
+  """Logs `fitted`'s figures; the exit status (0: it fits)."""
+  stats, limit, chose = got["stats"], got["limit"], got["chose"]
+  if got["failed"]:
+    log(got["failed"])
+    if got["refused"]:
+      log(f"does not fit: {got['refused']}")
     return 1
-  stats = compiled.get(plan) or compile_stats(plan, chip, devices)
   if stats["error"] is not None:
     said = "does not fit" if stats["refusal"] else "the compiler refused the step"
     log(f"{said}: {stats['error']}")
     return 1
   need = stats["need"]
-  log(f"per device: arguments {_gib(stats['argument'])}, outputs {_gib(stats['output'])} "
-      f"({_gib(stats['alias'])} of them in donated arguments), temporaries "
-      f"{_gib(stats['temp'])} as analysed"
-      + (f"; host memory {_gib(stats['host'])} (--remat=offload)" if stats["host"] else ""))
+  log(f"per device: arguments {gib(stats['argument'])}, outputs {gib(stats['output'])} "
+      f"({gib(stats['alias'])} of them in donated arguments), temporaries "
+      f"{gib(stats['temp'])} as analysed"
+      + (f"; host memory {gib(stats['host'])} (--remat=offload)" if stats["host"] else ""))
   figures = {"allocated by the compiler's buffer assignment": stats["hbm"],
              "the compiler's peak": stats["peak"],
              "arguments + temporaries as analysed": stats["total"]}
   basis = next((name for name, n in figures.items() if n == need),
                "the arguments and outputs held through the step")
-  others = [f"{name} {_gib(n)}" for name, n in figures.items() if n and name != basis]
+  others = [f"{name} {gib(n)}" for name, n in figures.items() if n and name != basis]
   fits = limit is None or need <= limit
-  log(f"total {_gib(need)} per device" + (f" of {_gib(limit)}" if limit else "")
+  log(f"total {gib(need)} per device" + (f" of {gib(limit)}" if limit else "")
       + (" HBM" if chip else "")
       + f": {'fits' if fits else 'does not fit'} ({'; '.join([basis] + others)})")
   held = sum(n for name, n in stats["parts"].items() if "host" not in name)
-  log("per device: " + ", ".join(f"{name} {_gib(n)}" for name, n in stats["parts"].items())
-      + f", activations and the rest {_gib(max(need - held, 0))}")
+  log("per device: " + ", ".join(f"{name} {gib(n)}" for name, n in stats["parts"].items())
+      + f", activations and the rest {gib(max(need - held, 0))}")
   for line in chose:  # what --remat / --grad_accum_steps=auto took, and what it measured
     log(line)
   log(f"per device: {stats['model_flops']:.4g} model flops per step (the plan's matmuls); "
       f"the compiler's cost analysis, which counts each loop body once: "
       f"{stats['flops']:.4g} flops, {stats['bytes_accessed']:.4g} bytes accessed")
   sent = sum(stats["collectives"].values())
-  axes = ", ".join(f"{_gib(b)} over {' x '.join(a)}"
+  axes = ", ".join(f"{gib(b)} over {' x '.join(a)}"
                    for a, b in sorted(stats["collectives"].items()))
   if chip is not None:
     roof = comms.share(stats["collectives"], stats["model_flops"], chip.name)
-    log(f"communication share: {roof['share']:.1%} (per device {_gib(sent)} sent: "
+    log(f"communication share: {roof['share']:.1%} (per device {gib(sent)} sent: "
         f"{axes or 'none'}; {roof['ici_s'] * 1e3:.3g} ms over ICI and "
         f"{roof['dcn_s'] * 1e3:.3g} ms across slices against {roof['compute_s'] * 1e3:.3g}"
         f" ms of compute, not overlapped)")
@@ -233,7 +258,7 @@ def compile_only(cfg, target: str, log=print) -> int:
           f"collectives (FSDP moves the whole model every step whatever the batch; more "
           f"pairs per device, --batch_size, amortise it)")
   else:
-    log(f"communication per device: {_gib(sent)} sent ({axes or 'none'})")
+    log(f"communication per device: {gib(sent)} sent ({axes or 'none'})")
   if not fits:
-    log(f"does not fit: {_gib(need)} per device exceeds the {_gib(limit)} it may hold")
+    log(f"does not fit: {gib(need)} per device exceeds the {gib(limit)} it may hold")
   return 0 if fits else 1

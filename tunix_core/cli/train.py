@@ -110,6 +110,7 @@ def _run(cfg, terminal) -> None:
     distributed.start_backend()
   # pylint: disable=g-import-not-at-top - beside the backend's start (module docstring)
   from tunix_core.aot import compile as aot
+  from tunix_core.aot import levers
   from tunix_core.run import compile_cache
   from tunix_core.run import loop as train_lib
   from tunix_core.run import watchdog
@@ -120,7 +121,8 @@ def _run(cfg, terminal) -> None:
     compile_cache.enable(cfg.compilation_cache_dir, cfg.output_dir, say,
                          primary=job.kwargs is None or jax.process_index() == 0)
   if cfg.compile_only:
-    sys.exit(aot.compile_only(cfg, cfg.target_topology))
+    sys.exit(aot.compile_only(cfg, cfg.target_topology,
+                              then=levers.compare if cfg.compare_levers else None))
   train_lib.train(cfg)
 
 

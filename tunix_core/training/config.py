@@ -245,6 +245,11 @@ class TrainConfig(online_config.OnlineConfig):
                              "--train_data, else full rows) for --target_topology, print "
                              "its plan, per-device memory and cost analysis, allocating "
                              "nothing; exit 0 if it fits, 1 if not.", group="aot")
+  compare_levers: bool = _flag(False, "With --compile_only: compile the step again with each "
+                               "memory lever not on (bfloat16 params, --reference="
+                               "precomputed, --optimizer_dtype=float8, --offload_optimizer, "
+                               "--fsdp), print what each saves, and the first combination "
+                               "in that order that fits.", group="aot")
   target_topology: str = _flag("local", "Devices --compile_only compiles for: local (this "
                                "host's), or any Cloud TPU slice name (v5e-8, v5e-256, "
                                "v6e-64, v5p-128, v4-8; 2xv5e-256 for two slices; needs "

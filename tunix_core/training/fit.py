@@ -46,7 +46,12 @@ GiB = 1 << 30
 
 
 class DoesNotFit(ConfigError):
-  """No candidate's step fits the device (`choose`'s one line)."""
+  """No candidate's step fits the device (`choose`'s one line); `need`: the bytes per
+  device of the smallest candidate measured or estimated (None: not known)."""
+
+  def __init__(self, message: str, need: int | None = None):
+    super().__init__(message)
+    self.need = need
 
 
 def capacity(devices, override_gib: float = 0.0) -> int | None:
@@ -127,7 +132,7 @@ def choose(plan: plan_lib.StepPlan, make, limit: int | None, measure, *, log=pri
       f"{policy} with {k} micro-batch(es) ({plan.pairs_per_device // k} pair(s) per "
       f"device), needs {_gib(seen)} against {_gib(budget)} per device ({MARGIN:.0%} of "
       f"{_gib(limit)}); a shorter --max_length, --fsdp, --model_parallel, --lora_rank or "
-      f"more devices would change it")
+      f"more devices would change it", need=int(seen))
 
 
 def _read(record):

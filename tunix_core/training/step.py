@@ -98,17 +98,10 @@ class StepFunctions:
     jit = functools.partial(jax.jit, compiler_options=dict(plan.compiler_options) or None)
     train = smap(self._train_step, in_specs=(state_specs, frozen_spec, self.pairs.spec),
                  out_specs=(state_specs, P()))
-
-    def train_step(state, frozen, batch):
-      new, metrics = train(dict(state, opt_state=jax.device_put(state["opt_state"], self.rows)),
-                           frozen, batch)
-      return dict(new, opt_state=jax.device_put(new["opt_state"], self.opt_sharding)), metrics
-
-    # Out shardings spelled out: a state in host memory must come back there.
-    self.state_sharding = {"params": self.param_sharding, "opt_state": self.opt_sharding,
-                           "step": self.replicated, "nonfinite": self.replicated}
-    self.train_step = jit(train_step, donate_argnums=(0,),
-                          out_shardings=(self.state_sharding, self.replicated))
+    placed = {}
+    if plan.offload_optimizer:
+      train, placed = self._offloaded(train, state_specs)
+    self.train_step = jit(train, donate_argnums=(0,), **placed)
     self.eval_step = jit(smap(self._eval_step, in_specs=(pspec, frozen_spec, self.pairs.spec),
                               out_specs=P()))
     self.ref_logps = jit(smap(self._ref_logps, in_specs=(ref_spec, self.pairs.spec),
@@ -121,6 +114,19 @@ class StepFunctions:
         out_shardings=self.opt_sharding)
     self._checksums = jit(smap(health_lib.checksum, in_specs=(pspec,),
                                out_specs=P(tuple(mesh.axis_names))))
+
+  def _offloaded(self, train, state_specs):
+    """`(train with the optimizer state brought from host memory for the update and put
+    back after it, the jit's out shardings)`: spelled out, since a state in host memory
+    must come back there. Only here: a `device_put` of a state already on the devices
+    is a copy of it."""
+    def train_step(state, frozen, batch):
+      new, metrics = train(dict(state, opt_state=jax.device_put(state["opt_state"], self.rows)),
+                           frozen, batch)
+      return dict(new, opt_state=jax.device_put(new["opt_state"], self.opt_sharding)), metrics
+
+    state_sharding = dict(self._shardings(state_specs), opt_state=self.opt_sharding)
+    return train_step, {"out_shardings": (state_sharding, self.replicated)}
 
   def _shardings(self, specs) -> dict:
     """A tree of PartitionSpecs as NamedShardings on this mesh."""
