@@ -37,6 +37,7 @@ from absl import logging as absl_logging
 from jax.experimental import multihost_utils
 
 from tunix_core.storage import paths
+from tunix_core.training import offload
 
 
 # TensorStore retries a failing GCS request up to 32 times, its delay growing to 32 s
@@ -86,16 +87,15 @@ def fingerprints(tree) -> dict:
   position): exact to the bit and independent of how the array is sharded.
   """
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-  on_host = lambda x: getattr(getattr(x, "sharding", None), "memory_kind", None) == "pinned_host"
   # One program for the arrays on the devices: several small programs with collectives
   # in flight at once can deadlock XLA's CPU runtime.
-  values = dict(zip([i for i, (_, x) in enumerate(flat) if not on_host(x)], jax.device_get(
-      jax.jit(lambda xs: [_fingerprint(x) for x in xs])(
-          [x for _, x in flat if not on_host(x)]))))
+  there = [i for i, (_, x) in enumerate(flat) if not offload.on_host(x)]
+  values = dict(zip(there, jax.device_get(jax.jit(lambda xs: [_fingerprint(x) for x in xs])(
+      [flat[i][1] for i in there]))))
   # Arrays in host memory (--offload_optimizer), one at a time on the devices, each
   # finished before the next: together they may not fit there.
   for i, (_, x) in enumerate(flat):
-    if on_host(x):
+    if offload.on_host(x):
       device = x.sharding.with_memory_kind("device")
       values[i] = jax.device_get(jax.jit(lambda y: _fingerprint(jax.device_put(y, device)))(x))
   return {jax.tree_util.keystr(path): f"{int(values[i][0]):08x}{int(values[i][1]):08x}"

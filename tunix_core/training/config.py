@@ -10,6 +10,7 @@ from tunix_kernels.dpo_loss import losses as dpo_losses
 from tunix_core import model as model_lib
 from tunix_core.model import lora as lora_lib
 from tunix_core.training import online_config
+from tunix_core.training import optimizer_flags
 from tunix_core.training import optim
 from tunix_core.training import tpu_flags
 from tunix_core.training import validation
@@ -22,11 +23,12 @@ _flag = online_config.flag
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig(online_config.OnlineConfig):
+class TrainConfig(online_config.OnlineConfig, optimizer_flags.OptimizerFlags):
   """Everything a run depends on; `trainer.py` defines one flag per field, with the
   field's default and help (`metadata["help"]`), so flags, defaults, help and the docs'
   flag table (`training.flags.flag_table`, under the heading of `metadata["group"]`)
-  cannot drift. Online DPO's flags come from its base, `online_config.OnlineConfig`."""
+  cannot drift. Online DPO's flags come from its base `online_config.OnlineConfig`, the
+  optimizer's from `optimizer_flags.OptimizerFlags`."""
 
   output_dir: str = _flag("", "Directory for metrics.jsonl, checkpoints, trainer.log and the "
                           "data cache; created if missing. Required.", group="run")
@@ -149,30 +151,6 @@ class TrainConfig(online_config.OnlineConfig):
   quantize_base: str = _flag("", "QLoRA: keep the frozen base's layer projections as int8, "
                              "int4 or nf4 (per 32 input rows); empty: unquantized "
                              "(docs/training.md#qlora).", group="lora")
-  optimizer: str = _flag("adamw", "adamw, rmsprop (the DPO paper's) or sgd.",
-                         group="optimizer")
-  learning_rate: float = _flag(1e-6, "Peak learning rate (TRL's default).", group="optimizer")
-  lr_schedule: str = _flag("linear", "After the warmup: linear (to 0 at --steps, TRL's "
-                           "default), cosine (a half cosine to 0 at --steps) or constant.",
-                           group="optimizer")
-  warmup_steps: int = _flag(0, "Linear warmup steps from 0.", group="optimizer")
-  warmup_ratio: float = _flag(0.0, "Warmup as a share of --steps, rounded up (with "
-                              "--warmup_steps 0).", group="optimizer")
-  weight_decay: float = _flag(0.0, "AdamW decoupled weight decay (norm scales excluded).",
-                              group="optimizer")
-  optimizer_dtype: str = _flag("auto", "Storage of the optimizer's moments (auto: "
-                               "--param_dtype; float8: 8 bits with a scale per 128); "
-                               "updates are computed in float32.",
-                               group="optimizer")
-  param_rounding: str = _flag("kahan", "bfloat16 params: kahan (param + an int16 error is a "
-                              "float32 master; the param its unbiased rounding), "
-                              "kahan_nearest or stochastic (no error term).", group="optimizer")
-  offload_optimizer: bool = _flag(False, "Keep the optimizer state in host memory (JAX's "
-                                  "pinned_host) between steps, moved to the devices for "
-                                  "each update: device memory for transfer time.",
-                                  group="optimizer")
-  max_grad_norm: float = _flag(1.0, "Clip gradients to this global norm; 0 disables "
-                               "clipping.", group="optimizer")
   beta: float = _flag(0.1, "DPO temperature (KL penalty strength).", group="loss")
   loss_type: str = _flag("sigmoid", "Preference loss, or a comma-separated list of them "
                          "summed with --loss_weights: TRL 1.16's DPO loss types (sigmoid = "

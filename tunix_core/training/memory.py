@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from tunix_core import model as model_lib
+from tunix_core.training import offload
 
 # Activations a remat policy keeps per layer and token, in units of the layer's widths
 # (D: d_model, Q: query heads x head dim, KV: key/value heads x head dim, F: MLP width):
@@ -50,8 +51,7 @@ def shard_bytes(tree, memory_kind: str = "device") -> int:
   `memory_kind`: the device's memory, or "pinned_host" (`--offload_optimizer`)."""
   total = 0
   for x in jax.tree.leaves(tree):
-    kind = getattr(x.sharding, "memory_kind", None) or "device"
-    if (kind == "pinned_host") != (memory_kind == "pinned_host"):
+    if offload.on_host(x) != (memory_kind == "pinned_host"):
       continue
     shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
     total += math.prod(shape) * np.dtype(x.dtype).itemsize

@@ -39,6 +39,7 @@ from tunix_core.parallel import zero
 from tunix_core.training import accumulate
 from tunix_core.training import health as health_lib
 from tunix_core.training import objective
+from tunix_core.training import offload
 from tunix_core.training import optim
 from tunix_core.training.plan import StepPlan
 
@@ -80,8 +81,7 @@ class StepFunctions:
     self.rows = NamedSharding(mesh, self.layout.row_spec)
     # Where the optimizer state lives between steps: on the devices, or in host memory
     # (--offload_optimizer), brought to them for the update only.
-    self.opt_sharding = (self.rows.with_memory_kind("pinned_host") if plan.offload_optimizer
-                         else self.rows)
+    self.opt_sharding = offload.host(self.rows) if plan.offload_optimizer else self.rows
     pspec = self.layout.param_specs
     self.param_sharding = self._shardings(pspec)
     self.base_sharding = self._shardings(self.base_layout.param_specs)
@@ -100,7 +100,9 @@ class StepFunctions:
                  out_specs=(state_specs, P()))
     placed = {}
     if plan.offload_optimizer:
-      train, placed = self._offloaded(train, state_specs)
+      train, placed = offload.offloaded(
+          train, self.rows, dict(self._shardings(state_specs), opt_state=self.opt_sharding),
+          self.replicated)
     self.train_step = jit(train, donate_argnums=(0,), **placed)
     self.eval_step = jit(smap(self._eval_step, in_specs=(pspec, frozen_spec, self.pairs.spec),
                               out_specs=P()))
@@ -114,19 +116,6 @@ class StepFunctions:
         out_shardings=self.opt_sharding)
     self._checksums = jit(smap(health_lib.checksum, in_specs=(pspec,),
                                out_specs=P(tuple(mesh.axis_names))))
-
-  def _offloaded(self, train, state_specs):
-    """`(train with the optimizer state brought from host memory for the update and put
-    back after it, the jit's out shardings)`: spelled out, since a state in host memory
-    must come back there. Only here: a `device_put` of a state already on the devices
-    is a copy of it."""
-    def train_step(state, frozen, batch):
-      new, metrics = train(dict(state, opt_state=jax.device_put(state["opt_state"], self.rows)),
-                           frozen, batch)
-      return dict(new, opt_state=jax.device_put(new["opt_state"], self.opt_sharding)), metrics
-
-    state_sharding = dict(self._shardings(state_specs), opt_state=self.opt_sharding)
-    return train_step, {"out_shardings": (state_sharding, self.replicated)}
 
   def _shardings(self, specs) -> dict:
     """A tree of PartitionSpecs as NamedShardings on this mesh."""
