@@ -6,7 +6,8 @@ row's absmax maps to e4m3's largest value, 448, so each row keeps float8's 2**17
 under its own largest entry and 3 mantissa bits. Rows, not blocks cut across them: a
 pad or relayout of a whole moment is a copy of it in the update, which cost more
 memory than the 8 bits saved (Llama-3-8B's FSDP step on a v5e-8 ahead of time: 15.8
-GiB with blocks of 128 over the flattened moment, 13.8 GiB with bfloat16 moments).
+GiB with blocks of 128 over the flattened moment, 13.2 GiB with rows, 13.7 GiB with
+bfloat16 moments; docs/results/bigger_models.md).
 
 A second moment (optax's `nu`, never negative) is stored as its square root: the root
 halves its range in octaves, and the update divides by that root anyway. A positive
