@@ -61,6 +61,12 @@ def test_float8_moments_round_between_neighbours_and_unbiased():
   piece = _encode(np.arange(1, 385, dtype=np.float64), 3)
   assert piece.scales.shape == (3,)
   np.testing.assert_allclose(piece.scales, np.array([128, 256, 384]) / 448.0, rtol=1e-6)
+  # A row whose largest entry is so small that absmax / 448 would be subnormal (flushed
+  # to zero on TPU, where 0/0 codes gave NaN losses) keeps scale 1 and decodes to zeros.
+  tiny = np.array([[1e-37, 0.0, -3e-38] + [0.0] * 5])
+  m = _encode(tiny, 4)
+  assert float(m.scales[0]) == 1.0
+  np.testing.assert_array_equal(np.asarray(moments8.decode(m)), np.zeros_like(tiny))
   v[0, 0] = 0.0
   assert float(moments8.decode(_encode(v, 1, root=True), root=True)[0, 0]) == 0.0
 

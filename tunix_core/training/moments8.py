@@ -35,6 +35,7 @@ E4M3_MAX = 448.0     # the largest finite float8_e4m3fn
 _MANTISSA = 3        # e4m3's stored mantissa bits
 _MIN_EXPONENT = -6   # e4m3's smallest normal exponent; below it the step is 2**-9
 _LEAST = 2.0 ** -9   # e4m3's least positive value
+_SMALLEST_SCALED = E4M3_MAX * 2.0 ** -126  # a row scale stays a normal float32
 
 
 class Float8Moment(NamedTuple):
@@ -78,7 +79,9 @@ def encode(x, noise, root: bool = False) -> Float8Moment:
     x = jnp.sqrt(jnp.maximum(x, 0.0))
   rows = _rows(x)
   absmax = jnp.max(jnp.abs(rows), axis=-1, keepdims=True)
-  scales = jnp.where(absmax > 0, absmax / E4M3_MAX, 1.0)
+  # A scale below float32's least normal would be flushed to zero on TPU (0/0 codes are
+  # NaN): such a row keeps scale 1, its entries below e4m3's least step.
+  scales = jnp.where(absmax > _SMALLEST_SCALED, absmax / E4M3_MAX, 1.0)
   y = (rows / scales).reshape(x.shape)
   if root:  # a positive root kept at least e4m3's least step, never 0: Adam divides by it
     y = jnp.where(y > 0, jnp.maximum(y, _LEAST), y)
