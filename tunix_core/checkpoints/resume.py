@@ -95,7 +95,7 @@ def predates_compensation(steps, meta: dict) -> bool:
 
 def _recut(opt_state, old, steps):
   """`opt_state` laid out by `old`, re-cut in the layout of `steps`: its moments widened
-  to float32 (8-bit ones are quantized per block of a device's piece), re-cut, and
+  to float32 (8-bit ones are scaled per row of a device's piece), re-cut, and
   stored again as this run stores them (bfloat16 and float32 exactly)."""
   wide = jax.vmap(optim.widen_moments)(opt_state)
   cut = zero.relayout_opt_state(wide, old, steps.layout.cut)

@@ -33,7 +33,7 @@ SCHEDULES = ("linear", "cosine", "constant")
 # `--param_rounding` of bfloat16 params (`compensated`).
 ROUNDINGS = ("kahan", "kahan_nearest", "stochastic")
 # `--optimizer_dtype`: the moments' storage (auto: the params' dtype); float8 is
-# `moments8`'s blockwise-scaled 8 bits.
+# `moments8`'s 8 bits with a scale per row.
 MOMENT_DTYPES = ("auto", "float32", "bfloat16", "float8")
 
 
@@ -146,8 +146,8 @@ def compensated(inner: optax.GradientTransformation, state_dtype,
                 rounding: str | None) -> optax.GradientTransformation:
   """`inner` run in float32 whatever the params' and its state's dtypes.
 
-  Its state is kept in `state_dtype` (a dtype, or "float8": `moments8`'s blockwise 8
-  bits), rounded stochastically (`stochastic_round`, `store_moments`): an
+  Its state is kept in `state_dtype` (a dtype, or "float8": `moments8`'s 8 bits with
+  a scale per row), rounded stochastically (`stochastic_round`, `store_moments`): an
   EMA step such as Adam's `(1 - b2) * (g**2 - nu)`, 1e-3 of `nu`, is below half a
   bfloat16 ulp, and rounding to nearest would drop every decrease (nu would only
   ratchet up). `rounding` (bfloat16 params) takes each param's float32 master weight,
